@@ -1,0 +1,17 @@
+"""pagedllm: a readable Python LLM inference engine built on PagedAttention."""
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # Lazy so that `import pagedllm.kv` stays free of torch.
+    if name == "LLM":
+        from pagedllm.entrypoints.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from pagedllm.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

@@ -1,0 +1,119 @@
+"""Torch reference for paged attention: gather through the block table, softmax in float32.
+
+Simple enough to trust; every other backend is tested against it.
+
+Shapes (one layer):
+  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+  block_tables:     [num_seqs, max_blocks] int32, padded with any valid id
+  context_lens:     [num_seqs] int32, tokens in the cache for each sequence, including this step's
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new tokens' K/V ([T, Hkv, D]) into cache slots; slot -1 means skip."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = k_cache.shape[1]
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    assert flat_k.shape[0] == k_cache.shape[0] * block_size
+    flat_k.index_copy_(0, slots, key[keep].to(k_cache.dtype))
+    flat_v.index_copy_(0, slots, value[keep].to(v_cache.dtype))
+
+
+def gather_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, context_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's K and V, [context_len, Hkv, D], read through its block table."""
+    block_size = k_cache.shape[1]
+    num_blocks = (context_len + block_size - 1) // block_size
+    ids = block_table[:num_blocks].long()
+    k = k_cache[ids].reshape(-1, *k_cache.shape[2:])[:context_len]
+    v = v_cache[ids].reshape(-1, *v_cache.shape[2:])[:context_len]
+    return k, v
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """q [Q, H, D] at absolute positions q_positions against k/v [C, Hkv, D] at positions 0..C-1."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    group = num_heads // num_kv_heads
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    k_positions = torch.arange(k.shape[0], device=q.device)
+    allowed = k_positions[None, :] <= q_positions[:, None]
+    if sliding_window is not None:
+        allowed &= k_positions[None, :] > q_positions[:, None] - sliding_window
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """One query token per sequence (q [S, H, D]), the last token of its context."""
+    out = torch.empty_like(q)
+    for s, context_len in enumerate(context_lens.tolist()):
+        k, v = gather_kv(k_cache, v_cache, block_tables[s], context_len)
+        pos = torch.tensor([context_len - 1], device=q.device)
+        out[s] = _attend(q[s : s + 1], k, v, pos, scale, sliding_window)[0]
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Several query tokens per sequence (q [T, H, D], sequence s owns rows
+    query_start_loc[s]:query_start_loc[s+1]), the last ones of its context: causal within the chunk,
+    attending to all earlier tokens (e.g. a cached prefix) through the block table."""
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for s, context_len in enumerate(context_lens.tolist()):
+        lo, hi = starts[s], starts[s + 1]
+        if hi == lo:
+            continue
+        k, v = gather_kv(k_cache, v_cache, block_tables[s], context_len)
+        pos = torch.arange(context_len - (hi - lo), context_len, device=q.device)
+        out[lo:hi] = _attend(q[lo:hi], k, v, pos, scale, sliding_window)
+    return out
+
+
+def copy_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """Copy-on-write: copy block src to block dst for each (src, dst)."""
+    if not pairs:
+        return
+    src = torch.tensor([p[0] for p in pairs], device=k_cache.device)
+    dst = torch.tensor([p[1] for p in pairs], device=k_cache.device)
+    k_cache[dst] = k_cache[src]
+    v_cache[dst] = v_cache[src]
