@@ -1,0 +1,56 @@
+"""The per-forward attention inputs, and the attention layer every model family shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm import ops
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of a flattened batch reads and writes its K/V (built by the model runner).
+
+    Tokens of sequence s occupy rows query_start_loc[s]:query_start_loc[s+1] of the batch; they are the
+    last tokens of its context of context_lens[s] tokens (cached prefix + this step's tokens).
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot of each new token (-1: skip)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor  # [num_seqs] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    max_query_len: int  # 1 means every sequence decodes one token: the decode kernel is used
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+
+
+class PagedAttention(torch.nn.Module):
+    """Stores this step's K/V into the paged cache, then attends through the block tables."""
+
+    def __init__(self, layer_idx: int, scale: float, sliding_window: int | None = None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.scale = scale
+        self.sliding_window = sliding_window
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
+        k_cache, v_cache = meta.kv_caches[self.layer_idx]
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.max_query_len == 1:
+            return ops.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale, self.sliding_window
+            )
+        return ops.paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.context_lens,
+            self.scale,
+            self.sliding_window,
+        )
