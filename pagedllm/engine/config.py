@@ -1,0 +1,71 @@
+"""EngineConfig: every knob of the engine in one place (vLLM's names where vLLM has the concept)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES.update({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16})
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(value: int | str) -> int:
+    """'512MiB', '1.5GB', '4096' or an int -> bytes."""
+    if isinstance(value, int):
+        size = value
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        unit = match.group(2).lower() if match else None
+        if unit not in _UNITS:
+            raise ValueError(f"kv_cache_memory must be a size like '512MiB' or '2GB', got {value!r}")
+        size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"kv_cache_memory must be positive, got {value!r}")
+    return size
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory: int | str = "1GiB"  # KV cache size; ignored when num_kv_blocks is given
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = None  # default: the model's context length
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    kv_layout: Literal["paged", "contiguous"] = "paged"
+    contiguous_reserve: Literal["max", "pow2", "oracle"] = "max"
+    enable_prefix_caching: bool = False
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kv_layout not in ("paged", "contiguous"):
+            raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
+        if self.contiguous_reserve not in ("max", "pow2", "oracle"):
+            raise ValueError(
+                f"contiguous_reserve must be 'max', 'pow2' or 'oracle', got {self.contiguous_reserve!r}"
+            )
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
+        parse_bytes(self.kv_cache_memory)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        return DTYPES[self.dtype]

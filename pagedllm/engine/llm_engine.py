@@ -1,0 +1,240 @@
+"""LLMEngine: requests in, one scheduled forward pass per step, RequestOutputs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.engine import detokenizer
+from pagedllm.engine.config import EngineConfig, parse_bytes
+from pagedllm.engine.model_runner import ModelRunner
+from pagedllm.engine.sampler import SampleRow, sample
+from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.sequence import Sequence
+from pagedllm.kv import ContiguousAllocator, PagedAllocator
+from pagedllm.models import load_model
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    """A prompt and the n sequences generated from it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(seq.is_finished for seq in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        loaded = load_model(config.model, dtype=config.torch_dtype, device=config.device)
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = set(loaded.eos_token_ids)
+        model_cfg = self.model.config
+        self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
+        num_blocks = config.num_kv_blocks or self._blocks_that_fit(parse_bytes(config.kv_cache_memory))
+        if config.kv_layout == "paged":
+            self.allocator = PagedAllocator(
+                num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+            )
+            cache_blocks, cache_block_size = num_blocks, config.block_size
+        else:
+            num_slots = num_blocks * config.block_size
+            self.allocator = ContiguousAllocator(
+                num_slots, self.max_model_len, reserve=config.contiguous_reserve
+            )
+            cache_blocks, cache_block_size = num_slots, 1
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %s layout)",
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size,
+            config.kv_layout,
+        )
+        self.runner = ModelRunner(
+            self.model,
+            cache_blocks,
+            cache_block_size,
+            config.torch_dtype,
+            config.device,
+            num_host_blocks=cache_blocks if config.preemption_mode == "swap" else 0,
+        )
+        self.scheduler = Scheduler(
+            self.allocator,
+            self.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            preemption_mode=config.preemption_mode,
+        )
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+
+    def _blocks_that_fit(self, num_bytes: int) -> int:
+        cfg = self.model.config
+        bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+        bytes_per_token *= torch.tensor([], dtype=self.config.torch_dtype).element_size()
+        num_blocks = num_bytes // (bytes_per_token * self.config.block_size)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={self.config.kv_cache_memory!r} holds no KV block")
+        return num_blocks
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            text, token_ids = None, list(prompt)
+        vocab = self.model.config.vocab_size
+        if not token_ids:
+            raise ValueError(f"prompt of request {request_id!r} is empty")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} leaves no room "
+                "to generate"
+            )
+        request = Request(request_id, text, token_ids, params)
+        if params.seed is not None:
+            request.generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
+        self.requests[request_id] = request
+        seq = self._new_sequence(request, 0)
+        seq.arrival_step = self.num_steps
+        self.scheduler.add(seq)
+
+    def _new_sequence(self, request: Request, index: int) -> Sequence:
+        seq = Sequence(
+            f"{request.request_id}#{index}",
+            request.request_id,
+            index,
+            request.prompt_token_ids,
+            request.params,
+        )
+        detokenizer.start(seq)
+        request.seqs.append(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now; its KV blocks return to the pool."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample, and report every request that changed."""
+        self.num_steps += 1
+        out = self.scheduler.schedule()
+        touched: dict[str, Request] = {}
+        for seq in out.ignored:
+            seq.finish_reason = "length"
+            self.scheduler.finish(seq)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        if out.scheduled:
+            block_tables = [self.allocator.block_table(seq.seq_id) for seq in out.scheduled]
+            logits = self.runner.execute(out, block_tables)
+            seqs, rows = self._fork_parallel_samples(list(out.scheduled))
+            samples = sample(logits[rows], [self._sample_row(seq) for seq in seqs])
+            for seq, smp in zip(seqs, samples, strict=True):
+                self._append_token(seq, smp)
+                touched[seq.request_id] = self.requests[seq.request_id]
+        return [self._request_output(r) for r in touched.values()]
+
+    def _fork_parallel_samples(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """After a request's first prefill, fork its other n-1 sequences sharing the prompt's blocks."""
+        rows = list(range(len(seqs)))
+        for row, seq in enumerate(list(seqs)):
+            request = self.requests[seq.request_id]
+            if len(request.seqs) < request.params.n and seq.index == 0:
+                seq.num_cached_tokens = seq.num_tokens
+                for index in range(1, request.params.n):
+                    child = self._new_sequence(request, index)
+                    self.allocator.fork(seq.seq_id, child.seq_id)
+                    child.num_cached_tokens = child.num_tokens
+                    child.num_prefix_hits = seq.num_prefix_hits
+                    self.scheduler.add_running(child)
+                    seqs.append(child)
+                    rows.append(row)
+        return seqs, rows
+
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        params = seq.params
+        banned: tuple[int, ...] = ()
+        if len(seq.output_token_ids) < params.min_tokens:
+            banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_token_ids))
+        return SampleRow(params, self.requests[seq.request_id].generator, banned)
+
+    def _append_token(self, seq: Sequence, smp) -> None:
+        seq.num_cached_tokens = seq.num_tokens
+        seq.output_token_ids.append(smp.token_id)
+        seq.cumulative_logprob += smp.logprob
+        if smp.top_logprobs is not None:
+            seq.output_logprobs.append(smp.top_logprobs)
+        new_text = detokenizer.decode_new_text(self.tokenizer, seq)
+        params, token = seq.params, smp.token_id
+        if not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif (stop := detokenizer.find_stop_string(seq, new_text)) is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop
+        elif seq.max_new_tokens(self.max_model_len) == 0:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+
+    def _request_output(self, request: Request) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=seq.index,
+                text=seq.text,
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if request.params.logprobs is not None else None,
+                logprobs=list(seq.output_logprobs) if request.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in request.seqs
+        ]
+        finished = request.finished
+        if finished:
+            del self.requests[request.request_id]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=request.seqs[0].num_prefix_hits,
+        )

@@ -1,0 +1,72 @@
+"""Turn each sequence's next-token logits into a token: greedy, or temperature / top-k / top-p / min-p."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs to know about one sequence."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None  # seeded requests sample reproducibly
+    banned_token_ids: tuple[int, ...] = ()  # e.g. EOS before min_tokens is reached
+
+
+@dataclass
+class Sample:
+    token_id: int
+    logprob: float  # of the chosen token under the model's distribution
+    top_logprobs: dict[int, float] | None = None
+
+
+def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks, applied to every row at once."""
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device)
+    logits = logits / temps[:, None]
+    top_k = torch.tensor([r.params.top_k or logits.shape[1] for r in rows], device=logits.device)
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype, device=logits.device)
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype, device=logits.device)
+    if (top_k < logits.shape[1]).any() or (top_p < 1).any():
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(logits.shape[1], device=logits.device)
+        drop = rank[None, :] >= top_k[:, None]
+        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # Keep the smallest head of the distribution whose mass reaches top_p (always the first token).
+        drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    if (min_p > 0).any():
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
+    """logits [num_seqs, vocab] (float32) -> one Sample per row."""
+    logits = logits.float()
+    for i, row in enumerate(rows):
+        if row.banned_token_ids:
+            logits[i, list(row.banned_token_ids)] = float("-inf")
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        probs = _filtered_probs(logits[random_rows], [rows[i] for i in random_rows])
+        for j, i in enumerate(random_rows):
+            chosen[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
+    chosen_list = chosen.tolist()
+    chosen_logprobs = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+    samples = []
+    for i, row in enumerate(rows):
+        top = None
+        if row.params.logprobs is not None:
+            values, ids = logprobs[i].topk(row.params.logprobs)
+            top = dict(zip(ids.tolist(), values.tolist(), strict=True))
+            top[chosen_list[i]] = chosen_logprobs[i]
+        samples.append(Sample(chosen_list[i], chosen_logprobs[i], top))
+    return samples

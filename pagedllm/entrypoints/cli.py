@@ -1,0 +1,77 @@
+"""The `pagedllm` command: generate text, or run a benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+BENCHMARKS = {
+    "memory": "pagedllm.bench.memory",  # paged vs contiguous KV waste, no model needed
+    "kernel": "pagedllm.bench.kernel",  # paged vs contiguous attention kernels
+}
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+    )
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    if args.chat:
+        outputs = llm.chat([{"role": "user", "content": p} for p in args.prompt], params)
+    else:
+        outputs = llm.generate(args.prompt, params)
+    for output in outputs:
+        if len(outputs) > 1:
+            print(f"--- {output.prompt if output.prompt is not None else '(chat)'}")
+        print(output.outputs[0].text if args.chat else output.prompt + output.outputs[0].text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one or more prompts and print the text")
+    gen.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
+    gen.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf file")
+    gen.add_argument("--chat", action="store_true", help="send each prompt as a user chat message")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--kv-cache-memory", default="256MiB")
+    gen.add_argument("--max-model-len", type=int, default=None)
+    gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="run a benchmark (options after the name go to it)")
+    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHMARKS:
+        return importlib.import_module(BENCHMARKS[argv[1]]).main(argv[2:])
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as error:
+        parser.exit(2, f"pagedllm: error: {error}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

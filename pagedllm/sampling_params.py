@@ -1,0 +1,55 @@
+"""SamplingParams: how to pick each next token and when to stop (vLLM's names and defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings. temperature 0 means greedy."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    stop_strings: list[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        checks = [
+            (isinstance(self.n, int) and self.n >= 1, "n", self.n, "must be an integer >= 1"),
+            (self.temperature >= 0, "temperature", self.temperature, "must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]"),
+            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, "must be -1, 0 or >= 1"),
+            (0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]"),
+            (
+                self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+                "max_tokens",
+                self.max_tokens,
+                "must be an integer >= 1",
+            ),
+            (self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0"),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, "must be >= 0"),
+            (all(s for s in self.stop_strings), "stop", self.stop, "must not contain empty strings"),
+        ]
+        for ok, name, value, rule in checks:
+            if not ok:
+                raise ValueError(f"{name} {rule}, got {value!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
