@@ -1,0 +1,131 @@
+"""Scheduler behaviour on the real model: preemption, prefix caching, parallel sampling, stopping, errors."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import assert_all_blocks_free
+
+from pagedllm import LLM, SamplingParams
+
+PROMPTS = [
+    f"Write a short story about a {thing}."
+    for thing in ("cat", "dog", "robot", "dragon", "teacher", "river", "cloud", "mountain")
+]
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(smollm2_llm):
+    """The same batch with a cache big enough that nothing is ever preempted."""
+    outputs = smollm2_llm.generate(PROMPTS, GREEDY)
+    assert smollm2_llm.engine.scheduler.num_preemptions == 0
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_gives_the_same_tokens_as_no_preemption(mode, reference_tokens):
+    # 8 sequences of ~50 tokens need ~32 blocks of 16; 12 blocks force preemption.
+    llm = LLM("smollm2-135m", num_kv_blocks=12, max_model_len=512, preemption_mode=mode)
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outputs] == reference_tokens
+    assert_all_blocks_free(llm)
+
+
+def test_prefix_caching_reuses_blocks_and_keeps_outputs(reference_tokens):
+    llm = LLM("smollm2-135m", kv_cache_memory="64MiB", max_model_len=512, enable_prefix_caching=True)
+    first = llm.generate(PROMPTS[:1], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    second = llm.generate(PROMPTS, GREEDY)
+    assert second[0].num_cached_tokens > 0  # the first prompt's full blocks were served from the cache
+    assert [o.outputs[0].token_ids for o in second] == reference_tokens
+    assert_all_blocks_free(llm)
+
+
+def test_parallel_sampling_forks_and_is_reproducible(smollm2_llm):
+    params = SamplingParams(n=4, max_tokens=24, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    first = smollm2_llm.generate(PROMPTS[0], params)[0]
+    again = smollm2_llm.generate(PROMPTS[0], params)[0]
+    assert [c.index for c in first.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 24 for c in first.outputs)
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1  # the samples differ from each other
+    assert_all_blocks_free(smollm2_llm)
+
+
+def test_forked_sequences_share_prompt_blocks_copy_on_write(smollm2_llm):
+    engine = smollm2_llm.engine
+    engine.add_request("fork", PROMPTS[1], SamplingParams(n=3, max_tokens=5, temperature=0.8, seed=1))
+    engine.step()  # prefill, then fork
+    usage = engine.allocator.usage()
+    assert usage.shared_saved_slots >= 2 * len(engine.requests["fork"].prompt_token_ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_blocks_free(smollm2_llm)
+
+
+def test_stop_conditions(smollm2_llm):
+    tok = smollm2_llm.get_tokenizer()
+    greedy = smollm2_llm.generate("The capital of France is", SamplingParams(max_tokens=20, temperature=0))
+    text = greedy[0].outputs[0].text
+    word = text.split()[1]  # a word the model will produce
+    by_string = smollm2_llm.generate(
+        "The capital of France is", SamplingParams(max_tokens=20, temperature=0, stop=[word])
+    )[0].outputs[0]
+    assert by_string.finish_reason == "stop" and by_string.stop_reason == word
+    assert by_string.text == text[: text.index(word)]
+    first_token = greedy[0].outputs[0].token_ids[2]
+    by_token = smollm2_llm.generate(
+        "The capital of France is", SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[first_token])
+    )[0].outputs[0]
+    assert by_token.finish_reason == "stop" and by_token.stop_reason == first_token
+    greedy_ids = greedy[0].outputs[0].token_ids
+    assert by_token.token_ids == greedy_ids[: greedy_ids.index(first_token) + 1]
+    # The chat model ends its answer with EOS, which stays in token_ids but not in the text.
+    chat = smollm2_llm.chat(
+        [{"role": "user", "content": "Say hi."}], SamplingParams(max_tokens=200, temperature=0)
+    )
+    assert chat[0].outputs[0].finish_reason == "stop"
+    assert chat[0].outputs[0].token_ids[-1] in smollm2_llm.engine.eos_token_ids
+    assert tok.decode(chat[0].outputs[0].token_ids[-1:]) not in chat[0].outputs[0].text
+    assert_all_blocks_free(smollm2_llm)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ("", SamplingParams(), "empty"),
+        ([1, 2, 10**9], SamplingParams(), "1000000000"),
+        ([1] * 5000, SamplingParams(), "5000 tokens"),
+    ],
+)
+def test_bad_prompts_are_rejected_without_leaking(smollm2_llm, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        smollm2_llm.generate(["fine prompt", prompt], params)
+    assert_all_blocks_free(smollm2_llm)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"top_k": -5}, "top_k"),
+    ],
+)
+def test_bad_sampling_params_name_the_value(kwargs, name):
+    with pytest.raises(ValueError, match=f"{name} .*{list(kwargs.values())[0]}"):
+        SamplingParams(**kwargs)
+
+
+def test_abort_frees_blocks(smollm2_llm):
+    engine = smollm2_llm.engine
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=50))
+    engine.add_request("b", PROMPTS[1], SamplingParams(max_tokens=50))
+    engine.step()
+    engine.step()
+    engine.abort_request("a")
+    engine.abort_request("b")
+    assert_all_blocks_free(smollm2_llm)
