@@ -1,0 +1,214 @@
+"""ContiguousAllocator: one contiguous slab per sequence, the layout PagedAttention replaced (Orca).
+
+A slab is reserved in a linear address space of `num_slots` token slots when the sequence is admitted,
+sized by a reservation policy, and placed first fit:
+- `max`: max_model_len slots, room for the longest sequence the model allows (Orca (Max));
+- `pow2`: the next power of two of prompt + max_new_tokens, at most max_model_len (Orca (Pow2));
+- `oracle`: exactly prompt + the true output length, known only to simulations (Orca (Oracle)).
+Freed slabs merge with neighbouring free space; a request fails when no single gap is large enough,
+even if the gaps together are (external fragmentation). To share the attention kernels with the paged
+layout, the cache is viewed as blocks of one slot: block_size is 1 and a sequence's block table is
+the list of its tokens' slots (start, start + 1, ...).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from pagedllm.kv.interface import KVUsage, NoFreeBlocks, check_positive, check_request, duplicate, unknown
+
+RESERVE_POLICIES = ("max", "pow2", "oracle")
+
+
+@dataclass
+class Slab:
+    start: int
+    size: int
+    num_tokens: int
+
+
+class ContiguousAllocator:
+    """First-fit slabs over `num_slots` slots; `gaps` is the sorted list of free (start, size) runs."""
+
+    block_size = 1
+
+    def __init__(self, num_slots: int, max_model_len: int, reserve: str = "max"):
+        check_positive("num_slots", num_slots)
+        check_positive("max_model_len", max_model_len)
+        if reserve not in RESERVE_POLICIES:
+            raise ValueError(f"reserve must be one of {RESERVE_POLICIES}, got {reserve!r}")
+        self.num_slots = num_slots
+        self.max_model_len = max_model_len
+        self.reserve = reserve
+        self.gaps: list[tuple[int, int]] = [(0, num_slots)]
+        self.slabs: dict[Hashable, Slab] = {}
+        self._reserved = 0  # slots inside slabs
+        self._live = 0  # tokens in slabs
+        self._refused = 0  # slab size of the last request that did not fit (0: none since)
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.num_slots
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free slots (a request may still not fit: it needs them in one gap)."""
+        return self.num_slots - self._reserved
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self.slabs
+
+    def all_free(self) -> bool:
+        return not self.slabs and self.gaps == [(0, self.num_slots)]
+
+    def slab_size(self, prompt_len: int, max_new_tokens: int, true_output_len: int | None = None) -> int:
+        """Slots the reservation policy reserves for a request."""
+        if prompt_len + max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} exceeds "
+                f"max_model_len {self.max_model_len}"
+            )
+        if self.reserve == "max":
+            return self.max_model_len
+        if self.reserve == "pow2":
+            return min(1 << (prompt_len + max_new_tokens - 1).bit_length(), self.max_model_len)
+        if true_output_len is None or not 0 <= true_output_len <= max_new_tokens:
+            raise ValueError(
+                f"reserve='oracle' needs true_output_len in [0, max_new_tokens={max_new_tokens}], "
+                f"got {true_output_len!r}"
+            )
+        return prompt_len + true_output_len
+
+    # -- allocate / append / fork / free ---------------------------------------------------------------
+
+    def can_allocate(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        true_output_len: int | None = None,
+        extra_key: str | None = None,
+    ) -> bool:
+        """Whether some single gap holds the request's slab (a refusal is remembered for usage())."""
+        check_request(prompt_token_ids, max_new_tokens)
+        size = self.slab_size(len(prompt_token_ids), max_new_tokens, true_output_len)
+        if self._first_fit(size) is None:
+            self._refused = size
+            return False
+        return True
+
+    def allocate(
+        self,
+        seq_id: Hashable,
+        prompt_token_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        true_output_len: int | None = None,
+        extra_key: str | None = None,
+    ) -> int:
+        """Reserve the request's slab first fit and place the prompt at its start; returns 0 (no cache)."""
+        if seq_id in self.slabs:
+            raise duplicate(seq_id)
+        check_request(prompt_token_ids, max_new_tokens)
+        size = self.slab_size(len(prompt_token_ids), max_new_tokens, true_output_len)
+        self.slabs[seq_id] = Slab(self._reserve(seq_id, size), size, len(prompt_token_ids))
+        self._live += len(prompt_token_ids)
+        self._refused = 0
+        return 0
+
+    def can_append(self, seq_id: Hashable) -> bool:
+        slab = self._slab(seq_id)
+        return slab.num_tokens < slab.size
+
+    def append(self, seq_id: Hashable, token_id: int) -> list[tuple[int, int]]:
+        """The next slot of the slab; raises NoFreeBlocks when the slab is full. Never copies."""
+        slab = self._slab(seq_id)
+        if slab.num_tokens == slab.size:
+            raise NoFreeBlocks(
+                f"sequence {seq_id!r} filled its slab of {slab.size} slots (reserve={self.reserve!r})"
+            )
+        slab.num_tokens += 1
+        self._live += 1
+        return []
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> list[tuple[int, int]]:
+        """The child gets its own slab of the parent's size; returns the (src, dst) slot copies to do."""
+        parent = self._slab(parent_id)
+        if child_id in self.slabs:
+            raise duplicate(child_id)
+        start = self._reserve(child_id, parent.size)
+        self.slabs[child_id] = Slab(start, parent.size, parent.num_tokens)
+        self._live += parent.num_tokens
+        return [(parent.start + t, start + t) for t in range(parent.num_tokens)]
+
+    def free(self, seq_id: Hashable) -> None:
+        """Give the slab back, merged with the free space on either side."""
+        slab = self.slabs.pop(seq_id, None)
+        if slab is None:
+            raise unknown(seq_id)
+        self._reserved -= slab.size
+        self._live -= slab.num_tokens
+        start, end = slab.start, slab.start + slab.size
+        i = bisect.bisect(self.gaps, (start,))
+        if i < len(self.gaps) and self.gaps[i][0] == end:
+            end += self.gaps.pop(i)[1]
+        if i > 0 and sum(self.gaps[i - 1]) == start:
+            i -= 1
+            start = self.gaps.pop(i)[0]
+        self.gaps.insert(i, (start, end - start))
+
+    def _first_fit(self, size: int) -> int | None:
+        return next((i for i, (_, gap) in enumerate(self.gaps) if gap >= size), None)
+
+    def _reserve(self, seq_id: Hashable, size: int) -> int:
+        i = self._first_fit(size)
+        if i is None:
+            self._refused = size
+            raise NoFreeBlocks(
+                f"sequence {seq_id!r} needs a slab of {size} slots; the largest free gap has "
+                f"{self._largest_gap()} ({self.num_free_blocks} free in all)"
+            )
+        start, gap = self.gaps[i]
+        if gap == size:
+            del self.gaps[i]
+        else:
+            self.gaps[i] = (start + size, gap - size)
+        self._reserved += size
+        return start
+
+    def _largest_gap(self) -> int:
+        return max((gap for _, gap in self.gaps), default=0)
+
+    # -- views -----------------------------------------------------------------------------------------
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return self._slab(seq_id).num_tokens
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """The slot of every token: each slot is a block of one token."""
+        return self.slot_mapping(seq_id)
+
+    def slot_mapping(self, seq_id: Hashable, start: int = 0) -> list[int]:
+        slab = self._slab(seq_id)
+        return list(range(slab.start + start, slab.start + slab.num_tokens))
+
+    def usage(self) -> KVUsage:
+        free = self.num_slots - self._reserved
+        return KVUsage(
+            total_slots=self.num_slots,
+            live_slots=self._live,
+            reserved_slots=self._reserved - self._live,
+            tail_slots=0,
+            free_slots=free,
+            largest_free_run=self._largest_gap(),
+            external_frag_slots=sum(gap for _, gap in self.gaps if gap < self._refused),
+            shared_saved_slots=0,
+        )
+
+    def _slab(self, seq_id: Hashable) -> Slab:
+        slab = self.slabs.get(seq_id)
+        if slab is None:
+            raise unknown(seq_id)
+        return slab

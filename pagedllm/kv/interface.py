@@ -1,0 +1,110 @@
+"""What both KV layouts share: the usage snapshot, the out-of-memory error and the allocator protocol."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class NoFreeBlocks(RuntimeError):
+    """Not enough free KV memory for the operation; the allocator was left unchanged."""
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """Where every KV slot of the device cache is: live + reserved + tail + free == total."""
+
+    total_slots: int
+    live_slots: int  # hold a token of a resident sequence (a shared slot counts once)
+    reserved_slots: int  # contiguous: inside a slab, beyond its sequence's current length
+    tail_slots: int  # paged: unused slots of blocks in use (the last block of each sequence)
+    free_slots: int  # in no sequence (paged: includes cached blocks no sequence holds)
+    largest_free_run: int  # most slots one new sequence can get (paged: every free slot)
+    external_frag_slots: int  # free slots in gaps too small for the last refused request
+    shared_saved_slots: int  # tokens of resident sequences minus live slots (fork / prefix sharing)
+
+    def fraction(self, slots: int) -> float:
+        """`slots` as a fraction of the cache, e.g. `usage.fraction(usage.live_slots)`."""
+        return slots / self.total_slots
+
+    @property
+    def live_fraction(self) -> float:
+        return self.fraction(self.live_slots)
+
+
+class KVAllocator(Protocol):
+    """The interface the engine and the benchmarks use, for either layout.
+
+    The cache is viewed as [num_total_blocks, block_size, ...]; token t of a sequence lives in slot
+    `block_table[t // block_size] * block_size + t % block_size` (the contiguous layout has
+    block_size 1, so its block table is the list of its tokens' slots).
+    """
+
+    block_size: int
+
+    @property
+    def num_total_blocks(self) -> int: ...
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def __contains__(self, seq_id: Hashable) -> bool: ...
+
+    def can_allocate(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        true_output_len: int | None = None,
+        extra_key: str | None = None,
+    ) -> bool: ...
+
+    def allocate(
+        self,
+        seq_id: Hashable,
+        prompt_token_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        true_output_len: int | None = None,
+        extra_key: str | None = None,
+    ) -> int: ...
+
+    def can_append(self, seq_id: Hashable) -> bool: ...
+
+    def append(self, seq_id: Hashable, token_id: int) -> list[tuple[int, int]]: ...
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> list[tuple[int, int]]: ...
+
+    def free(self, seq_id: Hashable) -> None: ...
+
+    def num_tokens(self, seq_id: Hashable) -> int: ...
+
+    def slot_mapping(self, seq_id: Hashable, start: int = 0) -> list[int]: ...
+
+    def block_table(self, seq_id: Hashable) -> list[int]: ...
+
+    def usage(self) -> KVUsage: ...
+
+    def all_free(self) -> bool: ...
+
+
+def check_request(prompt_token_ids: Sequence[int], max_new_tokens: int) -> None:
+    """Reject a prompt or token budget no layout can serve."""
+    if len(prompt_token_ids) == 0:
+        raise ValueError("prompt_token_ids must hold at least one token, got an empty prompt")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+
+
+def unknown(seq_id: Hashable) -> KeyError:
+    return KeyError(f"sequence {seq_id!r} is not allocated (never allocated, or already freed)")
+
+
+def duplicate(seq_id: Hashable) -> ValueError:
+    return ValueError(f"sequence {seq_id!r} is already allocated")
+
+
+def check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

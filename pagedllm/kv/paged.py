@@ -1,0 +1,311 @@
+"""PagedAllocator: KV memory as fixed-size blocks mapped per sequence by a block table (PagedAttention).
+
+Token t of a sequence lives in slot `table[t // block_size] * block_size + t % block_size`, where
+`table` is its block table. Blocks are taken on demand (only when the last one is full) and given
+back the instant a sequence is freed. `fork` shares blocks (copy-on-write on the first divergent
+append), prefix caching reuses full blocks keyed by a hash chain, and `swap_out` / `swap_in` move a
+sequence to a host pool and back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from pagedllm.kv.block_pool import Block, BlockPool, hash_block
+from pagedllm.kv.interface import KVUsage, NoFreeBlocks, check_positive, check_request, duplicate, unknown
+
+
+@dataclass
+class _Seq:
+    """One sequence: its tokens, its block table, and the hash of each of its full blocks."""
+
+    token_ids: list[int]
+    blocks: list[Block]  # empty while swapped out
+    block_hashes: list[bytes] = field(default_factory=list)  # only with prefix caching
+    extra_key: str | None = None
+    host_blocks: list[int] | None = None  # set while swapped out
+
+
+class PagedAllocator:
+    """Block tables over a pool of `num_blocks` blocks, plus a host pool of `num_host_blocks` for swap."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = False,
+        num_host_blocks: int | None = None,
+    ):
+        num_host_blocks = num_blocks if num_host_blocks is None else num_host_blocks
+        check_positive("num_blocks", num_blocks)
+        check_positive("block_size", block_size)
+        if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be a non-negative integer, got {num_host_blocks!r}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_host_blocks = num_host_blocks
+        self.pool = BlockPool(num_blocks)
+        self._free_host_blocks = list(range(num_host_blocks - 1, -1, -1))  # a stack, lowest id on top
+        self._seqs: dict[Hashable, _Seq] = {}
+        self._resident_tokens = 0  # tokens of sequences on the device
+
+    # -- capacity --------------------------------------------------------------------------------------
+
+    @property
+    def num_total_blocks(self) -> int:
+        return len(self.pool.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds (cached-but-unreferenced blocks count as free)."""
+        return self.pool.num_free
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._free_host_blocks)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def all_free(self) -> bool:
+        """No sequence left and every device and host block back in its free pool."""
+        return (
+            not self._seqs
+            and self.pool.num_free == self.num_total_blocks
+            and self.num_free_host_blocks == self.num_host_blocks
+        )
+
+    # -- allocate --------------------------------------------------------------------------------------
+
+    def can_allocate(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        true_output_len: int | None = None,
+        extra_key: str | None = None,
+    ) -> bool:
+        """Whether the prompt's blocks fit now (decode blocks are taken later, on demand)."""
+        check_request(prompt_token_ids, max_new_tokens)
+        _, hits, num_new = self._plan(prompt_token_ids, extra_key)
+        return self._fits(hits, num_new)
+
+    def allocate(
+        self,
+        seq_id: Hashable,
+        prompt_token_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        true_output_len: int | None = None,
+        extra_key: str | None = None,
+    ) -> int:
+        """Give the prompt its blocks; returns how many leading prompt tokens were already cached.
+
+        The hit is whole blocks only and never the whole prompt (its last token is always computed).
+        `max_new_tokens` and `true_output_len` are only checked: paged memory grows on demand.
+        """
+        if seq_id in self._seqs:
+            raise duplicate(seq_id)
+        check_request(prompt_token_ids, max_new_tokens)
+        hashes, hits, num_new = self._plan(prompt_token_ids, extra_key)
+        if not self._fits(hits, num_new):
+            raise NoFreeBlocks(
+                f"sequence {seq_id!r} needs {num_new} new blocks for {len(prompt_token_ids)} prompt "
+                f"tokens, {self.pool.num_free} free"
+            )
+        for block in hits:
+            self.pool.touch(block)
+        seq = _Seq(list(prompt_token_ids), hits + [self.pool.allocate() for _ in range(num_new)])
+        seq.block_hashes, seq.extra_key = hashes, extra_key
+        for i in range(len(hits), len(seq.blocks)):
+            self._fill(seq, i)
+        self._seqs[seq_id] = seq
+        self._resident_tokens += len(seq.token_ids)
+        return len(hits) * self.block_size
+
+    def _plan(self, prompt: Sequence[int], extra_key: str | None) -> tuple[list[bytes], list[Block], int]:
+        """Hashes of the prompt's full blocks, the cached blocks to reuse, and the count of new blocks."""
+        bs = self.block_size
+        hashes: list[bytes] = []
+        hits: list[Block] = []
+        if self.enable_prefix_caching:
+            for i in range(len(prompt) // bs):
+                hashes.append(
+                    hash_block(hashes[-1] if hashes else None, prompt[i * bs : (i + 1) * bs], extra_key)
+                )
+            for block_hash in hashes[: (len(prompt) - 1) // bs]:
+                block = self.pool.cached.get(block_hash)
+                if block is None:
+                    break
+                hits.append(block)
+        return hashes, hits, -(-len(prompt) // bs) - len(hits)
+
+    def _fits(self, reused: list[Block], num_new: int) -> bool:
+        """Reused cached blocks that no one holds leave the free queue too."""
+        return num_new + sum(block.ref_cnt == 0 for block in reused) <= self.pool.num_free
+
+    def _fill(self, seq: _Seq, i: int) -> None:
+        """Count the tokens of a freshly taken block i as written, and cache it if full."""
+        bs = self.block_size
+        self.pool.write(seq.blocks[i], min(bs, len(seq.token_ids) - i * bs))
+        if i < len(seq.block_hashes):
+            self.pool.cache(seq.blocks[i], seq.block_hashes[i])
+
+    # -- decode ----------------------------------------------------------------------------------------
+
+    def can_append(self, seq_id: Hashable) -> bool:
+        return not self._needs_block(self._resident(seq_id)) or self.pool.num_free > 0
+
+    def append(self, seq_id: Hashable, token_id: int) -> list[tuple[int, int]]:
+        """Give the sequence one more token; returns the (src, dst) block copies to do before writing."""
+        seq = self._resident(seq_id)
+        copies = []
+        if self._needs_block(seq):
+            if self.pool.num_free == 0:
+                raise NoFreeBlocks(f"sequence {seq_id!r} needs a block for token {len(seq.token_ids)}")
+            block = self.pool.allocate()
+            offset = len(seq.token_ids) % self.block_size
+            if offset:  # copy on write: the last block is shared and only partly filled
+                shared = seq.blocks.pop()
+                copies.append((shared.block_id, block.block_id))
+                self.pool.write(block, offset)
+                self.pool.release([shared])
+            seq.blocks.append(block)
+        seq.token_ids.append(token_id)
+        self.pool.write(seq.blocks[-1], 1)
+        self._resident_tokens += 1
+        if self.enable_prefix_caching and len(seq.token_ids) % self.block_size == 0:
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[-self.block_size :], seq.extra_key))
+            self.pool.cache(seq.blocks[-1], seq.block_hashes[-1])
+        return copies
+
+    def _needs_block(self, seq: _Seq) -> bool:
+        """The last block is full, or shared (then the append must copy it first)."""
+        return len(seq.token_ids) % self.block_size == 0 or seq.blocks[-1].ref_cnt > 1
+
+    # -- fork / free -----------------------------------------------------------------------------------
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> list[tuple[int, int]]:
+        """The child shares every block of the parent; nothing is allocated or copied (returns [])."""
+        parent = self._resident(parent_id)
+        if child_id in self._seqs:
+            raise duplicate(child_id)
+        for block in parent.blocks:
+            self.pool.touch(block)
+        self._seqs[child_id] = _Seq(
+            list(parent.token_ids), list(parent.blocks), list(parent.block_hashes), parent.extra_key
+        )
+        self._resident_tokens += len(parent.token_ids)
+        return []
+
+    def free(self, seq_id: Hashable) -> None:
+        """Give back every block of the sequence (device or host) at once."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise unknown(seq_id)
+        if seq.host_blocks is not None:
+            self._free_host_blocks.extend(reversed(seq.host_blocks))
+        else:
+            self.pool.release(reversed(seq.blocks))
+            self._resident_tokens -= len(seq.token_ids)
+
+    # -- swap ------------------------------------------------------------------------------------------
+
+    def can_swap_out(self, seq_id: Hashable) -> bool:
+        return len(self._resident(seq_id).blocks) <= len(self._free_host_blocks)
+
+    def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
+        """Move the sequence to host blocks; returns the (device block, host block) copies to do."""
+        seq = self._resident(seq_id)
+        if len(seq.blocks) > len(self._free_host_blocks):
+            raise NoFreeBlocks(
+                f"sequence {seq_id!r} needs {len(seq.blocks)} host blocks, {len(self._free_host_blocks)} free"
+            )
+        seq.host_blocks = [self._free_host_blocks.pop() for _ in seq.blocks]
+        copies = [(block.block_id, host) for block, host in zip(seq.blocks, seq.host_blocks, strict=True)]
+        self.pool.release(reversed(seq.blocks))
+        seq.blocks = []
+        self._resident_tokens -= len(seq.token_ids)
+        return copies
+
+    def can_swap_in(self, seq_id: Hashable) -> bool:
+        hits = self._swap_in_hits(self._swapped(seq_id))
+        return self._fits([b for b in hits if b is not None], hits.count(None))
+
+    def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]:
+        """Bring the sequence back to device blocks; returns the (host block, device block) copies to do.
+
+        With prefix caching, full blocks still cached on the device are reused instead of copied.
+        """
+        seq = self._swapped(seq_id)
+        hits = self._swap_in_hits(seq)
+        if not self._fits([b for b in hits if b is not None], hits.count(None)):
+            raise NoFreeBlocks(f"sequence {seq_id!r} needs {hits.count(None)} blocks to swap in")
+        for block in hits:
+            if block is not None:
+                self.pool.touch(block)
+        seq.blocks = [self.pool.allocate() if block is None else block for block in hits]
+        copies = []
+        for i, (hit, host) in enumerate(zip(hits, seq.host_blocks, strict=True)):
+            if hit is None:
+                copies.append((host, seq.blocks[i].block_id))
+                self._fill(seq, i)
+        self._free_host_blocks.extend(reversed(seq.host_blocks))
+        seq.host_blocks = None
+        self._resident_tokens += len(seq.token_ids)
+        return copies
+
+    def _swap_in_hits(self, seq: _Seq) -> list[Block | None]:
+        """For each block of a swapped sequence, the device block still caching its content, if any."""
+        hits: list[Block | None] = [self.pool.cached.get(h) for h in seq.block_hashes]
+        return hits + [None] * (len(seq.host_blocks) - len(hits))
+
+    # -- views -----------------------------------------------------------------------------------------
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise unknown(seq_id)
+        return len(seq.token_ids)
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        return [block.block_id for block in self._resident(seq_id).blocks]
+
+    def slot_mapping(self, seq_id: Hashable, start: int = 0) -> list[int]:
+        """Slot of tokens start..n-1: `table[t // block_size] * block_size + t % block_size`."""
+        seq = self._resident(seq_id)
+        bs, blocks = self.block_size, seq.blocks
+        return [blocks[t // bs].block_id * bs + t % bs for t in range(start, len(seq.token_ids))]
+
+    def usage(self) -> KVUsage:
+        bs, free = self.block_size, self.pool.num_free * self.block_size
+        used = (self.num_total_blocks - self.pool.num_free) * bs
+        live = self.pool.live_slots
+        return KVUsage(
+            total_slots=self.num_total_blocks * bs,
+            live_slots=live,
+            reserved_slots=0,
+            tail_slots=used - live,
+            free_slots=free,
+            largest_free_run=free,  # any free block serves any sequence: no contiguity needed
+            external_frag_slots=0,
+            shared_saved_slots=self._resident_tokens - live,
+        )
+
+    def _resident(self, seq_id: Hashable) -> _Seq:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise unknown(seq_id)
+        if seq.host_blocks is not None:
+            raise ValueError(f"sequence {seq_id!r} is swapped out; swap it in first")
+        return seq
+
+    def _swapped(self, seq_id: Hashable) -> _Seq:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise unknown(seq_id)
+        if seq.host_blocks is None:
+            raise ValueError(f"sequence {seq_id!r} is not swapped out")
+        return seq
