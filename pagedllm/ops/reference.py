@@ -111,9 +111,21 @@ def paged_prefill_attention(
 
 def copy_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
     """Copy-on-write: copy block src to block dst for each (src, dst)."""
+    swap_blocks(k_cache, v_cache, k_cache, v_cache, pairs)
+
+
+def swap_blocks(
+    src_k: torch.Tensor,
+    src_v: torch.Tensor,
+    dst_k: torch.Tensor,
+    dst_v: torch.Tensor,
+    pairs: list[tuple[int, int]],
+) -> None:
+    """Copy block src of (src_k, src_v) to block dst of (dst_k, dst_v) for each (src, dst); the caches
+    share a layout and may live on different devices (swap-out to host, swap-in back)."""
     if not pairs:
         return
-    src = torch.tensor([p[0] for p in pairs], device=k_cache.device)
-    dst = torch.tensor([p[1] for p in pairs], device=k_cache.device)
-    k_cache[dst] = k_cache[src]
-    v_cache[dst] = v_cache[src]
+    src = torch.tensor([p[0] for p in pairs], device=src_k.device)
+    dst = torch.tensor([p[1] for p in pairs], device=dst_k.device)
+    for s, d in ((src_k, dst_k), (src_v, dst_v)):
+        d.index_copy_(0, dst, s.index_select(0, src).to(d.device))

@@ -1,0 +1,253 @@
+// Paged attention on the CPU: K/V are read in place through the block table (no gather copy).
+//
+// One kernel serves decode and prefill: sequence s owns query rows query_start_loc[s]..[s+1], the last
+// rows of its context_lens[s] tokens, causal. Work items are (sequence, kv head, tile of query rows);
+// each keeps its whole GQA group together so every K/V row is loaded once for all heads that share it.
+// Softmax is two-pass over a per-thread score buffer: scores, then exp/normalise, then a sum of V rows.
+// fp32 and bf16 caches; arithmetic is fp32 (bf16 is widened in registers). Built with -mavx2 -mfma.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRowsPerTile = 16;  // query rows of one sequence handled by one work item
+
+// Eight consecutive elements widened to fp32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// sum(a[i] * b[i]) for a head_dim that is a multiple of 8.
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t d) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), acc1);
+  }
+  if (i < d) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
+  return hsum(_mm256_add_ps(acc0, acc1));
+}
+
+// y += w * x for a head_dim that is a multiple of 8.
+template <typename T>
+inline void axpy(float* y, float w, const T* x, int64_t d) {
+  __m256 vw = _mm256_set1_ps(w);
+  for (int64_t i = 0; i < d; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(vw, load8(x + i), _mm256_loadu_ps(y + i)));
+  }
+}
+
+// Runs fn(i) for i in [0, n) on the intra-op thread pool, handing out items one at a time so that
+// sequences of very different lengths still balance across threads.
+template <typename F>
+void parallel_dynamic(int64_t n, const F& fn) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < n; i = next++) fn(i);
+  });
+}
+
+struct WorkItem {
+  int64_t seq, kv_head, row_begin, row_end;  // rows relative to the sequence's first query row
+};
+
+template <typename T>
+void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& block_tables,
+                      const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale,
+                      int64_t window) {
+  const int64_t num_seqs = context_lens.size(0);
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t slot_stride = num_kv_heads * head_dim;  // elements between consecutive tokens
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
+
+  std::vector<WorkItem> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = starts[s + 1] - starts[s];
+    TORCH_CHECK(q_len <= lens[s], "sequence ", s, " has ", q_len, " query rows but context length ",
+                lens[s]);
+    const int64_t needed_blocks = (lens[s] + block_size - 1) / block_size;
+    TORCH_CHECK(needed_blocks <= max_blocks, "context length ", lens[s], " of sequence ", s,
+                " needs more blocks than block_tables has columns (", max_blocks, ")");
+    for (int64_t b = 0; b < needed_blocks; ++b) {
+      const int32_t id = tables[s * max_blocks + b];
+      TORCH_CHECK(id >= 0 && id < k_cache.size(0), "block id ", id, " of sequence ", s, " is out of range");
+    }
+    for (int64_t r = 0; r < q_len; r += kRowsPerTile) {
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({s, h, r, std::min(q_len, r + kRowsPerTile)});
+    }
+  }
+
+  parallel_dynamic(static_cast<int64_t>(items.size()), [&](int64_t idx) {
+    const WorkItem& it = items[idx];
+    const int64_t context_len = lens[it.seq];
+    const int64_t first_row = starts[it.seq];
+    const int64_t q_len = starts[it.seq + 1] - first_row;
+    const int32_t* table = tables + it.seq * max_blocks;
+    const int64_t rows = it.row_end - it.row_begin, m_count = rows * group;
+    // Row r sits at absolute position context_len - q_len + r and sees keys (pos - window, pos].
+    auto key_end = [&](int64_t r) { return context_len - q_len + r + 1; };
+    auto key_begin = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, key_end(r) - window) : 0; };
+    const int64_t lo = key_begin(it.row_begin), hi = key_end(it.row_end - 1), span = hi - lo;
+
+    thread_local std::vector<float> scores, query, acc;
+    scores.resize(m_count * span);
+    query.resize(m_count * head_dim);
+    acc.assign(m_count * head_dim, 0.f);
+    std::vector<int64_t> row_lo(rows), row_hi(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      row_lo[r] = key_begin(it.row_begin + r);
+      row_hi[r] = key_end(it.row_begin + r);
+    }
+    // m = r * group + g is query row r, head kv_head * group + g; scaled queries kept in fp32.
+    for (int64_t m = 0; m < m_count; ++m) {
+      const T* src = q_ptr + (first_row + it.row_begin + m / group) * num_heads * head_dim +
+                     (it.kv_head * group + m % group) * head_dim;
+      for (int64_t i = 0; i < head_dim; ++i) query[m * head_dim + i] = static_cast<float>(src[i]) * scale;
+    }
+    auto token_row = [&](const T* cache, int64_t t) {
+      return cache + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * slot_stride +
+             it.kv_head * head_dim;
+    };
+
+    // Pass 1: scores for every (row, head) against every visible key.
+    for (int64_t t = lo; t < hi; ++t) {
+      const T* k_row = token_row(k_ptr, t);
+      for (int64_t r = 0; r < rows; ++r) {
+        const bool visible = t >= row_lo[r] && t < row_hi[r];
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t m = r * group + g;
+          scores[m * span + t - lo] = visible ? dot(&query[m * head_dim], k_row, head_dim) : 0.f;
+        }
+      }
+    }
+    // Softmax over each row's own visible range; invisible keys get weight 0.
+    std::vector<float> inv_sum(m_count);
+    for (int64_t m = 0; m < m_count; ++m) {
+      float* row = &scores[m * span];
+      const int64_t a = row_lo[m / group] - lo, b = row_hi[m / group] - lo;
+      const float max_score = *std::max_element(row + a, row + b);
+      float sum = 0.f;
+      for (int64_t j = a; j < b; ++j) sum += (row[j] = std::exp(row[j] - max_score));
+      std::fill(row, row + a, 0.f);
+      std::fill(row + b, row + span, 0.f);
+      inv_sum[m] = 1.f / sum;
+    }
+    // Pass 2: weighted sum of V rows.
+    for (int64_t t = lo; t < hi; ++t) {
+      const T* v_row = token_row(v_ptr, t);
+      for (int64_t m = 0; m < m_count; ++m) {
+        const float w = scores[m * span + t - lo];
+        if (w != 0.f) axpy(&acc[m * head_dim], w, v_row, head_dim);
+      }
+    }
+    for (int64_t m = 0; m < m_count; ++m) {
+      T* dst = out_ptr + (first_row + it.row_begin + m / group) * num_heads * head_dim +
+               (it.kv_head * group + m % group) * head_dim;
+      for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<T>(acc[m * head_dim + i] * inv_sum[m]);
+    }
+  });
+}
+
+void check_int32_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kInt && t.is_contiguous(), name,
+              " must be a contiguous int32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+}
+
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_tables,
+                     const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale,
+                     int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "expected q [T, H, D] and k/v caches [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) % 8 == 0, "head_dim must match the cache and be a multiple of 8, got ", q.size(2));
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads ", q.size(1), " is not a multiple of num_kv_heads ",
+              k_cache.size(2));
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  out.scalar_type() == q.scalar_type(),
+              "q, out and the caches must share one dtype");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "q, out and the caches must be contiguous");
+  check_int32_cpu(block_tables, "block_tables");
+  check_int32_cpu(query_start_loc, "query_start_loc");
+  check_int32_cpu(context_lens, "context_lens");
+  TORCH_CHECK(query_start_loc.size(0) == context_lens.size(0) + 1, "query_start_loc must have num_seqs + 1 entries");
+  if (q.scalar_type() == at::kFloat) {
+    attention_kernel<float>(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    attention_kernel<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                                    scale, window);
+  } else {
+    TORCH_CHECK(false, "unsupported dtype ", q.scalar_type(), " (fp32 or bf16)");
+  }
+}
+
+// Copies token t's K/V rows ([Hkv * D] each) into flat slot slot_mapping[t]; slot -1 is skipped.
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.is_contiguous() && value.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "key, value and the caches must be contiguous");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
+              "key/value dtype must match the cache dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.size(0) == key.size(0),
+              "slot_mapping must be int64 with one entry per token");
+  const int64_t row_bytes = key.stride(0) * key.element_size();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  auto* k_dst = static_cast<char*>(k_cache.data_ptr());
+  auto* v_dst = static_cast<char*>(v_cache.data_ptr());
+  const auto* k_src = static_cast<const char*>(key.data_ptr());
+  const auto* v_src = static_cast<const char*>(value.data_ptr());
+  for (int64_t t = 0; t < slot_mapping.size(0); ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < num_slots, "slot ", slot, " of token ", t, " is out of range (", num_slots, " slots)");
+    std::memcpy(k_dst + slot * row_bytes, k_src + t * row_bytes, row_bytes);
+    std::memcpy(v_dst + slot * row_bytes, v_src + t * row_bytes, row_bytes);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedllm, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor query_start_loc, Tensor context_lens, float scale, int window) -> ()");
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv", &write_kv);
+}

@@ -1,0 +1,80 @@
+"""`sdpa` backend: pure PyTorch fallback. Per sequence, gather its blocks with index_select and run
+scaled_dot_product_attention with the GQA group folded into the query-length dimension."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.ops.reference import write_kv
+
+__all__ = ["paged_decode_attention", "paged_prefill_attention", "write_kv"]
+
+
+def _visible_keys(
+    first_pos: int, q_len: int, key_lo: int, context_len: int, sliding_window: int | None, device
+) -> torch.Tensor:
+    """[q_len, context_len - key_lo] bool: query at first_pos + r sees keys (pos - window, pos]."""
+    q_pos = torch.arange(first_pos, first_pos + q_len, device=device)[:, None]
+    k_pos = torch.arange(key_lo, context_len, device=device)[None, :]
+    visible = k_pos <= q_pos
+    if sliding_window is not None:
+        visible &= k_pos > q_pos - sliding_window
+    return visible
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Query rows of sequence s are the last rows of its context; causal; see reference.py."""
+    out = torch.empty_like(q)
+    num_heads, head_dim = q.shape[1:]
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    group = num_heads // num_kv_heads
+    starts = query_start_loc.tolist()
+    for s, context_len in enumerate(context_lens.tolist()):
+        q_len = starts[s + 1] - starts[s]
+        if q_len == 0:
+            continue
+        first_pos = context_len - q_len
+        key_lo = 0 if sliding_window is None else max(0, first_pos + 1 - sliding_window)
+        first_block, end_block = key_lo // block_size, -(-context_len // block_size)
+        ids = block_tables[s, first_block:end_block]
+        skip = key_lo - first_block * block_size
+        k = k_cache.index_select(0, ids).flatten(0, 1)[skip : skip + context_len - key_lo].transpose(0, 1)
+        v = v_cache.index_select(0, ids).flatten(0, 1)[skip : skip + context_len - key_lo].transpose(0, 1)
+        # [q_len, Hkv * G, D] -> [Hkv, q_len * G, D]: each kv head attends for its whole group at once.
+        rows = q[starts[s] : starts[s + 1]].view(q_len, num_kv_heads, group, head_dim).transpose(0, 1)
+        rows = rows.reshape(num_kv_heads, q_len * group, head_dim)
+        mask = None
+        if q_len > 1:
+            mask = _visible_keys(first_pos, q_len, key_lo, context_len, sliding_window, q.device)
+            mask = mask.repeat_interleave(group, dim=0)
+        o = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale)
+        out[starts[s] : starts[s + 1]] = (
+            o.view(num_kv_heads, q_len, group, head_dim).transpose(0, 1).flatten(1, 2)
+        )
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """One query token per sequence: prefill with one row each."""
+    one_row_each = torch.arange(q.shape[0] + 1, device=q.device)
+    return paged_prefill_attention(
+        q, k_cache, v_cache, block_tables, one_row_each, context_lens, scale, sliding_window
+    )

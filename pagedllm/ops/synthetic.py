@@ -1,0 +1,72 @@
+"""Random paged-attention inputs with the same data also kept contiguous: for tests and benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedBatch:
+    q: torch.Tensor  # [T, H, D], rows of sequence s at query_start_loc[s]:[s+1]
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]; slots no sequence owns hold NaN
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [S, max_blocks] int32, physical blocks shuffled, padded with block 0
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    context_lens: torch.Tensor  # [S] int32
+    keys: list[torch.Tensor]  # per sequence [context_len, Hkv, D]: the same K, contiguous
+    values: list[torch.Tensor]
+
+
+def random_paged_batch(
+    context_lens: list[int],
+    query_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    spare_blocks: int = 3,
+) -> PagedBatch:
+    """Sequences whose blocks are scattered at random over a cache with spare (NaN-filled) blocks."""
+    if len(context_lens) != len(query_lens) or any(
+        q > c for q, c in zip(query_lens, context_lens, strict=True)
+    ):
+        raise ValueError(
+            f"need one query length <= context length per sequence, got {query_lens} / {context_lens}"
+        )
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-c // block_size) for c in context_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    physical = torch.randperm(num_blocks, generator=gen).tolist()
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    block_tables = torch.zeros(len(context_lens), max(blocks_per_seq, default=1), dtype=torch.int32)
+    keys, values = [], []
+    for s, (context_len, n) in enumerate(zip(context_lens, blocks_per_seq, strict=True)):
+        ids = [physical.pop() for _ in range(n)]
+        block_tables[s, :n] = torch.tensor(ids, dtype=torch.int32)
+        k = torch.randn(context_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(context_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        for j, block in enumerate(ids):
+            chunk = slice(j * block_size, min((j + 1) * block_size, context_len))
+            k_cache[block, : chunk.stop - chunk.start] = k[chunk]
+            v_cache[block, : chunk.stop - chunk.start] = v[chunk]
+        keys.append(k.to(device))
+        values.append(v.to(device))
+    starts = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = torch.randn(int(starts[-1]), num_heads, head_dim, generator=gen).to(dtype)
+    return PagedBatch(
+        q=q.to(device),
+        k_cache=k_cache.to(device),
+        v_cache=v_cache.to(device),
+        block_tables=block_tables.to(device),
+        query_start_loc=starts.to(device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        keys=keys,
+        values=values,
+    )
