@@ -45,7 +45,7 @@ def _cpu_or_fallback() -> str:
     if reason is None:
         return "cpu"
     logging.getLogger(__name__).warning(
-        "C++ paged attention unavailable (%s); using the sdpa fallback", reason
+        "pagedllm: C++ paged attention unavailable (%s); using the sdpa fallback", reason
     )
     return "sdpa"
 

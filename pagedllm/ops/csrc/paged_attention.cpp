@@ -59,6 +59,61 @@ inline void axpy(float* y, float w, const T* x, int64_t d) {
   }
 }
 
+// exp(x) for x <= 0 (softmax after subtracting the max): 2^n * exp(r), |r| <= ln2/2, Taylor to r^7.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));  // below this exp underflows to ~0 anyway
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// x[i] = exp(x[i] - max) in place; returns the sum.
+inline float exp_shifted_sum(float* x, int64_t n, float max) {
+  __m256 sum8 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(max)));
+    _mm256_storeu_ps(x + i, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float sum = hsum(sum8);
+  for (; i < n; ++i) sum += (x[i] = std::exp(x[i] - max));
+  return sum;
+}
+
+// Key/value rows of one sequence and one kv head, addressed through the sequence's block table.
+template <typename T>
+struct PagedRows {
+  const int32_t* table;
+  int64_t block_size, slot_stride, head_offset, head_dim;
+
+  const T* block_start(const T* cache, int64_t b) const {
+    return cache + static_cast<int64_t>(table[b]) * block_size * slot_stride + head_offset;
+  }
+
+  // fn(t, row) for each token t in [lo, hi), block by block, prefetching the next block's rows.
+  template <typename F>
+  void for_each(const T* cache, int64_t lo, int64_t hi, const F& fn) const {
+    for (int64_t b = lo / block_size; b * block_size < hi; ++b) {
+      const int64_t first = b * block_size, next = first + block_size;
+      if (next < hi) {
+        const char* ahead = reinterpret_cast<const char*>(block_start(cache, b + 1));
+        const int64_t rows = std::min(block_size, hi - next), bytes = head_dim * sizeof(T);
+        for (int64_t j = 0; j < rows; ++j)
+          for (int64_t off = 0; off < bytes; off += 64)
+            _mm_prefetch(ahead + j * slot_stride * sizeof(T) + off, _MM_HINT_T0);
+      }
+      const T* base = block_start(cache, b);
+      for (int64_t t = std::max(lo, first); t < std::min(hi, next); ++t) fn(t, base + (t - first) * slot_stride);
+    }
+  }
+};
+
 // Runs fn(i) for i in [0, n) on the intra-op thread pool, handing out items one at a time so that
 // sequences of very different lengths still balance across threads.
 template <typename F>
@@ -136,14 +191,10 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
                      (it.kv_head * group + m % group) * head_dim;
       for (int64_t i = 0; i < head_dim; ++i) query[m * head_dim + i] = static_cast<float>(src[i]) * scale;
     }
-    auto token_row = [&](const T* cache, int64_t t) {
-      return cache + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * slot_stride +
-             it.kv_head * head_dim;
-    };
+    const PagedRows<T> paged{table, block_size, slot_stride, it.kv_head * head_dim, head_dim};
 
     // Pass 1: scores for every (row, head) against every visible key.
-    for (int64_t t = lo; t < hi; ++t) {
-      const T* k_row = token_row(k_ptr, t);
+    paged.for_each(k_ptr, lo, hi, [&](int64_t t, const T* k_row) {
       for (int64_t r = 0; r < rows; ++r) {
         const bool visible = t >= row_lo[r] && t < row_hi[r];
         for (int64_t g = 0; g < group; ++g) {
@@ -151,27 +202,25 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
           scores[m * span + t - lo] = visible ? dot(&query[m * head_dim], k_row, head_dim) : 0.f;
         }
       }
-    }
+    });
     // Softmax over each row's own visible range; invisible keys get weight 0.
     std::vector<float> inv_sum(m_count);
     for (int64_t m = 0; m < m_count; ++m) {
       float* row = &scores[m * span];
       const int64_t a = row_lo[m / group] - lo, b = row_hi[m / group] - lo;
       const float max_score = *std::max_element(row + a, row + b);
-      float sum = 0.f;
-      for (int64_t j = a; j < b; ++j) sum += (row[j] = std::exp(row[j] - max_score));
+      const float sum = exp_shifted_sum(row + a, b - a, max_score);
       std::fill(row, row + a, 0.f);
       std::fill(row + b, row + span, 0.f);
       inv_sum[m] = 1.f / sum;
     }
     // Pass 2: weighted sum of V rows.
-    for (int64_t t = lo; t < hi; ++t) {
-      const T* v_row = token_row(v_ptr, t);
+    paged.for_each(v_ptr, lo, hi, [&](int64_t t, const T* v_row) {
       for (int64_t m = 0; m < m_count; ++m) {
         const float w = scores[m * span + t - lo];
         if (w != 0.f) axpy(&acc[m * head_dim], w, v_row, head_dim);
       }
-    }
+    });
     for (int64_t m = 0; m < m_count; ++m) {
       T* dst = out_ptr + (first_row + it.row_begin + m / group) * num_heads * head_dim +
                (it.kv_head * group + m % group) * head_dim;

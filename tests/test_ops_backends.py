@@ -1,0 +1,123 @@
+"""Every attention backend against the torch reference on random paged inputs.
+
+Runs the sdpa and cpu backends; under TRITON_INTERPRET=1 (test_ops_triton.py starts that run in a
+subprocess) it runs the triton backend instead, on the same cases.
+"""
+
+import importlib
+import math
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from pagedllm.ops import BACKENDS, reference
+from pagedllm.ops.synthetic import random_paged_batch
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+BACKEND_NAMES = ["triton"] if INTERPRETED else ["sdpa", "cpu"]
+
+
+@dataclass(frozen=True)
+class Case:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    context_lens: tuple[int, ...]
+    query_lens: tuple[int, ...] | None = None  # None: decode, one query per sequence
+    window: int | None = None
+    dtype: torch.dtype = torch.float32
+
+
+DECODE = {
+    "gqa1-partial-blocks": Case(4, 4, 16, 4, (1, 7, 33)),
+    "gqa3-shuffled": Case(6, 2, 32, 8, (9, 40, 17, 64)),
+    "gqa4": Case(8, 2, 16, 16, (15, 16, 17, 50)),
+    "mqa-d64": Case(4, 1, 64, 4, (70, 3)),
+    "window": Case(6, 2, 16, 4, (5, 30, 61), window=8),
+    "block-size-1": Case(6, 2, 16, 1, (1, 13, 40)),
+    "bf16-gqa3": Case(6, 2, 32, 8, (9, 40, 17, 64), dtype=torch.bfloat16),
+    "bf16-mqa-window": Case(4, 1, 64, 4, (70, 3, 22), window=16, dtype=torch.bfloat16),
+}
+PREFILL = {
+    "prompt": Case(6, 2, 16, 8, (20, 5), (20, 5)),
+    "cached-prefix-and-chunk": Case(6, 2, 32, 4, (37, 50), (12, 9)),
+    "mixed-decode-and-chunks": Case(9, 3, 16, 8, (30, 40, 9, 4, 21), (1, 19, 1, 4, 0)),
+    "window": Case(4, 2, 16, 4, (40, 10, 33), (20, 3, 1), window=8),
+    "block-size-1": Case(6, 2, 16, 1, (17, 30), (17, 6)),
+    "mqa": Case(4, 1, 32, 8, (26, 18), (26, 5)),
+    "bf16-mixed": Case(6, 2, 32, 8, (30, 40, 9), (1, 19, 9), dtype=torch.bfloat16),
+    "bf16-window": Case(8, 2, 16, 4, (40, 24), (17, 24), window=8, dtype=torch.bfloat16),
+}
+
+
+def _tolerance(dtype: torch.dtype) -> dict:
+    return {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+
+
+def _batch(case: Case):
+    query_lens = case.query_lens or (1,) * len(case.context_lens)
+    return random_paged_batch(
+        list(case.context_lens), list(query_lens), case.num_heads, case.num_kv_heads, case.head_dim,
+        case.block_size, case.dtype, seed=len(case.context_lens) + sum(case.context_lens),
+    )  # fmt: skip
+
+
+@pytest.fixture(params=BACKEND_NAMES)
+def backend(request):
+    return importlib.import_module(f"pagedllm.ops.{BACKENDS[request.param]}")
+
+
+@pytest.mark.parametrize("case", DECODE.values(), ids=DECODE.keys())
+def test_decode_matches_reference(backend, case):
+    b = _batch(case)
+    scale = 1 / math.sqrt(case.head_dim)
+    args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale, case.window)
+    out = backend.paged_decode_attention(*args)
+    expected = reference.paged_decode_attention(*args)
+    assert out.dtype == case.dtype and out.shape == b.q.shape
+    torch.testing.assert_close(out, expected, **_tolerance(case.dtype))
+
+
+@pytest.mark.parametrize("case", PREFILL.values(), ids=PREFILL.keys())
+def test_prefill_matches_reference(backend, case):
+    b = _batch(case)
+    scale = 1 / math.sqrt(case.head_dim)
+    args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.context_lens, scale, case.window)
+    out = backend.paged_prefill_attention(*args)
+    expected = reference.paged_prefill_attention(*args)
+    assert out.dtype == case.dtype and out.shape == b.q.shape
+    torch.testing.assert_close(out, expected, **_tolerance(case.dtype))
+
+
+def test_contiguous_layout_is_block_size_one(backend):
+    """The engine's contiguous baseline views one cache as [num_slots, 1, H, D] with slot ids as blocks."""
+    b = _batch(Case(6, 2, 16, 8, (25, 11), (5, 1)))
+    flat_k = b.k_cache.view(-1, 1, *b.k_cache.shape[2:])
+    flat_v = b.v_cache.view(-1, 1, *b.v_cache.shape[2:])
+    blocks = b.block_tables.long()
+    slots = (blocks[:, :, None] * 8 + torch.arange(8)).flatten(1).to(torch.int32)  # [S, max_blocks * 8]
+    scale = 0.25
+    out = backend.paged_prefill_attention(
+        b.q, flat_k, flat_v, slots, b.query_start_loc, b.context_lens, scale
+    )
+    expected = reference.paged_prefill_attention(
+        b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.context_lens, scale
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_reference(backend, dtype):
+    gen = torch.Generator().manual_seed(1)
+    shape = (5, 4, 2, 16)  # 20 slots
+    caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    key, value = (torch.randn(6, 2, 16, generator=gen).to(dtype) for _ in range(2))
+    slots = torch.tensor([3, -1, 19, 0, -1, 8])
+    backend.write_kv(key, value, *caches, slots)
+    reference.write_kv(key, value, *expected, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    assert torch.equal(caches[0].view(20, 2, 16)[19], key[2])  # the reference itself put it there

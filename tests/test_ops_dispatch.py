@@ -1,0 +1,101 @@
+"""Backend choice: automatic per device, forced by PAGEDLLM_ATTN_BACKEND, and the sdpa fallback."""
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedllm import ops
+from pagedllm.ops import cpu, reference
+from pagedllm.ops.synthetic import random_paged_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def fresh_choice(monkeypatch):
+    monkeypatch.delenv(ops.ENV_VAR, raising=False)
+    ops.reset_backend_cache()
+    yield
+    ops.reset_backend_cache()
+
+
+def _check_public_ops_match_reference():
+    b = random_paged_batch([19, 40], [3, 1], 6, 2, 16, 8)
+    args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.context_lens, 0.25)
+    torch.testing.assert_close(ops.paged_prefill_attention(*args), reference.paged_prefill_attention(*args))
+    d = random_paged_batch([19, 40], [1, 1], 6, 2, 16, 8)
+    args = (d.q, d.k_cache, d.v_cache, d.block_tables, d.context_lens, 0.25, 8)
+    torch.testing.assert_close(ops.paged_decode_attention(*args), reference.paged_decode_attention(*args))
+
+
+def test_cpu_tensors_use_the_cpp_kernel_by_default():
+    assert cpu.unavailable_reason() is None, cpu.unavailable_reason()
+    assert ops.get_backend_name("cpu") == ops.get_backend_name(torch.device("cpu")) == "cpu"
+    _check_public_ops_match_reference()
+
+
+@pytest.mark.parametrize("name", ["torch", "sdpa", "cpu"])
+def test_env_var_forces_backend(monkeypatch, name):
+    monkeypatch.setenv(ops.ENV_VAR, name.upper())
+    assert ops.get_backend_name("cpu") == name
+    _check_public_ops_match_reference()
+
+
+def test_unknown_backend_is_rejected_by_name(monkeypatch):
+    monkeypatch.setenv(ops.ENV_VAR, "flash")
+    with pytest.raises(ValueError, match="'flash'"):
+        ops.get_backend_name("cpu")
+
+
+def test_cpu_backend_cannot_serve_cuda_tensors(monkeypatch):
+    monkeypatch.setenv(ops.ENV_VAR, "cpu")
+    with pytest.raises(ValueError, match="cuda"):
+        ops.get_backend_name("cuda")
+
+
+def test_unbuildable_kernel_falls_back_to_sdpa_with_one_warning(monkeypatch, caplog):
+    monkeypatch.setenv(ops.ENV_VAR, "cpu")
+    monkeypatch.setattr(cpu, "unavailable_reason", lambda: "no compiler")
+    with caplog.at_level(logging.WARNING):
+        assert ops.get_backend_name("cpu") == "sdpa"
+        _check_public_ops_match_reference()
+        caches = torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16)
+        ops.write_kv(torch.ones(1, 2, 16), torch.ones(1, 2, 16), *caches, torch.tensor([5]))
+        assert caches[0].view(8, 2, 16)[5].eq(1).all()
+    assert [r.getMessage() for r in caplog.records] == [
+        "pagedllm: C++ paged attention unavailable (no compiler); using the sdpa fallback"
+    ]
+
+
+def test_missing_compiler_falls_back_in_a_fresh_process(tmp_path):
+    """A real failed build (CXX is not a compiler) in a clean extensions dir: one warning line, sdpa."""
+    code = "from pagedllm import ops; print(ops.get_backend_name('cpu')); print(ops.get_backend_name('cpu'))"
+    env = {**os.environ, "CXX": "/bin/false", "TORCH_EXTENSIONS_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    env.pop(ops.ENV_VAR, None)
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["sdpa", "sdpa"]
+    warnings = [line for line in result.stderr.splitlines() if "C++ paged attention unavailable" in line]
+    assert len(warnings) == 1, result.stderr
+
+
+def test_cpu_kernel_rejects_bad_inputs_by_name():
+    b = random_paged_batch([20], [1], 4, 2, 16, 4)
+    args = [b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, 0.25]
+    with pytest.raises(RuntimeError, match="context length 99"):
+        cpu.paged_decode_attention(*args[:4], torch.tensor([99], dtype=torch.int32), 0.25)
+    bad_table = b.block_tables.clone()
+    bad_table[0, 0] = 1000
+    with pytest.raises(RuntimeError, match="block id 1000"):
+        cpu.paged_decode_attention(b.q, b.k_cache, b.v_cache, bad_table, b.context_lens, 0.25)
+    with pytest.raises(RuntimeError, match="dtype"):
+        cpu.paged_decode_attention(b.q.bfloat16(), *args[1:])
+    with pytest.raises(RuntimeError, match="slot 80"):
+        cpu.write_kv(b.q[:, :2], b.q[:, :2], b.k_cache, b.v_cache, torch.tensor([80]))
