@@ -46,7 +46,7 @@ class ContiguousAllocator:
         self.slabs: dict[Hashable, Slab] = {}
         self._reserved = 0  # slots inside slabs
         self._live = 0  # tokens in slabs
-        self._refused = 0  # slab size of the last request that did not fit (0: none since)
+        self._refused = 0  # slab size of the last request can_allocate refused (0: none since)
 
     @property
     def num_total_blocks(self) -> int:
@@ -108,7 +108,10 @@ class ContiguousAllocator:
         true_output_len: int | None = None,
         extra_key: str | None = None,
     ) -> int:
-        """Reserve the request's slab first fit and place the prompt at its start; returns 0 (no cache)."""
+        """Reserve the request's slab first fit and place the prompt at its start; returns 0 (no cache).
+
+        Raises NoFreeBlocks, changing nothing, when no single gap holds the slab.
+        """
         if seq_id in self.slabs:
             raise duplicate(seq_id)
         check_request(prompt_token_ids, max_new_tokens)
@@ -165,7 +168,6 @@ class ContiguousAllocator:
     def _reserve(self, seq_id: Hashable, size: int) -> int:
         i = self._first_fit(size)
         if i is None:
-            self._refused = size
             raise NoFreeBlocks(
                 f"sequence {seq_id!r} needs a slab of {size} slots; the largest free gap has "
                 f"{self._largest_gap()} ({self.num_free_blocks} free in all)"

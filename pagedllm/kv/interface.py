@@ -21,7 +21,7 @@ class KVUsage:
     tail_slots: int  # paged: unused slots of blocks in use (the last block of each sequence)
     free_slots: int  # in no sequence (paged: includes cached blocks no sequence holds)
     largest_free_run: int  # most slots one new sequence can get (paged: every free slot)
-    external_frag_slots: int  # free slots in gaps too small for the last refused request
+    external_frag_slots: int  # free slots in gaps too small for the request can_allocate last refused
     shared_saved_slots: int  # tokens of resident sequences minus live slots (fork / prefix sharing)
 
     def fraction(self, slots: int) -> float:

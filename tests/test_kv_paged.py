@@ -1,0 +1,250 @@
+"""Scenario tests of the paged KV allocator: block boundaries, copy-on-write, prefix caching, LRU, swap."""
+
+import pytest
+
+from pagedllm.kv import KVUsage, NoFreeBlocks, PagedAllocator
+
+
+def test_block_boundary_appends_take_a_block_only_when_the_last_is_full():
+    kv = PagedAllocator(num_blocks=2, block_size=16)
+    assert kv.allocate("s", list(range(15)), max_new_tokens=8) == 0
+    assert len(kv.block_table("s")) == 1 and kv.num_free_blocks == 1
+    assert kv.append("s", 15) == []  # token 15 fills block 0
+    assert kv.num_tokens("s") == 16 and len(kv.block_table("s")) == 1
+    assert kv.append("s", 16) == []  # token 16 opens block 1
+    table = kv.block_table("s")
+    assert len(table) == 2 and kv.num_free_blocks == 0
+    slots = kv.slot_mapping("s")
+    assert slots[15] == table[0] * 16 + 15 and slots[16] == table[1] * 16
+    assert kv.slot_mapping("s", start=16) == [table[1] * 16]
+    u = kv.usage()
+    assert (u.live_slots, u.tail_slots, u.free_slots) == (17, 15, 0)
+
+
+def test_append_without_a_free_block_raises_and_changes_nothing():
+    kv = PagedAllocator(num_blocks=1, block_size=4)
+    kv.allocate(0, [1, 2, 3, 4], 4)
+    assert not kv.can_append(0)
+    with pytest.raises(NoFreeBlocks, match="sequence 0"):
+        kv.append(0, 5)
+    assert kv.num_tokens(0) == 4 and kv.block_table(0) == [0] and kv.usage().live_slots == 4
+
+
+def test_fork_shares_blocks_and_copies_only_on_the_first_divergent_append():
+    kv = PagedAllocator(num_blocks=8, block_size=16)
+    kv.allocate("p", list(range(18)), 8)
+    free = kv.num_free_blocks
+    assert kv.fork("p", "c") == []
+    assert kv.block_table("c") == kv.block_table("p") and kv.num_free_blocks == free
+    assert kv.usage().shared_saved_slots == 18
+    last = kv.block_table("p")[1]
+    copies = kv.append("c", 100)
+    new = kv.block_table("c")[1]
+    assert copies == [(last, new)] and new != last
+    assert kv.block_table("c")[0] == kv.block_table("p")[0]  # the full block stays shared
+    assert kv.append("c", 101) == []  # the child's block is its own now
+    assert kv.append("p", 200) == []  # and the parent's last block is no longer shared
+    assert kv.block_table("p")[1] == last
+    u = kv.usage()
+    assert u.live_slots == 16 + 3 + 4 and u.shared_saved_slots == 16  # block 0 is stored once
+
+
+def test_fork_at_a_block_boundary_needs_no_copy():
+    kv = PagedAllocator(num_blocks=8, block_size=4)
+    kv.allocate("p", [1] * 8, 4)
+    kv.fork("p", "c")
+    assert kv.append("c", 2) == [] and kv.append("p", 3) == []
+    assert kv.block_table("c")[:2] == kv.block_table("p")[:2]
+    assert kv.block_table("c")[2] != kv.block_table("p")[2]
+
+
+def test_copy_on_write_without_a_free_block_raises():
+    kv = PagedAllocator(num_blocks=1, block_size=4)
+    kv.allocate("p", [1, 2], 2)
+    kv.fork("p", "c")
+    assert not kv.can_append("c")
+    with pytest.raises(NoFreeBlocks):
+        kv.append("c", 3)
+    kv.free("p")
+    assert kv.can_append("c") and kv.append("c", 3) == []  # sole owner again: no copy
+
+
+def test_prefix_cache_hit_counts():
+    kv = PagedAllocator(num_blocks=16, block_size=16, enable_prefix_caching=True)
+    prompt = list(range(40))
+    assert kv.allocate("a", prompt, 8) == 0
+    assert kv.allocate("b", prompt, 8) == 32
+    assert kv.block_table("b")[:2] == kv.block_table("a")[:2]
+    assert kv.block_table("b")[2] != kv.block_table("a")[2]  # the partial block is never shared
+    assert kv.allocate("c", prompt[:32], 8) == 16  # never the whole prompt: its last token is computed
+    assert kv.allocate("d", prompt[:20] + [999] + prompt[21:], 8) == 16  # diverges in block 1
+    assert kv.allocate("e", prompt, 8, extra_key="salt") == 0  # another salt, another chain
+    assert kv.allocate("f", prompt[:16], 8) == 0
+    for seq_id in "abcdef":
+        kv.free(seq_id)
+    assert kv.all_free()  # cached blocks that nobody holds count as free
+    assert kv.allocate("g", prompt, 8) == 32  # still findable after being freed
+
+
+def test_a_block_filled_by_decode_becomes_cached():
+    kv = PagedAllocator(num_blocks=4, block_size=4, enable_prefix_caching=True)
+    kv.allocate("a", [1, 2, 3], 4)
+    kv.append("a", 4)
+    kv.append("a", 5)
+    assert kv.allocate("b", [1, 2, 3, 4, 9], 4) == 4
+    assert kv.block_table("b")[0] == kv.block_table("a")[0]
+
+
+def test_prefix_caching_off_reports_no_hits():
+    kv = PagedAllocator(num_blocks=8, block_size=4)
+    kv.allocate("a", list(range(9)), 4)
+    assert kv.allocate("b", list(range(9)), 4) == 0
+    assert set(kv.block_table("a")).isdisjoint(kv.block_table("b"))
+
+
+def test_lru_eviction_evicts_tail_blocks_first_and_plain_blocks_before_cached_ones():
+    kv = PagedAllocator(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    kv.allocate("a", [1, 2, 3, 4, 5], 4)  # a0 a1 full (cached), a2 partial (plain)
+    kv.allocate("b", [7, 8, 9, 10], 4)  # b0 b1 full (cached)
+    a0, a1, a2 = kv.block_table("a")
+    b0, b1 = kv.block_table("b")
+    kv.free("a")
+    kv.free("b")
+    # Plain blocks go first; cached ones least recently used first, a sequence's tail before its head.
+    assert [b.block_id for b in kv.pool.free_queue] == [a2, 5, 6, 7, a1, a0, b1, b0]
+    kv.allocate("x", [0] * 9, 4)  # five blocks: the four plain ones, then evicts a1
+    assert kv.block_table("x") == [a2, 5, 6, 7, a1]
+    assert kv.allocate("a'", [1, 2, 3, 4, 5], 4) == 2  # only a's head block survived
+    assert kv.block_table("a'") == [a0, b1, b0]  # then b is evicted, tail block first
+
+
+def test_reusing_a_cached_block_makes_it_most_recently_used():
+    kv = PagedAllocator(num_blocks=3, block_size=2, enable_prefix_caching=True)
+    kv.allocate("a", [1, 2], 2)
+    kv.allocate("b", [3, 4], 2)
+    (a0,), (b0,) = kv.block_table("a"), kv.block_table("b")
+    kv.free("a")
+    kv.free("b")
+    kv.allocate("a'", [1, 2, 0], 2)  # touches a0, takes the plain block
+    kv.free("a'")
+    assert [b.block_id for b in kv.pool.free_queue][-2:] == [b0, a0]
+
+
+def test_allocate_that_does_not_fit_raises_and_changes_nothing():
+    kv = PagedAllocator(num_blocks=3, block_size=4, enable_prefix_caching=True)
+    kv.allocate("a", list(range(9)), 4)
+    kv.free("a")  # three cached-or-free blocks
+    kv.allocate("b", [5] * 5, 4)  # takes two blocks, evicting cached ones
+    before = (kv.usage(), [b.block_id for b in kv.pool.free_queue], dict(kv.pool.cached))
+    assert not kv.can_allocate(list(range(12)), 4)
+    with pytest.raises(NoFreeBlocks, match="'c'"):
+        kv.allocate("c", list(range(12)), 4)
+    assert (kv.usage(), [b.block_id for b in kv.pool.free_queue], dict(kv.pool.cached)) == before
+    assert "c" not in kv
+
+
+def test_swap_round_trip_restores_every_token():
+    kv = PagedAllocator(num_blocks=6, block_size=4, num_host_blocks=3)
+    device: dict[int, int] = {}
+    host: dict[int, int] = {}
+    tokens = list(range(100, 110))
+    kv.allocate("s", tokens, 8)
+    for t, slot in enumerate(kv.slot_mapping("s")):
+        device[slot] = tokens[t]
+    out = kv.swap_out("s")
+    assert [d for d, _ in out] == [0, 1, 2] and len({h for _, h in out}) == 3
+    assert kv.num_free_blocks == 6 and kv.num_free_host_blocks == 0
+    for d, h in out:
+        for o in range(4):
+            host[h * 4 + o] = device.pop(d * 4 + o, None)
+    with pytest.raises(ValueError, match="swapped out"):
+        kv.append("s", 1)
+    kv.allocate("other", [0] * 8, 4)  # takes blocks 0 and 1: the sequence must come back elsewhere
+    assert kv.can_swap_in("s")
+    back = kv.swap_in("s")
+    assert sorted(h for h, _ in back) == sorted(h for _, h in out)
+    for h, d in back:
+        for o in range(4):
+            device[d * 4 + o] = host[h * 4 + o]
+    assert [device[slot] for slot in kv.slot_mapping("s")] == tokens
+    assert kv.num_free_host_blocks == 3 and kv.num_tokens("s") == 10
+    kv.free("s")
+    kv.free("other")
+    assert kv.all_free()
+
+
+def test_swap_in_reuses_blocks_still_cached_on_the_device():
+    kv = PagedAllocator(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    kv.allocate("s", [1, 2, 3, 4, 5], 2)
+    table = kv.block_table("s")
+    kv.swap_out("s")
+    back = kv.swap_in("s")
+    assert [d for _, d in back] == [kv.block_table("s")[2]]  # only the partial block is copied
+    assert kv.block_table("s")[:2] == table[:2]
+
+
+def test_swap_out_without_host_room_raises():
+    kv = PagedAllocator(num_blocks=4, block_size=2, num_host_blocks=1)
+    kv.allocate("s", [1, 2, 3], 2)
+    assert not kv.can_swap_out("s")
+    with pytest.raises(NoFreeBlocks, match="host"):
+        kv.swap_out("s")
+    assert kv.num_tokens("s") == 3 and kv.num_free_host_blocks == 1 and len(kv.block_table("s")) == 2
+
+
+def test_swap_in_without_device_room_raises():
+    kv = PagedAllocator(num_blocks=2, block_size=2)
+    kv.allocate("s", [1, 2, 3], 2)
+    kv.swap_out("s")
+    kv.allocate("t", [1, 2, 3, 4], 2)
+    assert not kv.can_swap_in("s")
+    with pytest.raises(NoFreeBlocks):
+        kv.swap_in("s")
+    kv.free("s")  # a swapped sequence can be freed directly: its host blocks come back
+    kv.free("t")
+    assert kv.all_free()
+
+
+def test_bad_ids_and_arguments_raise_clear_errors():
+    kv = PagedAllocator(num_blocks=4, block_size=2)
+    kv.allocate("a", [1], 2)
+    with pytest.raises(ValueError, match="'a' is already allocated"):
+        kv.allocate("a", [1], 2)
+    with pytest.raises(ValueError, match="'a' is already allocated"):
+        kv.fork("a", "a")
+    with pytest.raises(KeyError, match="'nope'"):
+        kv.append("nope", 1)
+    kv.free("a")
+    with pytest.raises(KeyError, match="'a'"):
+        kv.free("a")
+    with pytest.raises(KeyError, match="'a'"):
+        kv.append("a", 1)
+    kv.allocate("b", [1], 2)
+    with pytest.raises(ValueError, match="'b' is not swapped out"):
+        kv.swap_in("b")
+    with pytest.raises(ValueError, match="empty prompt"):
+        kv.allocate("c", [], 2)
+    with pytest.raises(ValueError, match="-1"):
+        kv.can_allocate([1], -1)
+    with pytest.raises(ValueError, match="block_size"):
+        PagedAllocator(4, block_size=0)
+    with pytest.raises(ValueError, match="num_blocks"):
+        PagedAllocator(-3)
+
+
+def test_usage_reports_each_kind_of_slot():
+    kv = PagedAllocator(num_blocks=4, block_size=4)
+    kv.allocate("a", [1] * 5, 4)
+    kv.fork("a", "b")
+    u = kv.usage()
+    assert u == KVUsage(
+        total_slots=16,
+        live_slots=5,
+        reserved_slots=0,
+        tail_slots=3,
+        free_slots=8,
+        largest_free_run=8,
+        external_frag_slots=0,
+        shared_saved_slots=5,
+    )
+    assert u.live_fraction == 5 / 16

@@ -1,0 +1,256 @@
+"""Random allocate/append/fork/free/swap sequences on both KV layouts, with invariants after every step.
+
+The machine keeps a model of what each sequence holds and a simulated cache: it writes (position,
+token) into the slots the allocator hands out and performs every copy the allocator reports. After
+each step every resident sequence must read back exactly its own tokens through its slot mapping,
+which fails on a slot owned twice, a missed copy-on-write, a wrong swap copy or a wrong prefix hit.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pagedllm.kv import ContiguousAllocator, NoFreeBlocks, PagedAllocator
+
+SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
+MAX_MODEL_LEN = 24
+prompts = st.lists(st.integers(0, 1), min_size=1, max_size=12)  # few symbols: prefixes repeat
+
+
+class KVMachine(RuleBasedStateMachine):
+    """Drives one allocator; subclasses say which."""
+
+    def make_allocator(self):
+        raise NotImplementedError
+
+    def __init__(self):
+        super().__init__()
+        self.kv = self.make_allocator()
+        self.bs = self.kv.block_size
+        self.tokens: dict[int, list[int]] = {}  # every live sequence (resident or swapped)
+        self.swapped: set[int] = set()
+        self.device: dict[int, tuple[int, int]] = {}  # slot -> (position, token) written there
+        self.host: dict[int, tuple[int, int] | None] = {}
+        self.next_id = 0
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def resident(self) -> list[int]:
+        return sorted(set(self.tokens) - self.swapped)
+
+    def write(self, seq_id: int, start: int) -> None:
+        for t, slot in enumerate(self.kv.slot_mapping(seq_id, start), start):
+            self.device[slot] = (t, self.tokens[seq_id][t])
+
+    def copy_blocks(self, copies, src: dict, dst: dict) -> None:
+        for s, d in copies:
+            for o in range(self.bs):
+                dst[d * self.bs + o] = src.get(s * self.bs + o)
+
+    def snapshot(self):
+        """Everything observable, to check that a refused operation changed nothing."""
+        kv = self.kv
+        state = [kv.usage(), kv.num_free_blocks, {s: kv.block_table(s) for s in self.resident()}]
+        if isinstance(kv, PagedAllocator):
+            state += [
+                [b.block_id for b in kv.pool.free_queue],
+                {h: b.block_id for h, b in kv.pool.cached.items()},
+                kv.num_free_host_blocks,
+            ]
+        else:
+            state.append(list(kv.gaps))
+        return state
+
+    def refused(self, can: bool, before, op, *args):
+        """Run op; if it raised NoFreeBlocks, `can` must have said so and nothing may have changed."""
+        try:
+            result = op(*args)
+        except NoFreeBlocks:
+            assert not can
+            assert self.snapshot() == before
+            return None
+        assert can
+        return result
+
+    # -- rules -------------------------------------------------------------------------------------
+
+    @rule(prompt=prompts, max_new=st.integers(0, 12), salt=st.sampled_from([None, "a"]))
+    def allocate(self, prompt, max_new, salt):
+        true_out = max_new if getattr(self.kv, "reserve", None) == "oracle" else None
+        kwargs = dict(true_output_len=true_out, extra_key=salt)
+        can = self.kv.can_allocate(prompt, max_new, **kwargs)
+        seq_id, before = self.next_id, self.snapshot()
+        cached = self.refused(can, before, lambda: self.kv.allocate(seq_id, prompt, max_new, **kwargs))
+        if cached is None:
+            return
+        self.next_id += 1
+        assert 0 <= cached < len(prompt) and cached % self.bs == 0
+        if not getattr(self.kv, "enable_prefix_caching", False):
+            assert cached == 0
+        self.tokens[seq_id] = list(prompt)
+        self.write(seq_id, cached)  # the cached prefix must already be in the cache: checked below
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data(), token=st.integers(0, 1))
+    def append(self, data, token):
+        seq_id = data.draw(st.sampled_from(self.resident()))
+        can = self.kv.can_append(seq_id)
+        copies = self.refused(can, self.snapshot(), self.kv.append, seq_id, token)
+        if copies is None:
+            return
+        if self.bs > 1:  # a copy goes to a fresh block: it must not be anybody's block
+            assert all(
+                dst not in self.kv.block_table(s) for _, dst in copies for s in self.resident() if s != seq_id
+            )
+        self.copy_blocks(copies, self.device, self.device)
+        self.tokens[seq_id].append(token)
+        self.write(seq_id, len(self.tokens[seq_id]) - 1)
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self.resident()))
+        free_before = self.kv.num_free_blocks
+        can = (
+            isinstance(self.kv, PagedAllocator)
+            or self.kv.slabs[parent].size <= self.kv.usage().largest_free_run
+        )
+        copies = self.refused(can, self.snapshot(), self.kv.fork, parent, self.next_id)
+        if copies is None:
+            return
+        if isinstance(self.kv, PagedAllocator):
+            assert copies == [] and self.kv.num_free_blocks == free_before  # shares, allocates nothing
+        self.copy_blocks(copies, self.device, self.device)
+        self.tokens[self.next_id] = list(self.tokens[parent])
+        self.next_id += 1
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.kv.free(seq_id)
+        del self.tokens[seq_id]
+        self.swapped.discard(seq_id)
+
+    # -- invariants --------------------------------------------------------------------------------
+
+    @invariant()
+    def every_sequence_reads_back_its_tokens(self):
+        for seq_id in self.resident():
+            expected = list(enumerate(self.tokens[seq_id]))
+            assert [self.device.get(slot) for slot in self.kv.slot_mapping(seq_id)] == expected
+        for seq_id, toks in self.tokens.items():
+            assert self.kv.num_tokens(seq_id) == len(toks) and seq_id in self.kv
+
+    @invariant()
+    def usage_adds_up(self):
+        u = self.kv.usage()
+        assert u.live_slots + u.reserved_slots + u.tail_slots + u.free_slots == u.total_slots
+        fractions = [u.live_slots, u.reserved_slots, u.tail_slots, u.free_slots]
+        assert abs(sum(u.fraction(x) for x in fractions) - 1.0) < 1e-9
+        assert min(fractions + [u.external_frag_slots, u.shared_saved_slots]) >= 0
+        assert u.external_frag_slots <= u.free_slots and u.largest_free_run <= u.free_slots
+        slots = [slot for s in self.resident() for slot in self.kv.slot_mapping(s)]
+        assert u.live_slots == len(set(slots))  # a shared slot is counted once
+        assert u.shared_saved_slots == len(slots) - len(set(slots))
+        assert u.free_slots == self.kv.num_free_blocks * self.bs
+
+    def teardown(self):
+        for seq_id in list(self.tokens):
+            self.kv.free(seq_id)
+        assert self.kv.all_free()
+        u = self.kv.usage()
+        assert u.free_slots == u.total_slots and u.live_slots == 0
+
+
+class PagedMachine(KVMachine):
+    caching = False
+
+    def make_allocator(self):
+        return PagedAllocator(10, block_size=2, enable_prefix_caching=self.caching, num_host_blocks=6)
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data())
+    def swap_out(self, data):
+        seq_id = data.draw(st.sampled_from(self.resident()))
+        can = self.kv.can_swap_out(seq_id)
+        copies = self.refused(can, self.snapshot(), self.kv.swap_out, seq_id)
+        if copies is None:
+            return
+        assert len(copies) == -(-len(self.tokens[seq_id]) // self.bs)
+        self.copy_blocks(copies, self.device, self.host)
+        self.swapped.add(seq_id)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.swapped)))
+        can = self.kv.can_swap_in(seq_id)
+        copies = self.refused(can, self.snapshot(), self.kv.swap_in, seq_id)
+        if copies is None:
+            return
+        self.copy_blocks(copies, self.host, self.device)
+        self.swapped.discard(seq_id)
+
+    @invariant()
+    def ref_counts_match_block_tables(self):
+        pool = self.kv.pool
+        holders = [0] * len(pool.blocks)
+        for seq_id in self.resident():
+            table = self.kv.block_table(seq_id)
+            assert len(table) == -(-len(self.tokens[seq_id]) // self.bs)  # demand allocation
+            assert len(set(table)) == len(table)
+            for block_id in table:
+                holders[block_id] += 1
+        assert [b.ref_cnt for b in pool.blocks] == holders
+        free = [b.block_id for b in pool.free_queue]
+        assert len(free) == len(set(free)) == self.kv.num_free_blocks
+        assert set(free) == {i for i, n in enumerate(holders) if n == 0}
+        assert all(b.block_hash == h for h, b in pool.cached.items())
+        host_held = sum(-(-len(self.tokens[s]) // self.bs) for s in self.swapped)
+        assert self.kv.num_free_host_blocks + host_held == self.kv.num_host_blocks
+
+
+class CachingPagedMachine(PagedMachine):
+    caching = True
+
+
+class ContiguousMachine(KVMachine):
+    reserve = "max"
+
+    def make_allocator(self):
+        return ContiguousAllocator(64, MAX_MODEL_LEN, reserve=self.reserve)
+
+    @invariant()
+    def slabs_and_gaps_tile_the_slots(self):
+        kv = self.kv
+        runs = sorted([(s.start, s.size) for s in kv.slabs.values()] + kv.gaps)
+        assert sum(size for _, size in runs) == kv.num_slots
+        assert all(a + n == b for (a, n), (b, _) in zip(runs, runs[1:], strict=False))
+        assert all(a + n < b for (a, n), (b, _) in zip(kv.gaps, kv.gaps[1:], strict=False))  # merged
+        for seq_id, slab in kv.slabs.items():
+            assert slab.num_tokens <= slab.size
+            assert kv.block_table(seq_id) == kv.slot_mapping(seq_id)
+        u = kv.usage()
+        assert u.reserved_slots == sum(s.size - s.num_tokens for s in kv.slabs.values())
+        assert u.largest_free_run == max((n for _, n in kv.gaps), default=0)
+
+
+class Pow2Machine(ContiguousMachine):
+    reserve = "pow2"
+
+
+class OracleMachine(ContiguousMachine):
+    reserve = "oracle"
+
+
+TestPaged = PagedMachine.TestCase
+TestCachingPaged = CachingPagedMachine.TestCase
+TestContiguousMax = ContiguousMachine.TestCase
+TestContiguousPow2 = Pow2Machine.TestCase
+TestContiguousOracle = OracleMachine.TestCase
+for _case in (TestPaged, TestCachingPaged, TestContiguousMax, TestContiguousPow2, TestContiguousOracle):
+    _case.settings = SETTINGS
+del _case
