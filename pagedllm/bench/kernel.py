@@ -1,0 +1,198 @@
+"""`pagedllm bench kernel`: paged decode attention vs contiguous attention on the same data.
+
+Each case builds one batch of sequences (random context lengths, blocks scattered at random), checks that
+the paged backend and the contiguous baseline agree, then times them in interleaved repetitions and
+reports the medians and their ratio. Contiguous baseline: per-sequence scaled_dot_product_attention over
+K/V stored densely ([Hkv, C, D] per sequence, GQA group folded into the query dim) on CPU; one padded,
+masked SDPA call over the whole batch on CUDA (a per-sequence loop there would time kernel launches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.ops import BACKENDS, get_backend_name
+from pagedllm.ops.synthetic import PagedBatch, random_paged_batch
+
+SHAPES = {  # name: (num_heads, num_kv_heads, head_dim)
+    "issue": (12, 4, 64),
+    "smollm2": (9, 3, 64),
+    "gemma3": (4, 1, 256),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class Row:
+    shape: str
+    backend: str
+    dtype: str
+    num_seqs: int
+    tokens: int
+    paged_ms: float
+    contiguous_ms: float
+    ratio: float
+    contiguous_impl: str
+    threads: int
+    device: str
+
+
+def _backend_module(name: str):
+    import importlib
+
+    return importlib.import_module(f"pagedllm.ops.{BACKENDS[name]}")
+
+
+def per_sequence_attention(batch: PagedBatch, scale: float) -> Callable[[], torch.Tensor]:
+    """Dense decode attention, one SDPA call per sequence over its K/V stored as [Hkv, C, D]."""
+    q = batch.q
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = batch.keys[0].shape[1]
+    keys = [k.transpose(0, 1).contiguous() for k in batch.keys]
+    values = [v.transpose(0, 1).contiguous() for v in batch.values]
+
+    def run() -> torch.Tensor:
+        out = torch.empty_like(q)
+        for s in range(num_seqs):
+            rows = q[s].view(num_kv_heads, num_heads // num_kv_heads, head_dim)  # GQA group as query rows
+            out[s] = F.scaled_dot_product_attention(rows, keys[s], values[s], scale=scale).flatten(0, 1)
+        return out
+
+    return run
+
+
+def padded_batch_attention(batch: PagedBatch, scale: float) -> Callable[[], torch.Tensor]:
+    """Dense decode attention, one masked SDPA call over K/V padded to [S, Hkv, max_context, D]."""
+    q = batch.q
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = batch.keys[0].shape[1]
+    max_len = max(k.shape[0] for k in batch.keys)
+    k_pad = q.new_zeros(num_seqs, num_kv_heads, max_len, head_dim)
+    v_pad = q.new_zeros(num_seqs, num_kv_heads, max_len, head_dim)
+    for s, (k, v) in enumerate(zip(batch.keys, batch.values, strict=True)):
+        k_pad[s, :, : k.shape[0]] = k.transpose(0, 1)
+        v_pad[s, :, : v.shape[0]] = v.transpose(0, 1)
+    mask = torch.arange(max_len, device=q.device)[None, :] < batch.context_lens.long()[:, None]
+    rows = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    mask = mask[:, None, None, :]
+    return lambda: F.scaled_dot_product_attention(rows, k_pad, v_pad, attn_mask=mask, scale=scale).view_as(q)
+
+
+def _timed(fn: Callable[[], torch.Tensor], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def run_case(shape: str, backend: str, dtype: str, context_lens: list[int], args: argparse.Namespace) -> Row:
+    num_heads, num_kv_heads, head_dim = SHAPES[shape]
+    device = torch.device(args.device)
+    batch = random_paged_batch(
+        context_lens, [1] * len(context_lens), num_heads, num_kv_heads, head_dim, args.block_size,
+        DTYPES[dtype], device, seed=args.seed,
+    )  # fmt: skip
+    scale = 1.0 / math.sqrt(head_dim)
+    ops = _backend_module(backend)
+    paged = lambda: ops.paged_decode_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, scale
+    )
+    contiguous = (padded_batch_attention if device.type == "cuda" else per_sequence_attention)(batch, scale)
+    tol = 2e-2 if dtype == "bf16" else 1e-4
+    torch.testing.assert_close(paged().float(), contiguous().float(), atol=tol, rtol=tol)
+    for _ in range(args.warmup):
+        paged(), contiguous()
+    paged_ms, contiguous_ms = [], []
+    for _ in range(args.reps):  # interleaved, so both see the same machine load
+        paged_ms.append(_timed(paged, device))
+        contiguous_ms.append(_timed(contiguous, device))
+    p, c = statistics.median(paged_ms), statistics.median(contiguous_ms)
+    return Row(
+        shape=shape,
+        backend=backend,
+        dtype=dtype,
+        num_seqs=len(context_lens),
+        tokens=sum(context_lens),
+        paged_ms=round(p, 4),
+        contiguous_ms=round(c, 4),
+        ratio=round(p / c, 3),
+        contiguous_impl="padded-batch-sdpa" if device.type == "cuda" else "per-sequence-sdpa",
+        threads=torch.get_num_threads(),
+        device=device.type,
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pagedllm bench kernel", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--backends", nargs="+", choices=sorted(BACKENDS), help="default: the device's")
+    p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
+    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["issue", "gemma3"])
+    p.add_argument("--num-seqs", type=int, default=32)
+    p.add_argument("--min-context", type=int, default=64)
+    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="one JSON object per case instead of a table")
+    args = p.parse_args(argv)
+    if not 1 <= args.min_context <= args.max_context:
+        p.error(f"need 1 <= --min-context <= --max-context, got {args.min_context}, {args.max_context}")
+    if args.backends is None:
+        if args.device == "cuda":
+            args.backends = ["triton", "sdpa", "torch"]
+        else:
+            args.backends = ["cpu", "sdpa", "torch"]
+    return args
+
+
+def iter_rows(args: argparse.Namespace) -> Iterator[Row]:
+    """Run every (shape, backend, dtype) case on one set of context lengths."""
+    rng = random.Random(args.seed)
+    context_lens = [rng.randint(args.min_context, args.max_context) for _ in range(args.num_seqs)]
+    if "cpu" in args.backends and get_backend_name("cpu") != "cpu":
+        raise RuntimeError("the cpu backend is unavailable here (see the warning above)")
+    for shape in args.shapes:
+        for backend in args.backends:
+            for dtype in args.dtypes:
+                yield run_case(shape, backend, dtype, context_lens, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not args.json:
+        print(
+            f"paged decode vs contiguous attention: {args.num_seqs} seqs, context {args.min_context}-"
+            f"{args.max_context}, block {args.block_size}, {torch.get_num_threads()} threads, "
+            f"{args.device}, median of {args.reps} interleaved reps"
+        )
+        print(f"{'shape':8} {'backend':8} {'dtype':5} {'paged ms':>9} {'contig ms':>9} {'ratio':>6}")
+    for row in iter_rows(args):
+        if args.json:
+            print(json.dumps(asdict(row)), flush=True)
+        else:
+            cells = f"{row.paged_ms:9.3f} {row.contiguous_ms:9.3f} {row.ratio:6.2f}"
+            print(f"{row.shape:8} {row.backend:8} {row.dtype:5} {cells}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
