@@ -1,0 +1,122 @@
+"""ModelConfig: the architecture numbers a model family needs, read from a Hugging Face config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+@dataclass
+class ModelConfig:
+    """Plain numbers describing one decoder-only checkpoint (Hugging Face naming in comments)."""
+
+    architecture: str  # architectures[0], e.g. "LlamaForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int  # num_hidden_layers
+    num_heads: int  # num_attention_heads
+    num_kv_heads: int  # num_key_value_heads
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float  # base of the full-attention layers
+    rope_scaling: dict[str, Any] | None  # {"rope_type": "linear" | "llama3", ...}; None for plain RoPE
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    hidden_act: str = "silu"
+    qkv_bias: bool = False  # Qwen2: bias on q/k/v only
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None  # window of the layers whose type is "sliding_attention"
+    layer_types: list[str] = field(default_factory=list)  # "full_attention" | "sliding_attention"
+    rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers
+    query_pre_attn_scalar: float | None = None  # Gemma 3: attention scale is its -1/2 power
+    final_logit_softcapping: float | None = None
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The attention window of one layer (None: full causal attention)."""
+        return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
+
+    @classmethod
+    def from_hf_dict(cls, config: dict[str, Any]) -> ModelConfig:
+        """Build from a config.json dict; Hugging Face's config classes fill in the family's defaults."""
+        from transformers import AutoConfig
+
+        architectures = config.get("architectures") or []
+        if not architectures or "model_type" not in config:
+            raise ValueError("config.json needs 'architectures' and 'model_type' to pick a model family")
+        try:
+            hf = AutoConfig.for_model(**config)
+        except ValueError as e:
+            raise ValueError(f"unsupported model_type {config['model_type']!r}: {e}") from e
+        text = hf.get_text_config()  # Gemma3ForConditionalGeneration nests the language model's config
+        return cls._from_text_config(architectures[0], text, hf)
+
+    @classmethod
+    def _from_text_config(cls, architecture: str, text: Any, hf: Any) -> ModelConfig:
+        get = lambda name, default=None: getattr(text, name, default)
+        num_layers = text.num_hidden_layers
+        rope = dict(text.rope_parameters or {})
+        local_rope = None
+        if "full_attention" in rope:  # per-layer-type RoPE (Gemma 3)
+            local_rope = rope.get("sliding_attention")
+            rope = dict(rope["full_attention"])
+        for params in (rope, local_rope or {}):
+            _check_rope(params)
+        layer_types = list(get("layer_types") or [])
+        if not layer_types:  # e.g. Mistral: one window for every layer, when it has one
+            kind = "sliding_attention" if get("sliding_window") else "full_attention"
+            layer_types = [kind] * num_layers
+        attention_bias = bool(get("attention_bias", False))
+        is_qwen2 = text.model_type == "qwen2"
+        hidden_act = get("hidden_activation") or get("hidden_act") or "silu"
+        if hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"unsupported activation {hidden_act!r}; supported: {SUPPORTED_ACTIVATIONS}")
+        if get("attn_logit_softcapping") is not None:
+            raise ValueError("attention logit soft-capping (attn_logit_softcapping) is not supported")
+        eos = get("eos_token_id", getattr(hf, "eos_token_id", None))
+        return cls(
+            architecture=architecture,
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            intermediate_size=text.intermediate_size,
+            num_layers=num_layers,
+            num_heads=text.num_attention_heads,
+            num_kv_heads=get("num_key_value_heads") or text.num_attention_heads,
+            head_dim=get("head_dim") or text.hidden_size // text.num_attention_heads,
+            rms_norm_eps=text.rms_norm_eps,
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
+            max_position_embeddings=text.max_position_embeddings,
+            tie_word_embeddings=bool(get("tie_word_embeddings", getattr(hf, "tie_word_embeddings", False))),
+            bos_token_id=get("bos_token_id", getattr(hf, "bos_token_id", None)),
+            eos_token_ids=_as_list(eos),
+            hidden_act=hidden_act,
+            qkv_bias=attention_bias or is_qwen2,
+            o_bias=attention_bias,
+            mlp_bias=bool(get("mlp_bias", False)),
+            sliding_window=get("sliding_window"),
+            layer_types=layer_types,
+            rope_local_theta=float(local_rope["rope_theta"]) if local_rope else None,
+            query_pre_attn_scalar=get("query_pre_attn_scalar"),
+            final_logit_softcapping=get("final_logit_softcapping"),
+        )
+
+
+def _check_rope(params: dict[str, Any]) -> None:
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported RoPE scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial rotary embeddings are not supported: {params['partial_rotary_factor']}")
+
+
+def _as_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)

