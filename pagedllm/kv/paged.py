@@ -160,25 +160,26 @@ class PagedAllocator:
     def append(self, seq_id: Hashable, token_id: int) -> list[tuple[int, int]]:
         """Give the sequence one more token; returns the (src, dst) block copies to do before writing."""
         seq = self._resident(seq_id)
+        bs, pool = self.block_size, self.pool
+        offset = len(seq.token_ids) % bs
         copies = []
-        if self._needs_block(seq):
-            if self.pool.num_free == 0:
+        if offset == 0 or seq.blocks[-1].ref_cnt > 1:  # the last block is full, or shared
+            if pool.num_free == 0:
                 raise NoFreeBlocks(f"sequence {seq_id!r} needs a block for token {len(seq.token_ids)}")
-            block = self.pool.allocate()
-            offset = len(seq.token_ids) % self.block_size
-            if offset:  # copy on write: the last block is shared and only partly filled
+            block = pool.allocate()
+            if offset:  # copy on write: the shared last block is only partly filled
                 shared = seq.blocks.pop()
                 copies.append((shared.block_id, block.block_id))
-                self.pool.write(block, offset)
-                self.pool.release([shared])
+                pool.write(block, offset)
+                pool.release([shared])
             seq.blocks.append(block)
         seq.token_ids.append(token_id)
-        self.pool.write(seq.blocks[-1], 1)
+        pool.write(seq.blocks[-1], 1)
         self._resident_tokens += 1
-        if self.enable_prefix_caching and len(seq.token_ids) % self.block_size == 0:
+        if self.enable_prefix_caching and offset == bs - 1:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            seq.block_hashes.append(hash_block(parent, seq.token_ids[-self.block_size :], seq.extra_key))
-            self.pool.cache(seq.blocks[-1], seq.block_hashes[-1])
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[-bs:], seq.extra_key))
+            pool.cache(seq.blocks[-1], seq.block_hashes[-1])
         return copies
 
     def _needs_block(self, seq: _Seq) -> bool:
@@ -296,10 +297,8 @@ class PagedAllocator:
 
     def _resident(self, seq_id: Hashable) -> _Seq:
         seq = self._seqs.get(seq_id)
-        if seq is None:
-            raise unknown(seq_id)
-        if seq.host_blocks is not None:
-            raise ValueError(f"sequence {seq_id!r} is swapped out; swap it in first")
+        if seq is None or seq.host_blocks is not None:
+            raise unknown(seq_id) if seq is None else ValueError(f"sequence {seq_id!r} is swapped out")
         return seq
 
     def _swapped(self, seq_id: Hashable) -> _Seq:
