@@ -1,9 +1,9 @@
 // Paged attention on the CPU: K/V are read in place through the block table (no gather copy).
 //
 // One kernel serves decode and prefill: sequence s owns query rows query_start_loc[s]..[s+1], the last
-// rows of its context_lens[s] tokens, causal. Work items are (sequence, kv head, tile of query rows);
-// each keeps its whole GQA group together so every K/V row is loaded once for all heads that share it.
-// Softmax is two-pass over a per-thread score buffer: scores, then exp/normalise, then a sum of V rows.
+// rows of its context_lens[s] tokens, causal. Work items are (sequence, kv head, tile of query rows)
+// and hold the whole GQA group, so each block of K/V is read from memory once for every head and query
+// row that uses it. Softmax is two-pass over a per-thread score buffer: scores, exp/normalise, sum of V.
 // fp32 and bf16 caches; arithmetic is fp32 (bf16 is widened in registers). Built with -mavx2 -mfma.
 
 #include <ATen/Parallel.h>
@@ -16,7 +16,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
-#include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -37,25 +37,45 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// sum(a[i] * b[i]) for a head_dim that is a multiple of 8.
-template <typename T>
-inline float dot(const float* a, const T* b, int64_t d) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= d; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), acc1);
+// The N <= 4 query rows of a micro-kernel share every K/V load (and its bf16 widening).
+constexpr int kRows = 4;
+
+// Calls fn(std::integral_constant<int, N>) for n in 1..kRows, so that N is a compile-time row count.
+template <typename F>
+inline void with_rows(int64_t n, const F& fn) {
+  switch (n) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    default: return fn(std::integral_constant<int, 4>{});
   }
-  if (i < d) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
-  return hsum(_mm256_add_ps(acc0, acc1));
 }
 
-// y += w * x for a head_dim that is a multiple of 8.
-template <typename T>
-inline void axpy(float* y, float w, const T* x, int64_t d) {
-  __m256 vw = _mm256_set1_ps(w);
+// Dot products of N query rows (head_dim apart) with one key row; lane r holds row r's (0 past N).
+template <int N, typename T>
+inline __m128 dot_rows(const float* q, const T* k, int64_t d) {
+  __m256 acc[kRows] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t i = 0; i < d; i += 8) {
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(vw, load8(x + i), _mm256_loadu_ps(y + i)));
+    const __m256 kv = load8(k + i);
+    for (int r = 0; r < N; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * d + i), kv, acc[r]);
+  }
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// y_r += sum_j w_r[j] * x_j for N accumulator rows y_r (head_dim apart) and count value rows x_j
+// (x_stride apart); weight rows are w_stride apart. Accumulates in registers, 8 columns at a time.
+template <int N, typename T>
+inline void accumulate_rows(float* y, const float* w, int64_t w_stride, const T* x, int64_t x_stride,
+                            int64_t count, int64_t d) {
+  for (int64_t i = 0; i < d; i += 8) {
+    __m256 acc[N];
+    for (int r = 0; r < N; ++r) acc[r] = _mm256_loadu_ps(y + r * d + i);
+    for (int64_t j = 0; j < count; ++j) {
+      const __m256 xv = load8(x + j * x_stride + i);
+      for (int r = 0; r < N; ++r) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(w[r * w_stride + j]), xv, acc[r]);
+    }
+    for (int r = 0; r < N; ++r) _mm256_storeu_ps(y + r * d + i, acc[r]);
   }
 }
 
@@ -67,8 +87,11 @@ inline __m256 exp_nonpositive(__m256 x) {
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
   r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
   __m256 p = _mm256_set1_ps(1.f / 5040);
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) {
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  }
+  const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  const __m256i two_n = _mm256_slli_epi32(biased, 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 
@@ -96,9 +119,10 @@ struct PagedRows {
     return cache + static_cast<int64_t>(table[b]) * block_size * slot_stride + head_offset;
   }
 
-  // fn(t, row) for each token t in [lo, hi), block by block, prefetching the next block's rows.
+  // fn(t0, t1, row_t0) for each block's share [t0, t1) of [lo, hi); token rows are slot_stride apart.
+  // Prefetches the next block meanwhile.
   template <typename F>
-  void for_each(const T* cache, int64_t lo, int64_t hi, const F& fn) const {
+  void for_each_block(const T* cache, int64_t lo, int64_t hi, const F& fn) const {
     for (int64_t b = lo / block_size; b * block_size < hi; ++b) {
       const int64_t first = b * block_size, next = first + block_size;
       if (next < hi) {
@@ -108,8 +132,8 @@ struct PagedRows {
           for (int64_t off = 0; off < bytes; off += 64)
             _mm_prefetch(ahead + j * slot_stride * sizeof(T) + off, _MM_HINT_T0);
       }
-      const T* base = block_start(cache, b);
-      for (int64_t t = std::max(lo, first); t < std::min(hi, next); ++t) fn(t, base + (t - first) * slot_stride);
+      const int64_t t0 = std::max(lo, first);
+      fn(t0, std::min(hi, next), block_start(cache, b) + (t0 - first) * slot_stride);
     }
   }
 };
@@ -160,7 +184,8 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
       TORCH_CHECK(id >= 0 && id < k_cache.size(0), "block id ", id, " of sequence ", s, " is out of range");
     }
     for (int64_t r = 0; r < q_len; r += kRowsPerTile) {
-      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({s, h, r, std::min(q_len, r + kRowsPerTile)});
+      const int64_t end = std::min(q_len, r + kRowsPerTile);
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({s, h, r, end});
     }
   }
 
@@ -193,14 +218,18 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
     }
     const PagedRows<T> paged{table, block_size, slot_stride, it.kv_head * head_dim, head_dim};
 
-    // Pass 1: scores for every (row, head) against every visible key.
-    paged.for_each(k_ptr, lo, hi, [&](int64_t t, const T* k_row) {
-      for (int64_t r = 0; r < rows; ++r) {
-        const bool visible = t >= row_lo[r] && t < row_hi[r];
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t m = r * group + g;
-          scores[m * span + t - lo] = visible ? dot(&query[m * head_dim], k_row, head_dim) : 0.f;
-        }
+    // Pass 1: scores of every (row, head) against every key of the tile's range. Each block of keys is
+    // loaded once and scored against all rows, kRows rows at a time.
+    paged.for_each_block(k_ptr, lo, hi, [&](int64_t t0, int64_t t1, const T* k_rows) {
+      for (int64_t m0 = 0; m0 < m_count; m0 += kRows) {
+        with_rows(m_count - m0, [&](auto n) {
+          for (int64_t t = t0; t < t1; ++t) {
+            float dots[kRows];
+            const T* k_row = k_rows + (t - t0) * slot_stride;
+            _mm_storeu_ps(dots, dot_rows<n>(&query[m0 * head_dim], k_row, head_dim));
+            for (int r = 0; r < n; ++r) scores[(m0 + r) * span + t - lo] = dots[r];
+          }
+        });
       }
     });
     // Softmax over each row's own visible range; invisible keys get weight 0.
@@ -214,11 +243,13 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
       std::fill(row + b, row + span, 0.f);
       inv_sum[m] = 1.f / sum;
     }
-    // Pass 2: weighted sum of V rows.
-    paged.for_each(v_ptr, lo, hi, [&](int64_t t, const T* v_row) {
-      for (int64_t m = 0; m < m_count; ++m) {
-        const float w = scores[m * span + t - lo];
-        if (w != 0.f) axpy(&acc[m * head_dim], w, v_row, head_dim);
+    // Pass 2: weighted sum of V rows, block by block, kRows accumulator rows at a time.
+    paged.for_each_block(v_ptr, lo, hi, [&](int64_t t0, int64_t t1, const T* v_rows) {
+      for (int64_t m0 = 0; m0 < m_count; m0 += kRows) {
+        with_rows(m_count - m0, [&](auto n) {
+          accumulate_rows<n>(&acc[m0 * head_dim], &scores[m0 * span + t0 - lo], span, v_rows, slot_stride,
+                             t1 - t0, head_dim);
+        });
       }
     });
     for (int64_t m = 0; m < m_count; ++m) {
@@ -240,9 +271,10 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
                      int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "expected q [T, H, D] and k/v caches [num_blocks, block_size, Hkv, D]");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) % 8 == 0, "head_dim must match the cache and be a multiple of 8, got ", q.size(2));
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads ", q.size(1), " is not a multiple of num_kv_heads ",
-              k_cache.size(2));
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) % 8 == 0,
+              "head_dim must match the cache and be a multiple of 8, got ", q.size(2));
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads ", q.size(1),
+              " is not a multiple of num_kv_heads ", k_cache.size(2));
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
                   out.scalar_type() == q.scalar_type(),
               "q, out and the caches must share one dtype");
@@ -251,9 +283,11 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   check_int32_cpu(block_tables, "block_tables");
   check_int32_cpu(query_start_loc, "query_start_loc");
   check_int32_cpu(context_lens, "context_lens");
-  TORCH_CHECK(query_start_loc.size(0) == context_lens.size(0) + 1, "query_start_loc must have num_seqs + 1 entries");
+  TORCH_CHECK(query_start_loc.size(0) == context_lens.size(0) + 1,
+              "query_start_loc must have num_seqs + 1 entries");
   if (q.scalar_type() == at::kFloat) {
-    attention_kernel<float>(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window);
+    attention_kernel<float>(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                            window);
   } else if (q.scalar_type() == at::kBFloat16) {
     attention_kernel<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
                                     scale, window);
@@ -265,10 +299,14 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
 // Copies token t's K/V rows ([Hkv * D] each) into flat slot slot_mapping[t]; slot -1 is skipped.
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping) {
-  TORCH_CHECK(key.is_contiguous() && value.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+  TORCH_CHECK(key.is_contiguous() && value.is_contiguous() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
               "key, value and the caches must be contiguous");
   TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
               "key/value dtype must match the cache dtype");
+  TORCH_CHECK(key.dim() == 3 && key.sizes().slice(1) == k_cache.sizes().slice(2) &&
+                  value.sizes() == key.sizes(),
+              "expected key/value [T, Hkv, D] matching the cache, got ", key.sizes());
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.size(0) == key.size(0),
               "slot_mapping must be int64 with one entry per token");
   const int64_t row_bytes = key.stride(0) * key.element_size();
@@ -293,7 +331,9 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor query_start_loc, Tensor context_lens, float scale, int window) -> ()");
-  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def(
+      "write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) "
+      "-> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
