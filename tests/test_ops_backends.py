@@ -121,3 +121,14 @@ def test_write_kv_matches_reference(backend, dtype):
     reference.write_kv(key, value, *expected, slots)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
     assert torch.equal(caches[0].view(20, 2, 16)[19], key[2])  # the reference itself put it there
+
+
+def test_query_may_be_a_strided_view(backend):
+    """Models split q out of a fused projection: q rows are then further apart than H * D."""
+    b = _batch(Case(6, 2, 16, 4, (12, 30), (12, 1)))
+    fused = torch.cat([b.q, torch.randn(b.q.shape[0], 4, 16)], dim=1)  # [T, H + 2 Hkv, D]
+    q_view = fused[:, :6]
+    assert not q_view.is_contiguous()
+    args = (b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.context_lens, 0.25)
+    out = backend.paged_prefill_attention(q_view, *args)
+    torch.testing.assert_close(out, reference.paged_prefill_attention(b.q, *args), atol=1e-5, rtol=1e-5)

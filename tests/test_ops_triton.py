@@ -64,7 +64,7 @@ def test_attention_kernel_compiles_for_sm90(dtype, group, head_dim, block_size, 
         GROUP_PAD=max(triton.next_power_of_2(group), 16 // block_q), BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=triton_ops._BLOCK_N, PRECISION="ieee" if dtype == "fp32" else "tf32", WIDEN=False,
     )  # fmt: skip
-    types = {**data, **index, "scale": "fp32", "stride_kb": "i64"}
+    types = {**data, **index, "scale": "fp32", "stride_kb": "i64"}  # other strides and sizes: i32
     compiled = _compile_sm90(triton_ops._paged_attention_kernel, types, constexprs)
     assert len(compiled.asm["cubin"]) > 0
     assert ".target sm_90" in compiled.asm["ptx"]

@@ -5,9 +5,9 @@ Tensors in, tensors out: no engine concepts here. Attention and write_kv dispatc
   sdpa    pure PyTorch: per-sequence index_select + scaled_dot_product_attention
   cpu     C++ kernel reading K/V in place (csrc/), built on first use
   triton  GPU kernels (triton_ops.py)
-PAGEDLLM_ATTN_BACKEND picks one; otherwise CUDA tensors use triton (sdpa if Triton is missing) and CPU
-tensors use cpu (sdpa, with one warning line, if the kernel cannot be built). The choice is made once
-per device type and cached.
+PAGEDLLM_ATTN_BACKEND picks one; otherwise CUDA tensors use triton (sdpa if Triton is missing), CPU
+tensors use cpu (sdpa, with one warning line, if the kernel cannot be built), other devices sdpa.
+The choice is made once per device type and cached (reset_backend_cache() forgets it).
 """
 
 from __future__ import annotations
@@ -66,7 +66,9 @@ def _resolve(device_type: str) -> str:
         return _cpu_or_fallback()
     if requested:
         return requested
-    return "triton" if importlib.util.find_spec("triton") is not None else "sdpa"
+    if device_type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return "sdpa"
 
 
 @functools.cache

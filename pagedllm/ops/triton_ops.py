@@ -60,6 +60,8 @@ def _paged_attention_kernel(
     num_seqs,
     stride_qt,
     stride_qh,
+    stride_ot,
+    stride_oh,
     stride_kb,
     stride_ks,
     stride_kh,
@@ -126,7 +128,10 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + q_off, acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+        out_off = (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(
+            out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :]
+        )
 
 
 def write_kv(
@@ -164,7 +169,7 @@ def _attention(
     block_q: int,
 ) -> torch.Tensor:
     """Launch with tiles of block_q rows per sequence (block_q == 1 only when every sequence has one row)."""
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_seqs = context_lens.shape[0]
     if q.shape[0] == 0 or num_seqs == 0:
         return out
@@ -173,6 +178,7 @@ def _attention(
     group = num_heads // num_kv_heads
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and q.stride(2) == 1
     query_start_loc = query_start_loc.to(torch.int32)
+    block_tables = block_tables.to(torch.int32)
     tiles = (query_start_loc[1:] - query_start_loc[:-1] + block_q - 1) // block_q
     tile_starts = torch.zeros(num_seqs + 1, dtype=torch.int32, device=q.device)
     torch.cumsum(tiles, 0, out=tile_starts[1:])
@@ -184,7 +190,7 @@ def _attention(
         q,
         k_cache,
         v_cache,
-        block_tables.to(torch.int32),
+        block_tables,
         query_start_loc,
         tile_starts,
         context_lens.to(torch.int32),
@@ -193,6 +199,8 @@ def _attention(
         num_seqs,
         q.stride(0),
         q.stride(1),
+        out.stride(0),
+        out.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
