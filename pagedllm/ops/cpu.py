@@ -44,6 +44,12 @@ def _op(name: str):
     return getattr(torch.ops.pagedllm, name)
 
 
+@functools.cache
+def _one_row_each(num_seqs: int) -> torch.Tensor:
+    """query_start_loc of a decode batch (never written to, so shared between calls)."""
+    return torch.arange(num_seqs + 1, dtype=torch.int32)
+
+
 def _as_int32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int32).contiguous()
 
@@ -101,7 +107,6 @@ def paged_decode_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: the prefill kernel with one row each."""
-    one_row_each = torch.arange(q.shape[0] + 1, dtype=torch.int32)
     return paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, one_row_each, context_lens, scale, sliding_window
+        q, k_cache, v_cache, block_tables, _one_row_each(q.shape[0]), context_lens, scale, sliding_window
     )
