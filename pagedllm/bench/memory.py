@@ -127,7 +127,8 @@ def replay(allocator: KVAllocator, trace: list[Request]) -> LayoutResult:
             samples.append(allocator.usage())
         for active in finished:
             allocator.free(active.request.req_id)
-            running.remove(active)
+        if finished:
+            running = [active for active in running if active.generated < active.request.output_len]
         step += 1
     assert allocator.all_free()
     return _summarise(samples, seqs_per_step, preemptions, recomputed)
