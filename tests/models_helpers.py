@@ -48,10 +48,13 @@ class PagedCache:
         self.free.extend(self.tables.pop(seq))
 
 
-def forward_chunks(model, cache: PagedCache, chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
+def forward_chunks(
+    model, cache: PagedCache, chunks: list[tuple[int, list[int], int]], tail: int | None = None
+) -> torch.Tensor:
     """One forward over several sequences' chunks; chunk = (seq id, token ids, position of first token).
 
-    Returns float32 logits for every token of the flattened batch, [sum of chunk lengths, vocab].
+    Returns float32 logits for every token of the flattened batch, [sum of chunk lengths, vocab], or
+    only for the last `tail` tokens of each chunk.
     """
     input_ids, positions, slot_mapping, context_lens, starts = [], [], [], [], [0]
     for seq, tokens, start in chunks:
@@ -73,6 +76,10 @@ def forward_chunks(model, cache: PagedCache, chunks: list[tuple[int, list[int], 
     )
     with torch.inference_mode():
         hidden = model(torch.tensor(input_ids), torch.tensor(positions), meta)
+        if tail is not None:
+            hidden = torch.cat(
+                [hidden[max(lo, hi - tail) : hi] for lo, hi in zip(starts, starts[1:], strict=False)]
+            )
         return model.compute_logits(hidden)
 
 
@@ -100,25 +107,23 @@ def greedy_generate(
 
 
 def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """The oracle: Hugging Face generate, one prompt at a time (no padding), EOS disabled."""
-    outputs = []
+    """The oracle: one batched Hugging Face generate, left-padded, greedy, EOS disabled."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = hf_model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+        out = hf_model.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[:, width:].tolist()
 
 
-def hf_logits(hf_model, prompt: list[int]) -> torch.Tensor:
-    """Float32 logits for every position of one prompt, from a plain Hugging Face forward."""
+def hf_logits(hf_model, prompt: list[int], tail: int = 0) -> torch.Tensor:
+    """Float32 logits of one prompt from a plain Hugging Face forward: every position, or the last `tail`."""
     with torch.inference_mode():
-        return hf_model(torch.tensor([prompt])).logits[0].float()
+        return hf_model(torch.tensor([prompt]), logits_to_keep=tail).logits[0].float()

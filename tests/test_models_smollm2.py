@@ -1,0 +1,81 @@
+"""The built-in SmolLM2-135M (GGUF, dequantized by pagedllm) against Hugging Face's own GGUF load.
+
+HF reads the same file with its own dequantizer, Q/K un-permutation and tokenizer conversion, so this
+checks pagedllm's GGUF conversion end to end, not just the forward pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import smollm2_gguf_path
+from models_helpers import PagedCache, forward_chunks, greedy_generate, hf_greedy, hf_logits
+
+from pagedllm.models import load_model
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 4, 5,",
+    "Water boils at",
+    "The three primary colors are",
+    "Q: What is the largest planet in the solar system?\nA:",
+    "Paged attention stores the key-value cache in fixed-size blocks, so that memory is allocated on "
+    "demand and shared between sequences. The main benefit of this design is",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2):
+    return [smollm2.tokenizer.encode(p) for p in PROMPTS]
+
+
+def test_tokenizer_and_chat_template_match_hf(smollm2):
+    from transformers import AutoTokenizer
+
+    path = smollm2_gguf_path()
+    hf_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tok = smollm2.tokenizer
+    chat = [{"role": "user", "content": "What is paged attention?"}]
+    assert [tok.encode(p) for p in PROMPTS] == [hf_tok.encode(p) for p in PROMPTS]
+    assert tok.decode(tok.encode(PROMPTS[2])) == PROMPTS[2]
+    assert smollm2.chat_template == hf_tok.chat_template is not None
+    assert tok.apply_chat_template(chat, add_generation_prompt=True) == hf_tok.apply_chat_template(
+        chat, add_generation_prompt=True
+    )
+    assert smollm2.eos_token_ids == [hf_tok.eos_token_id] == [tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_config_matches_hf(smollm2, hf_smollm2):
+    cfg, hf_cfg = smollm2.config, hf_smollm2.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        hf_cfg.num_hidden_layers,
+        hf_cfg.hidden_size,
+        hf_cfg.num_attention_heads,
+        hf_cfg.num_key_value_heads,
+        hf_cfg.head_dim,
+    )
+    assert cfg.rope_theta == hf_cfg.rope_parameters["rope_theta"]
+    assert cfg.tie_word_embeddings and hf_cfg.tie_word_embeddings
+
+
+def test_prefill_logits_match_hf(smollm2, hf_smollm2, prompt_ids):
+    model = smollm2.model
+    cache = PagedCache.create(model.config, 64, 16, seed=1)
+    logits = forward_chunks(model, cache, [(i, p, 0) for i, p in enumerate(prompt_ids)])
+    expected = torch.cat([hf_logits(hf_smollm2, p) for p in prompt_ids])
+    torch.testing.assert_close(logits, expected, atol=2e-3, rtol=1e-4)
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+def test_greedy_batch_matches_hf_generate(smollm2, hf_smollm2, prompt_ids):
+    expected = hf_greedy(hf_smollm2, prompt_ids, 32)
+    got = greedy_generate(smollm2.model, prompt_ids, 32, block_size=16)
+    assert got == expected
+    assert " Paris" in smollm2.tokenizer.decode(got[0])
