@@ -13,14 +13,11 @@ def assert_all_blocks_free(llm_or_engine) -> None:
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Hugging Face transformers' greedy continuation of one prompt (the oracle), EOS ignored."""
+    """Hugging Face transformers' greedy continuation of one prompt (the oracle), never stopping at EOS."""
+    tokens: list[int] = []
     with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt_ids) :].tolist()
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        for _ in range(max_new_tokens):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens

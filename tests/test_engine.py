@@ -32,14 +32,38 @@ def test_preemption_gives_the_same_tokens_as_no_preemption(mode, reference_token
     assert_all_blocks_free(llm)
 
 
-def test_prefix_caching_reuses_blocks_and_keeps_outputs(reference_tokens):
+def test_prefix_caching_reuses_blocks_and_keeps_outputs(smollm2_llm):
+    system = "You are a helpful assistant who writes vivid, concise stories for children of all ages. "
+    prompts = [system + p for p in PROMPTS]  # a shared prefix of several full blocks
+    expected = [o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, GREEDY)]
     llm = LLM("smollm2-135m", kv_cache_memory="64MiB", max_model_len=512, enable_prefix_caching=True)
-    first = llm.generate(PROMPTS[:1], GREEDY)[0]
+    first = llm.generate(prompts[:1], GREEDY)[0]
     assert first.num_cached_tokens == 0
-    second = llm.generate(PROMPTS, GREEDY)
-    assert second[0].num_cached_tokens > 0  # the first prompt's full blocks were served from the cache
-    assert [o.outputs[0].token_ids for o in second] == reference_tokens
+    second = llm.generate(prompts, GREEDY)
+    block = llm.engine.config.block_size
+    full_blocks = (len(second[0].prompt_token_ids) - 1) // block * block
+    assert second[0].num_cached_tokens == full_blocks  # the whole prompt but its last partial block
+    assert all(o.num_cached_tokens >= block for o in second[1:])  # the shared system prompt
+    assert [o.outputs[0].token_ids for o in second] == expected
+    assert_all_blocks_free(smollm2_llm)
     assert_all_blocks_free(llm)
+
+
+def test_contiguous_layout_parallel_sampling_copies_the_prompt(smollm2_llm):
+    """A contiguous fork copies the prompt's KV into the child's slab: children match paged ones."""
+    params = SamplingParams(n=3, max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
+    paged = smollm2_llm.generate(PROMPTS[0], params)[0]
+    llm = LLM(
+        "smollm2-135m",
+        kv_layout="contiguous",
+        contiguous_reserve="pow2",
+        kv_cache_memory="32MiB",
+        max_model_len=512,
+    )
+    contiguous = llm.generate(PROMPTS[0], params)[0]
+    assert [c.token_ids for c in contiguous.outputs] == [c.token_ids for c in paged.outputs]
+    assert_all_blocks_free(llm)
+    assert_all_blocks_free(smollm2_llm)
 
 
 def test_parallel_sampling_forks_and_is_reproducible(smollm2_llm):
@@ -55,7 +79,7 @@ def test_parallel_sampling_forks_and_is_reproducible(smollm2_llm):
 
 def test_forked_sequences_share_prompt_blocks_copy_on_write(smollm2_llm):
     engine = smollm2_llm.engine
-    engine.add_request("fork", PROMPTS[1], SamplingParams(n=3, max_tokens=5, temperature=0.8, seed=1))
+    engine.add_request("fork", PROMPTS[1], SamplingParams(n=3, max_tokens=5, temperature=0.8, seed=1, ignore_eos=True))
     engine.step()  # prefill, then fork
     usage = engine.allocator.usage()
     assert usage.shared_saved_slots >= 2 * len(engine.requests["fork"].prompt_token_ids)

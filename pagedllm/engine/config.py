@@ -41,7 +41,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     kv_layout: Literal["paged", "contiguous"] = "paged"
-    contiguous_reserve: Literal["max", "pow2", "oracle"] = "max"
+    contiguous_reserve: Literal["max", "pow2"] = "max"
     enable_prefix_caching: bool = False
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     seed: int = 0
@@ -51,9 +51,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.kv_layout not in ("paged", "contiguous"):
             raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
-        if self.contiguous_reserve not in ("max", "pow2", "oracle"):
+        if self.contiguous_reserve not in ("max", "pow2"):
             raise ValueError(
-                f"contiguous_reserve must be 'max', 'pow2' or 'oracle', got {self.contiguous_reserve!r}"
+                f"contiguous_reserve must be 'max' or 'pow2', got {self.contiguous_reserve!r} ('oracle' "
+                "needs each request's true output length: only `pagedllm bench memory` knows it)"
             )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:

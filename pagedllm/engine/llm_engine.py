@@ -180,10 +180,8 @@ class LLMEngine:
                 seq.num_cached_tokens = seq.num_tokens
                 for index in range(1, request.params.n):
                     child = self._new_sequence(request, index)
-                    self.allocator.fork(seq.seq_id, child.seq_id)
-                    child.num_cached_tokens = child.num_tokens
                     child.num_prefix_hits = seq.num_prefix_hits
-                    self.scheduler.add_running(child)
+                    self.scheduler.fork(seq, child)
                     seqs.append(child)
                     rows.append(row)
         return seqs, rows

@@ -66,14 +66,18 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self._fork_copies: list[tuple[int, int]] = []  # to perform before the next forward
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A sequence forked from a running one (parallel sampling) joins the running batch."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start `child` as a copy of running `parent` (parallel sampling): paged blocks are shared
+        copy-on-write; a contiguous slab is copied slot by slot at the start of the next step."""
+        self._fork_copies += self.allocator.fork(parent.seq_id, child.seq_id)
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -88,7 +92,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(copies=self._fork_copies)
+        self._fork_copies = []
         self._schedule_decodes(out)
         if not out.preempted:
             self._schedule_swap_ins(out)
