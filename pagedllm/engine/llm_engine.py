@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -15,11 +16,24 @@ from pagedllm.engine.sampler import SampleRow, sample
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence
 from pagedllm.kv import ContiguousAllocator, PagedAllocator
-from pagedllm.models import load_model
+from pagedllm.models import LoadedModel, load_model
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# Engines in one process share a loaded model (weights are read-only; each engine owns its KV cache).
+_loaded_models: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def load_shared_model(model: str, dtype: torch.dtype, device: str) -> LoadedModel:
+    """load_model, reusing a model another live engine already loaded with the same settings."""
+    key = (model, dtype, device)
+    loaded = _loaded_models.get(key)
+    if loaded is None:
+        loaded = load_model(model, dtype=dtype, device=device)
+        _loaded_models[key] = loaded
+    return loaded
 
 
 @dataclass
@@ -42,7 +56,8 @@ class Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        loaded = load_model(config.model, dtype=config.torch_dtype, device=config.device)
+        loaded = load_shared_model(config.model, config.torch_dtype, config.device)
+        self.loaded_model = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = set(loaded.eos_token_ids)

@@ -10,6 +10,7 @@ import sys
 BENCHMARKS = {
     "memory": "pagedllm.bench.memory",  # paged vs contiguous KV waste, no model needed
     "kernel": "pagedllm.bench.kernel",  # paged vs contiguous attention kernels
+    "throughput": "pagedllm.bench.throughput",  # paged vs contiguous (vs HF) on a real model
 }
 
 
