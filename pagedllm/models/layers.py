@@ -19,18 +19,40 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+class Linear(nn.Module):
+    """y = x W^T (+ b). Like every parameter here, W starts uninitialised: the loader fills it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token id -> row of the (uninitialised until loaded) embedding table."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32. Gemma scales by (1 + weight) and rounds afterwards."""
 
     def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         if self.unit_offset:
             return (normed * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * normed.to(x.dtype)
@@ -56,21 +78,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
-    """float32 cos/sin tables for every position, computed once; forward looks up this batch's positions."""
+    """float32 cos/sin tables for every position, computed once; forward looks up a batch's positions."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
         super().__init__()
-        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
-        self.register_buffer("cos", torch.empty(max_positions, head_dim // 2), persistent=False)
-        self.register_buffer("sin", torch.empty(max_positions, head_dim // 2), persistent=False)
-        self.reset_tables()
-
-    def reset_tables(self) -> None:
-        """(Re)compute the tables in float32 on their device (also after building on the meta device)."""
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(self.cos.device)
-        positions = torch.arange(self.cos.shape[0], dtype=torch.float32, device=self.cos.device)
-        angles = positions[:, None] * inv_freq[None, :]
-        self.cos, self.sin = angles.cos(), angles.sin()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.register_buffer("cos", angles.cos(), persistent=False)  # [max_positions, head_dim / 2]
+        self.register_buffer("sin", angles.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] positions -> (cos, sin), each [T, 1, head_dim / 2] in dtype, broadcasting over heads."""
@@ -83,7 +98,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-class MergedLinear(nn.Linear):
+class MergedLinear(Linear):
     """Several projections of the same input as one matmul (e.g. q, k, v); shards are stacked by rows.
 
     `shards` maps each checkpoint projection name to its output size, in order; the loader fills the rows.
@@ -92,7 +107,6 @@ class MergedLinear(nn.Linear):
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool):
         super().__init__(in_features, sum(shards.values()), bias=bias)
         self.shards = shards
-        self.split_sizes = list(shards.values())
 
 
 class GatedMLP(nn.Module):
@@ -102,7 +116,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         shards = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
         self.gate_up_proj = MergedLinear(hidden_size, shards, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,7 +140,7 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         shards = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
         self.qkv_proj = MergedLinear(config.hidden_size, shards, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = qk_norm(self.head_dim) if qk_norm else None
         self.k_norm = qk_norm(self.head_dim) if qk_norm else None
         self.attn = PagedAttention(layer_idx, scale, config.layer_sliding_window(layer_idx))
@@ -134,16 +148,16 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.split_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        num_tokens, num_heads, head_dim = x.shape[0], self.num_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        qk_size = (num_heads + self.num_kv_heads) * head_dim
+        qk = qkv[:, :qk_size].view(num_tokens, num_heads + self.num_kv_heads, head_dim)
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = self.attn(q, k, v, meta)
-        return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
+            qk = torch.cat((self.q_norm(qk[:, :num_heads]), self.k_norm(qk[:, num_heads:])), dim=1)
+        qk = apply_rotary(qk, *rope)  # q and k heads together: one set of elementwise ops
+        out = self.attn(qk[:, :num_heads], qk[:, num_heads:], v, meta)
+        return self.o_proj(out.reshape(num_tokens, num_heads * head_dim))
 
 
 class CausalLM(nn.Module):
@@ -152,10 +166,8 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.lm_head = None
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] final hidden states -> [N, vocab] float32 logits."""

@@ -13,7 +13,6 @@ from torch import nn
 
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.gguf_loader import cache_root, converted_folder
-from pagedllm.models.layers import RotaryEmbedding
 from pagedllm.models.registry import model_class
 from pagedllm.models.weights import load_weights
 
@@ -123,12 +122,9 @@ def load_model(
     folder = resolve_checkpoint(model)
     config = read_config(folder)
     cls = model_class(config.architecture)
-    with torch.device("meta"):  # no memory, no random init: every parameter is loaded below
-        module = cls(config)
-    module.to_empty(device=device).to(dtype)
-    for layer in module.modules():
-        if isinstance(layer, RotaryEmbedding):
-            layer.reset_tables()
+    with torch.device(device):
+        module = cls(config)  # parameters uninitialised (torch.empty): every one is loaded below
+    module.to(dtype)
     load_weights(module, _read_weights(weight_files(folder)))
     module.eval().requires_grad_(False)
     return LoadedModel(module, _load_tokenizer(folder), config, model, folder)
