@@ -74,7 +74,8 @@ def converted_folder(gguf_path: Path) -> Path:
         tmp.rename(folder)  # atomic: a half-written folder is never taken for a finished one
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if not (folder / "config.json").exists():  # else another process finished the same conversion
+            raise
     return folder
 
 
