@@ -128,3 +128,5 @@ def test_greedy_32_tokens_match_hf_generate(pair):
     expected = hf_greedy(hf, batch, 32)
     assert all(len(out) == 32 for out in expected)
     assert greedy_generate(model, batch, 32, block_size=16) == expected
+    # A batch of one: each decode step writes a single token's K/V (a strided [1, Hkv, D] view).
+    assert greedy_generate(model, batch[1:2], 32, block_size=16) == expected[1:2]
