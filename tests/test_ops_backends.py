@@ -123,6 +123,18 @@ def test_write_kv_matches_reference(backend, dtype):
     assert torch.equal(caches[0].view(20, 2, 16)[19], key[2])  # the reference itself put it there
 
 
+def test_write_kv_of_one_token_split_from_a_fused_projection(backend):
+    """A one-token K view of a fused [1, H + 2 Hkv, D] tensor counts as contiguous but keeps the
+    fused row stride: only its own Hkv * D values may land in the slot."""
+    fused = torch.randn(1, 8, 16)
+    key, value = fused[:, 4:6], fused[:, 6:8]
+    caches = [torch.zeros(3, 4, 2, 16) for _ in range(2)]
+    backend.write_kv(key, value, *caches, torch.tensor([5]))
+    flat_k, flat_v = (c.view(12, 2, 16) for c in caches)
+    assert torch.equal(flat_k[5], key[0]) and torch.equal(flat_v[5], value[0])
+    assert flat_k.count_nonzero() == key.numel() and flat_v.count_nonzero() == value.numel()
+
+
 def test_query_may_be_a_strided_view(backend):
     """Models split q out of a fused projection: q rows are then further apart than H * D."""
     b = _batch(Case(6, 2, 16, 4, (12, 30), (12, 1)))

@@ -309,7 +309,8 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
               "expected key/value [T, Hkv, D] matching the cache, got ", key.sizes());
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.size(0) == key.size(0),
               "slot_mapping must be int64 with one entry per token");
-  const int64_t row_bytes = key.stride(0) * key.element_size();
+  // Not key.stride(0): a one-token view keeps its parent's stride there and still counts as contiguous.
+  const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   auto* k_dst = static_cast<char*>(k_cache.data_ptr());
