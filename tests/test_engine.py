@@ -79,7 +79,9 @@ def test_parallel_sampling_forks_and_is_reproducible(smollm2_llm):
 
 def test_forked_sequences_share_prompt_blocks_copy_on_write(smollm2_llm):
     engine = smollm2_llm.engine
-    engine.add_request("fork", PROMPTS[1], SamplingParams(n=3, max_tokens=5, temperature=0.8, seed=1, ignore_eos=True))
+    engine.add_request(
+        "fork", PROMPTS[1], SamplingParams(n=3, max_tokens=5, temperature=0.8, seed=1, ignore_eos=True)
+    )
     engine.step()  # prefill, then fork
     usage = engine.allocator.usage()
     assert usage.shared_saved_slots >= 2 * len(engine.requests["fork"].prompt_token_ids)

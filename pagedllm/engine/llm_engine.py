@@ -118,6 +118,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.config.model!r} has no tokenizer: pass prompt token ids")
             text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
             text, token_ids = None, list(prompt)
@@ -214,7 +216,7 @@ class LLMEngine:
         seq.cumulative_logprob += smp.logprob
         if smp.top_logprobs is not None:
             seq.output_logprobs.append(smp.top_logprobs)
-        new_text = detokenizer.decode_new_text(self.tokenizer, seq)
+        new_text = detokenizer.decode_new_text(self.tokenizer, seq) if self.tokenizer is not None else ""
         params, token = seq.params, smp.token_id
         if not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
