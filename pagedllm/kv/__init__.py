@@ -4,7 +4,7 @@ Pure Python: imports no torch and nothing else from pagedllm.
 """
 
 from pagedllm.kv.contiguous import ContiguousAllocator
-from pagedllm.kv.interface import KVAllocator, KVUsage, NoFreeBlocks
+from pagedllm.kv.interface import KVAllocator, KVUsage, NoFreeBlocks, SlotState
 from pagedllm.kv.paged import PagedAllocator
 
-__all__ = ["ContiguousAllocator", "KVAllocator", "KVUsage", "NoFreeBlocks", "PagedAllocator"]
+__all__ = ["ContiguousAllocator", "KVAllocator", "KVUsage", "NoFreeBlocks", "PagedAllocator", "SlotState"]

@@ -17,7 +17,15 @@ import bisect
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from pagedllm.kv.interface import KVUsage, NoFreeBlocks, check_positive, check_request, duplicate, unknown
+from pagedllm.kv.interface import (
+    KVUsage,
+    NoFreeBlocks,
+    SlotState,
+    check_positive,
+    check_request,
+    duplicate,
+    unknown,
+)
 
 RESERVE_POLICIES = ("max", "pow2", "oracle")
 
@@ -208,6 +216,15 @@ class ContiguousAllocator:
             external_frag_slots=sum(gap for _, gap in self.gaps if gap < self._refused),
             shared_saved_slots=0,
         )
+
+    def slot_states(self) -> list[SlotState]:
+        """Every slot in address order: a slab is live up to its length, then reserved."""
+        states = [SlotState.FREE] * self.num_slots
+        for slab in self.slabs.values():
+            end = slab.start + slab.num_tokens
+            states[slab.start : end] = [SlotState.LIVE] * slab.num_tokens
+            states[end : slab.start + slab.size] = [SlotState.RESERVED] * (slab.size - slab.num_tokens)
+        return states
 
     def _slab(self, seq_id: Hashable) -> Slab:
         slab = self.slabs.get(seq_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Protocol
 
 
@@ -31,6 +32,15 @@ class KVUsage:
     @property
     def live_fraction(self) -> float:
         return self.fraction(self.live_slots)
+
+
+class SlotState(StrEnum):
+    """What one KV slot holds, as `slot_states()` reports it; the names match KVUsage's counts."""
+
+    LIVE = "live"  # a token of a resident sequence
+    RESERVED = "reserved"  # contiguous: inside a slab, beyond its sequence's length
+    TAIL = "tail"  # paged: an unused slot of a block in use
+    FREE = "free"  # in no sequence (paged: includes cached blocks no sequence holds)
 
 
 class KVAllocator(Protocol):
@@ -85,6 +95,8 @@ class KVAllocator(Protocol):
     def block_table(self, seq_id: Hashable) -> list[int]: ...
 
     def usage(self) -> KVUsage: ...
+
+    def slot_states(self) -> list[SlotState]: ...
 
     def all_free(self) -> bool: ...
 

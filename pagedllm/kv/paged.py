@@ -13,7 +13,15 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from pagedllm.kv.block_pool import Block, BlockPool, hash_block
-from pagedllm.kv.interface import KVUsage, NoFreeBlocks, check_positive, check_request, duplicate, unknown
+from pagedllm.kv.interface import (
+    KVUsage,
+    NoFreeBlocks,
+    SlotState,
+    check_positive,
+    check_request,
+    duplicate,
+    unknown,
+)
 
 
 @dataclass
@@ -294,6 +302,16 @@ class PagedAllocator:
             external_frag_slots=0,
             shared_saved_slots=self._resident_tokens - live,
         )
+
+    def slot_states(self) -> list[SlotState]:
+        """Every device slot in address order: a held block is live up to its tokens, then tail."""
+        bs, states = self.block_size, []
+        for block in self.pool.blocks:
+            if block.ref_cnt == 0:
+                states += [SlotState.FREE] * bs
+            else:
+                states += [SlotState.LIVE] * block.num_tokens + [SlotState.TAIL] * (bs - block.num_tokens)
+        return states
 
     def _resident(self, seq_id: Hashable) -> _Seq:
         seq = self._seqs.get(seq_id)

@@ -1,0 +1,101 @@
+"""`slot_states()`: every KV slot's state in address order, agreeing with usage() and the block tables."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import settings
+from hypothesis.stateful import invariant
+from test_kv_properties import CachingPagedMachine, OracleMachine, Pow2Machine
+
+from pagedllm.kv import ContiguousAllocator, PagedAllocator, SlotState
+
+L, R, T, F = SlotState.LIVE, SlotState.RESERVED, SlotState.TAIL, SlotState.FREE
+
+
+def assert_counts_match_usage(kv) -> None:
+    counts, u = Counter(kv.slot_states()), kv.usage()
+    assert len(kv.slot_states()) == u.total_slots
+    assert (counts[L], counts[R], counts[T], counts[F]) == (
+        u.live_slots,
+        u.reserved_slots,
+        u.tail_slots,
+        u.free_slots,
+    )
+
+
+def test_paged_blocks_are_live_up_to_their_tokens_then_tail():
+    kv = PagedAllocator(4, block_size=4)
+    kv.allocate("a", [1] * 6, 4)  # blocks 0, 1
+    kv.allocate("b", [2] * 3, 4)  # block 2
+    assert kv.slot_states() == [L] * 4 + [L, L, T, T] + [L, L, L, T] + [F] * 4
+    kv.append("b", 3)
+    kv.free("a")
+    assert kv.slot_states() == [F] * 8 + [L] * 4 + [F] * 4
+    assert_counts_match_usage(kv)
+
+
+def test_paged_shared_blocks_count_once_and_copy_on_write_takes_a_free_block():
+    kv = PagedAllocator(3, block_size=4)
+    kv.allocate("p", [1] * 6, 4)
+    kv.fork("p", "c")
+    assert kv.slot_states() == [L] * 4 + [L, L, T, T] + [F] * 4
+    kv.append("c", 5)  # copies the shared, partly filled last block into block 2
+    assert kv.slot_states() == [L] * 4 + [L, L, T, T] + [L, L, L, T]
+    assert_counts_match_usage(kv)
+
+
+def test_paged_cached_blocks_no_sequence_holds_are_free():
+    kv = PagedAllocator(2, block_size=2, enable_prefix_caching=True)
+    kv.allocate("a", [1, 2, 3], 1)
+    kv.free("a")
+    assert kv.pool.cached and kv.slot_states() == [F] * 4
+    assert_counts_match_usage(kv)
+
+
+def test_contiguous_slabs_are_live_up_to_their_length_then_reserved():
+    kv = ContiguousAllocator(20, max_model_len=8, reserve="max")
+    kv.allocate("a", [1] * 3, 5)  # slots 0..7
+    kv.allocate("b", [1] * 2, 6)  # slots 8..15
+    kv.append("b", 0)
+    assert kv.slot_states() == [L] * 3 + [R] * 5 + [L] * 3 + [R] * 5 + [F] * 4
+    kv.free("a")
+    assert kv.slot_states() == [F] * 8 + [L] * 3 + [R] * 5 + [F] * 4
+    assert_counts_match_usage(kv)
+
+
+class SlotStatesInvariant:
+    """Mixed into the property machines: slot_states() agrees with usage() and with the slot mappings."""
+
+    @invariant()
+    def slot_states_agree(self):
+        kv, states = self.kv, self.kv.slot_states()
+        assert_counts_match_usage(kv)
+        mapped = {slot for s in self.resident() for slot in kv.slot_mapping(s)}
+        assert {i for i, state in enumerate(states) if state == L} == mapped
+        if isinstance(kv, PagedAllocator):
+            held = {b for s in self.resident() for b in kv.block_table(s)}
+            assert {i // self.bs for i, state in enumerate(states) if state != F} == held
+        else:
+            gaps = {i for start, size in kv.gaps for i in range(start, start + size)}
+            assert {i for i, state in enumerate(states) if state == F} == gaps
+
+
+class PagedSlotStates(SlotStatesInvariant, CachingPagedMachine):
+    pass
+
+
+class Pow2SlotStates(SlotStatesInvariant, Pow2Machine):
+    pass
+
+
+class OracleSlotStates(SlotStatesInvariant, OracleMachine):
+    pass
+
+
+TestPagedSlotStates = PagedSlotStates.TestCase
+TestPow2SlotStates = Pow2SlotStates.TestCase
+TestOracleSlotStates = OracleSlotStates.TestCase
+for _case in (TestPagedSlotStates, TestPow2SlotStates, TestOracleSlotStates):
+    _case.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
+del _case
