@@ -14,6 +14,10 @@ Usage is sampled after each step's appends, before finished sequences are freed.
 (live, reserved-empty, block tail, external fragmentation, idle free) are averaged over the steps in
 which a request is still waiting, i.e. the steps in which KV memory is the bottleneck; concurrency
 and steps-to-finish (the throughput proxy) cover the whole trace.
+
+`--plot FILE.png` also draws every layout's KV memory map (`pagedllm.viz.memory_map`): the state of
+each slot at the first memory-bound step at or after half of the paged layout's memory-bound steps
+(found by one extra paged replay), sampled where the usage is sampled.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from pagedllm.bench.trace import WORKLOADS, Request, make_trace
-from pagedllm.kv import ContiguousAllocator, KVAllocator, NoFreeBlocks, PagedAllocator
+from pagedllm.kv import ContiguousAllocator, KVAllocator, KVUsage, NoFreeBlocks, PagedAllocator, SlotState
 
 LAYOUTS = [("paged", None), ("contiguous", "max"), ("contiguous", "pow2"), ("contiguous", "oracle")]
 
@@ -53,6 +58,15 @@ class LayoutResult:
     alloc_ops: int | None = None  # with --profile
     alloc_ops_per_s: float | None = None
     replay_s: float | None = None
+
+
+@dataclass
+class Snapshot:
+    """Every slot's state at one memory-bound step of a replay, and usage() at that moment."""
+
+    step: int
+    states: list[SlotState]
+    usage: KVUsage
 
 
 class _Timed:
@@ -83,14 +97,20 @@ class _Active:
     generated: int = 0
 
 
-def replay(allocator: KVAllocator, trace: list[Request]) -> LayoutResult:
-    """Run the trace to completion through one allocator; returns its row (layout fields left blank)."""
+def replay(
+    allocator: KVAllocator, trace: list[Request], snapshot_from: int | None = None
+) -> tuple[LayoutResult, Snapshot | None]:
+    """Run the trace to completion through one allocator; returns its row (layout fields left blank).
+
+    With `snapshot_from`, also the slot states at the first memory-bound step at or after that step.
+    """
     pending = deque(trace)
     waiting: deque[_Active] = deque()
     running: list[_Active] = []
     step = preemptions = recomputed = 0
     seqs_per_step: list[int] = []
     samples = []  # KVUsage of each memory-bound step
+    snapshot = None
     while pending or waiting or running:
         while pending and pending[0].arrival_step <= step:
             waiting.append(_Active(pending.popleft()))
@@ -125,13 +145,15 @@ def replay(allocator: KVAllocator, trace: list[Request]) -> LayoutResult:
         seqs_per_step.append(len(running))
         if waiting:
             samples.append(allocator.usage())
+            if snapshot is None and snapshot_from is not None and step >= snapshot_from:
+                snapshot = Snapshot(step, allocator.slot_states(), samples[-1])
         for active in finished:
             allocator.free(active.request.req_id)
         if finished:
             running = [active for active in running if active.generated < active.request.output_len]
         step += 1
     assert allocator.all_free()
-    return _summarise(samples, seqs_per_step, preemptions, recomputed)
+    return _summarise(samples, seqs_per_step, preemptions, recomputed), snapshot
 
 
 def _summarise(samples, seqs_per_step: list[int], preemptions: int, recomputed: int) -> LayoutResult:
@@ -162,8 +184,8 @@ def _summarise(samples, seqs_per_step: list[int], preemptions: int, recomputed: 
     )
 
 
-def run(args: argparse.Namespace) -> tuple[dict, list[LayoutResult]]:
-    """Build the trace and replay it through every layout."""
+def run(args: argparse.Namespace) -> tuple[dict, list[LayoutResult], list[Snapshot]]:
+    """Build the trace and replay it through every layout; snapshots (one per layout) only with --plot."""
     num_slots = args.num_blocks * args.block_size
     if num_slots < args.max_model_len:
         raise ValueError(
@@ -182,21 +204,53 @@ def run(args: argparse.Namespace) -> tuple[dict, list[LayoutResult]]:
         rate=args.rate,
         seed=args.seed,
     )
-    rows = []
+    snapshot_from = None
+    if args.plot:  # half-way through paged's memory-bound steps: every layout is still memory-bound
+        snapshot_from = replay(_allocator("paged", None, args), trace)[0].memory_bound_steps // 2
+        info["snapshot_from"] = snapshot_from
+    rows, snapshots = [], []
     for layout, reserve in LAYOUTS:
-        if layout == "paged":
-            allocator = PagedAllocator(args.num_blocks, args.block_size)
-        else:
-            allocator = ContiguousAllocator(num_slots, args.max_model_len, reserve=reserve)
+        allocator = _allocator(layout, reserve, args)
         timed = _Timed(allocator) if args.profile else None
         start = time.perf_counter()
-        row = replay(timed or allocator, trace)
+        row, snapshot = replay(timed or allocator, trace, snapshot_from)
         row.layout, row.reserve = layout, reserve
+        if args.plot and snapshot is None:
+            raise ValueError(
+                f"--plot: {_label(row)} has no memory-bound step from step {snapshot_from} on; "
+                "raise --rate or lower --num-blocks"
+            )
+        if snapshot:
+            snapshots.append(snapshot)
         if timed:
             row.replay_s = time.perf_counter() - start
             row.alloc_ops, row.alloc_ops_per_s = timed.ops, timed.ops / timed.seconds
         rows.append(row)
-    return info, rows
+    return info, rows, snapshots
+
+
+def _allocator(layout: str, reserve: str | None, args: argparse.Namespace) -> KVAllocator:
+    if layout == "paged":
+        return PagedAllocator(args.num_blocks, args.block_size)
+    return ContiguousAllocator(args.num_blocks * args.block_size, args.max_model_len, reserve=reserve)
+
+
+def _label(row: LayoutResult) -> str:
+    return row.layout if row.reserve is None else f"{row.layout}/{row.reserve}"
+
+
+def plot(info: dict, rows: list[LayoutResult], snapshots: list[Snapshot], path: Path) -> None:
+    """Draw the layouts' memory maps (matplotlib is imported only here)."""
+    from pagedllm.viz.memory_map import plot_memory_map
+
+    bands = [(f"{_label(r)}, step {s.step}", s.states) for r, s in zip(rows, snapshots, strict=True)]
+    title = (
+        f"KV cache memory map, {info['workload']} trace of {info['num_requests']:,} requests: "
+        f"{info['num_blocks']:,} blocks x {info['block_size']} = {info['num_slots']:,} slots per layout\n"
+        f"at the first memory-bound step from step {info['snapshot_from']:,} on; one cell = one token slot, "
+        "in address order (left to right, top to bottom)"
+    )
+    plot_memory_map(bands, path, title=title)
 
 
 def _pct(x: float | None) -> str:
@@ -250,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print JSON {config, rows} instead of a table")
     parser.add_argument("--profile", action="store_true", help="time every allocator call: ops per second")
+    parser.add_argument("--plot", type=Path, metavar="FILE.png", help="also draw each layout's KV memory map")
     return parser
 
 
@@ -257,13 +312,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        info, rows = run(args)
+        info, rows, snapshots = run(args)
     except ValueError as error:
         parser.exit(2, f"pagedllm bench memory: error: {error}\n")
     if args.json:
         print(json.dumps({"config": info, "rows": [asdict(r) for r in rows]}, indent=2))
     else:
         print(format_table(info, rows))
+    if args.plot:
+        plot(info, rows, snapshots, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 
