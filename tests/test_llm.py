@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from helpers import assert_all_blocks_free, hf_greedy
+from helpers import assert_all_blocks_free
+from models_helpers import hf_greedy
 
 from pagedllm import SamplingParams
 
@@ -24,8 +25,8 @@ GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def hf_reference(hf_smollm2, smollm2_llm):
     tok = smollm2_llm.get_tokenizer()
-    ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
-    return ids, [hf_greedy(hf_smollm2, p, 32) for p in ids]
+    ids = [tok.encode(p) for p in PROMPTS]
+    return ids, hf_greedy(hf_smollm2, ids, 32)
 
 
 def test_batched_greedy_matches_hf(smollm2_llm, hf_reference):
@@ -69,6 +70,7 @@ def test_block_boundaries_and_mixed_lengths(smollm2_llm, hf_smollm2):
         [{"prompt_token_ids": p} for p in prompts],
         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
     )
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(hf_smollm2, prompt, 12), len(prompt)
+    expected = hf_greedy(hf_smollm2, prompts, 12)
+    for prompt, out, want in zip(prompts, outputs, expected, strict=True):
+        assert out.outputs[0].token_ids == want, len(prompt)
     assert_all_blocks_free(smollm2_llm)

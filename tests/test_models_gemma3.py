@@ -71,3 +71,17 @@ def test_prefill_logits_and_greedy_match_hf(gemma3, hf_gemma3, prompt_ids):
     assert "France" in gemma3.tokenizer.decode(
         got[0]
     )  # a base model: " the capital of the country of France."
+
+
+def test_llm_generate_adds_bos_and_matches_hf(hf_gemma3, prompt_ids):
+    """A text prompt is encoded the way vLLM does (Gemma's BOS included) and generates HF's tokens."""
+    from helpers import assert_all_blocks_free
+
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM("gemma3-270m", kv_cache_memory="32MiB", max_model_len=1024)
+    out = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))[0]
+    assert out.prompt_token_ids == prompt_ids[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf_gemma3, prompt_ids[:1], 8)[0]
+    assert "France" in out.outputs[0].text
+    assert_all_blocks_free(llm)
