@@ -120,7 +120,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"model {self.config.model!r} has no tokenizer: pass prompt token ids")
-            text, token_ids = prompt, self.tokenizer.encode(prompt)  # BOS where the tokenizer adds one, as vLLM
+            # With the tokenizer's special tokens (e.g. Gemma's BOS), as vLLM encodes a text prompt.
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
         vocab = self.model.config.vocab_size
