@@ -32,6 +32,17 @@ def test_preemption_gives_the_same_tokens_as_no_preemption(mode, reference_token
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_sequence_outgrowing_the_whole_cache_ends_with_length(mode):
+    """4 blocks hold 64 tokens: a lone 40-token prompt asking for 50 more stops at the cache's end."""
+    llm = LLM("smollm2-135m", num_kv_blocks=4, max_model_len=512, preemption_mode=mode)
+    out = llm.generate([list(range(100, 140))], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    completion = out[0].outputs[0]
+    assert completion.finish_reason == "length"
+    assert 20 <= len(completion.token_ids) < 50
+    assert_all_blocks_free(llm)
+
+
 def test_prefix_caching_reuses_blocks_and_keeps_outputs(smollm2_llm):
     system = "You are a helpful assistant who writes vivid, concise stories for children of all ages. "
     prompts = [system + p for p in PROMPTS]  # a shared prefix of several full blocks

@@ -31,7 +31,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     preempted: list[Sequence] = field(default_factory=list)
-    ignored: list[Sequence] = field(default_factory=list)  # can never fit in the cache
+    ignored: list[Sequence] = field(default_factory=list)  # can never fit in the cache: finish them
 
     @property
     def scheduled(self) -> list[Sequence]:
@@ -108,10 +108,14 @@ class Scheduler:
         while queue:
             seq = queue.popleft()
             while not self.allocator.can_append(seq.seq_id):
-                victim = queue.pop() if queue else seq
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
+                if queue:
+                    self._preempt(queue.pop(), out)
+                    continue
+                if self.running:
+                    self._preempt(seq, out)
+                else:  # alone and still no room: it has outgrown the whole KV cache
+                    out.ignored.append(seq)
+                break
             else:
                 out.copies += self.allocator.append(seq.seq_id, seq.token_ids[-1])
                 self.running.append(seq)
