@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (`pagedllm serve`): /v1/completions, /v1/chat/completions, /metrics."""

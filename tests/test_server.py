@@ -1,0 +1,213 @@
+"""The OpenAI-compatible server, run for real (uvicorn on loopback) and driven by the official client."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2 as httpx
+import openai
+import pytest
+import uvicorn
+
+from pagedllm import SamplingParams
+from pagedllm.entrypoints.openai.server import build_app
+
+MODEL = "smollm2-135m"
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def server():
+    app = build_app(MODEL, kv_cache_memory="64MiB", max_model_len=1024)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.1)
+    yield base, app.state.engine.engine
+    uv.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.fixture
+def client(server):
+    base, engine = server
+    yield openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+    # The engine thread finishes (or aborts) asynchronously: give it a moment, then nothing may be left.
+    deadline = time.monotonic() + 10
+    while (
+        engine.has_unfinished_requests() or not engine.allocator.all_free()
+    ) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.has_unfinished_requests()
+    assert engine.allocator.all_free(), engine.allocator.usage()
+
+
+@pytest.fixture(scope="module")
+def llm(server):
+    from pagedllm import LLM
+
+    return LLM(MODEL, kv_cache_memory="64MiB", max_model_len=1024)  # shares the server's loaded model
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_greedy_matches_llm_generate(client, llm):
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    expected = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0))[0]
+    assert response.choices[0].text == expected.outputs[0].text
+    assert response.choices[0].finish_reason == "length"
+    prompt_tokens = len(expected.prompt_token_ids)
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (prompt_tokens, 12)
+    assert response.usage.total_tokens == prompt_tokens + 12
+
+
+def test_completion_of_token_ids_and_logprobs(client, llm):
+    ids = llm.get_tokenizer().encode(PROMPT)
+    response = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0, logprobs=2)
+    expected = llm.generate(PROMPT, SamplingParams(max_tokens=5, temperature=0))[0].outputs[0]
+    assert response.choices[0].text == expected.text
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 5
+    assert all(
+        lp <= 0 and len(top) >= 2
+        for lp, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True)
+    )
+    assert "".join(logprobs.tokens) == expected.text
+
+
+def test_completion_stream_concatenates_to_the_full_text(client):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    full = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+
+
+def test_stop_string_cuts_the_text_streamed_or_not(client, llm):
+    text = llm.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0))[0].outputs[0].text
+    stop = text.strip()[3:6]  # a string the greedy text surely contains
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop])
+    response = client.completions.create(**kwargs)
+    assert response.choices[0].text == text[: text.index(stop)]
+    assert response.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True))
+    assert streamed == response.choices[0].text
+
+
+def test_n_with_seed_is_reproducible(client):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2, seed=7)
+    first, second = client.completions.create(**kwargs), client.completions.create(**kwargs)
+    assert sorted(c.index for c in first.choices) == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert first.usage.completion_tokens == 16
+
+
+def test_chat_completion_and_stream(client, llm):
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=10, temperature=0
+    )
+    expected = llm.chat(messages, SamplingParams(max_tokens=10, temperature=0))[0]
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == expected.outputs[0].text
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert response.choices[0].finish_reason in ("stop", "length")
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == response.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == response.choices[0].finish_reason
+
+
+def test_concurrent_requests_all_complete(client, llm):
+    prompts = [f"Count to {i}:" for i in range(8)]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    expected = [o.outputs[0].text for o in llm.generate(prompts, params)]
+
+    def complete(prompt: str) -> str:
+        return (
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+        )
+
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(complete, prompts)) == expected
+
+
+def test_abandoned_stream_is_aborted(client, server):
+    _, engine = server
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1000, stream=True, extra_body={"ignore_eos": True}
+    )
+    next(iter(stream))
+    stream.close()  # the client goes away long before 1000 tokens: the server must abort the request
+    deadline = time.monotonic() + 3
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, names",
+    [
+        (dict(temperature=-1), openai.BadRequestError, "temperature"),
+        (dict(max_tokens=0), openai.BadRequestError, "max_tokens"),
+        (dict(top_p=1.5), openai.BadRequestError, "1.5"),
+        (dict(model="no-such-model"), openai.NotFoundError, "no-such-model"),
+        (dict(prompt="hello " * 1100), openai.BadRequestError, "max_model_len=1024"),
+        (dict(stream=True, prompt="hello " * 1100), openai.BadRequestError, "max_model_len=1024"),
+        (dict(n="two"), openai.BadRequestError, "two"),
+    ],
+)
+def test_bad_completion_requests(client, kwargs, error, names):
+    request = dict(model=MODEL, prompt=PROMPT, max_tokens=4) | kwargs
+    with pytest.raises(error) as info:
+        client.completions.create(**request)
+    assert names in info.value.body["message"]
+    assert info.value.body["code"] == info.value.status_code
+
+
+def test_chat_without_messages_is_a_bad_request(client):
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=MODEL, messages=None)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.post("/chat/completions", body={"model": MODEL}, cast_to=object)
+
+
+def test_metrics(client, server):
+    base, _ = server
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    text = httpx.get(f"{base}/metrics").text
+    for name in (
+        "pagedllm:num_requests_running",
+        "pagedllm:num_requests_waiting",
+        "pagedllm:kv_cache_usage_perc",
+        "pagedllm:prompt_tokens_total",
+        "pagedllm:generation_tokens_total",
+        "pagedllm:num_preemptions_total",
+    ):
+        assert name in text
+    generated = next(
+        line for line in text.splitlines() if line.startswith("pagedllm:generation_tokens_total")
+    )
+    assert float(generated.split()[-1]) >= 3
