@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import assert_all_blocks_free
 from models_helpers import hf_greedy
 
@@ -74,3 +75,14 @@ def test_block_boundaries_and_mixed_lengths(smollm2_llm, hf_smollm2):
     for prompt, out, want in zip(prompts, outputs, expected, strict=True):
         assert out.outputs[0].token_ids == want, len(prompt)
     assert_all_blocks_free(smollm2_llm)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_dtypes_generate(dtype):
+    from pagedllm import LLM
+
+    llm = LLM("smollm2-135m", dtype=dtype, kv_cache_memory="16MiB", max_model_len=256)
+    assert llm.engine.runner.k_cache.dtype == getattr(torch, dtype)
+    out = llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0))[0]
+    assert "Paris" in out.outputs[0].text
+    assert_all_blocks_free(llm)

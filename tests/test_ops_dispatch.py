@@ -99,3 +99,9 @@ def test_cpu_kernel_rejects_bad_inputs_by_name():
         cpu.paged_decode_attention(b.q.bfloat16(), *args[1:])
     with pytest.raises(RuntimeError, match="slot 80"):
         cpu.write_kv(b.q[:, :2], b.q[:, :2], b.k_cache, b.v_cache, torch.tensor([80]))
+
+
+def test_fp16_on_cpu_uses_sdpa():
+    """The C++ kernel covers fp32 and bf16; fp16 CPU tensors go to the pure PyTorch backend."""
+    assert ops.get_backend_name("cpu", torch.float16) == "sdpa"
+    assert ops.get_backend_name("cpu", torch.bfloat16) == ops.get_backend_name("cpu", torch.float32)

@@ -6,7 +6,8 @@ Tensors in, tensors out: no engine concepts here. Attention and write_kv dispatc
   cpu     C++ kernel reading K/V in place (csrc/), built on first use
   triton  GPU kernels (triton_ops.py)
 PAGEDLLM_ATTN_BACKEND picks one; otherwise CUDA tensors use triton (sdpa if Triton is missing), CPU
-tensors use cpu (sdpa, with one warning line, if the kernel cannot be built), other devices sdpa.
+tensors use cpu for fp32/bf16 (sdpa for fp16, and, with one warning line, if the kernel cannot
+be built), other devices sdpa.
 The choice is made once per device type and cached (reset_backend_cache() forgets it).
 """
 
@@ -50,19 +51,21 @@ def _cpu_or_fallback() -> str:
     return "sdpa"
 
 
-def get_backend_name(device: torch.device | str) -> str:
-    """Name of the backend that serves tensors on this device."""
-    return _resolve(torch.device(device).type)
+def get_backend_name(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
+    """Name of the backend that serves tensors of this dtype on this device."""
+    return _resolve(torch.device(device).type, dtype)
 
 
 @functools.cache
-def _resolve(device_type: str) -> str:
+def _resolve(device_type: str, dtype: torch.dtype) -> str:
     requested = os.environ.get(ENV_VAR, "").strip().lower()
     if requested and requested not in BACKENDS:
         raise ValueError(f"{ENV_VAR}={requested!r} is not one of {sorted(BACKENDS)}")
     if requested == "cpu" or (not requested and device_type == "cpu"):
         if device_type != "cpu":
             raise ValueError(f"{ENV_VAR}=cpu cannot run on {device_type} tensors")
+        if dtype not in (torch.float32, torch.bfloat16):
+            return "sdpa"  # the C++ kernel covers fp32 and bf16
         return _cpu_or_fallback()
     if requested:
         return requested
@@ -72,8 +75,8 @@ def _resolve(device_type: str) -> str:
 
 
 @functools.cache
-def _backend(device_type: str) -> ModuleType:
-    return importlib.import_module(f"pagedllm.ops.{BACKENDS[_resolve(device_type)]}")
+def _backend(device_type: str, dtype: torch.dtype) -> ModuleType:
+    return importlib.import_module(f"pagedllm.ops.{BACKENDS[_resolve(device_type, dtype)]}")
 
 
 def write_kv(
@@ -84,7 +87,7 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Scatter new tokens' K/V ([T, Hkv, D]) into cache slots (slot_mapping [T] int64); -1 skips."""
-    _backend(key.device.type).write_kv(key, value, k_cache, v_cache, slot_mapping)
+    _backend(key.device.type, key.dtype).write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_decode_attention(
@@ -97,7 +100,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q [S, H, D], one token per sequence (the last of its context) -> [S, H, D]."""
-    return _backend(q.device.type).paged_decode_attention(
+    return _backend(q.device.type, q.dtype).paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window
     )
 
@@ -113,7 +116,7 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, D]; rows query_start_loc[s]:[s+1] are the last tokens of sequence s, causal -> [T, H, D]."""
-    return _backend(q.device.type).paged_prefill_attention(
+    return _backend(q.device.type, q.dtype).paged_prefill_attention(
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window
     )
 
