@@ -38,6 +38,21 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.server import main as serve
+
+    return serve(
+        args.model,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -55,6 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-cache-memory", default="256MiB")
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    serve.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf file")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model name clients use (default: --model)"
+    )
+    serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--kv-cache-memory", default="1GiB")
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="run a benchmark (options after the name go to it)")
     bench.add_argument("name", choices=sorted(BENCHMARKS))

@@ -302,3 +302,18 @@ def usage(output: RequestOutput) -> p.UsageInfo:
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
     )
+
+
+def main(
+    model: str = "smollm2-135m",
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_name: str | None = None,
+    **engine_kwargs,
+) -> int:
+    """Serve `model` with uvicorn until interrupted."""
+    import uvicorn
+
+    app = build_app(model, served_model_name, **engine_kwargs)
+    uvicorn.run(app, host=host, port=port, log_level="info")
+    return 0
