@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pagedllm").setLevel(logging.INFO)  # e.g. how many KV blocks fit
     parser = build_parser()
     if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHMARKS:
         return importlib.import_module(BENCHMARKS[argv[1]]).main(argv[2:])
