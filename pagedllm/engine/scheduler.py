@@ -52,6 +52,7 @@ class Scheduler:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 8192,
         preemption_mode: PreemptionMode = "recompute",
+        watermark: float = 0.01,
     ):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
@@ -62,6 +63,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
+        self.watermark = watermark  # share of blocks a new admission must leave free (vLLM's 1%)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -141,7 +143,9 @@ class Scheduler:
             max_new = seq.max_new_tokens(self.max_model_len)
             if seq.num_tokens > budget and (out.prefills or out.decodes):
                 return
-            if not self.allocator.can_allocate(seq.token_ids, max_new):
+            if not self.allocator.can_allocate(seq.token_ids, max_new) or (
+                self.running and not self._leaves_headroom(seq)
+            ):
                 if not self.running and not self.swapped:
                     # Nothing will ever free up room: this request cannot fit the cache at all.
                     logger.warning(
@@ -160,6 +164,11 @@ class Scheduler:
             self.running.append(seq)
             out.prefills.append(seq)
             budget -= seq.num_new_tokens
+
+    def _leaves_headroom(self, seq: Sequence) -> bool:
+        """Admitting seq keeps a watermark of blocks free for the running sequences to grow into."""
+        needed = -(-seq.num_tokens // self.allocator.block_size)
+        return self.allocator.num_free_blocks - needed >= self.watermark * self.allocator.num_total_blocks
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.num_preemptions += 1
