@@ -214,8 +214,8 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, smp) -> None:
         seq.num_cached_tokens = seq.num_tokens
         seq.output_token_ids.append(smp.token_id)
-        seq.cumulative_logprob += smp.logprob
-        if smp.top_logprobs is not None:
+        if smp.logprob is not None:
+            seq.cumulative_logprob += smp.logprob
             seq.output_logprobs.append(smp.top_logprobs)
         new_text = detokenizer.decode_new_text(self.tokenizer, seq) if self.tokenizer is not None else ""
         params, token = seq.params, smp.token_id

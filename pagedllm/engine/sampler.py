@@ -21,7 +21,7 @@ class SampleRow:
 @dataclass
 class Sample:
     token_id: int
-    logprob: float  # of the chosen token under the model's distribution
+    logprob: float | None = None  # of the chosen token under the model's distribution, if asked for
     top_logprobs: dict[int, float] | None = None
 
 
@@ -52,21 +52,21 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
     for i, row in enumerate(rows):
         if row.banned_token_ids:
             logits[i, list(row.banned_token_ids)] = float("-inf")
-    logprobs = logits.log_softmax(dim=-1)
     chosen = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         probs = _filtered_probs(logits[random_rows], [rows[i] for i in random_rows])
         for j, i in enumerate(random_rows):
             chosen[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
-    chosen_list = chosen.tolist()
-    chosen_logprobs = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
-    samples = []
-    for i, row in enumerate(rows):
-        top = None
-        if row.params.logprobs is not None:
-            values, ids = logprobs[i].topk(row.params.logprobs)
-            top = dict(zip(ids.tolist(), values.tolist(), strict=True))
-            top[chosen_list[i]] = chosen_logprobs[i]
-        samples.append(Sample(chosen_list[i], chosen_logprobs[i], top))
+    samples = [Sample(token_id) for token_id in chosen.tolist()]
+    # Log-probabilities only for the rows that asked: a full-vocabulary log-softmax per step is not free.
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if wanted:
+        logprobs = logits[wanted].log_softmax(dim=-1)
+        for j, i in enumerate(wanted):
+            smp = samples[i]
+            smp.logprob = logprobs[j, smp.token_id].item()
+            values, ids = logprobs[j].topk(rows[i].params.logprobs)
+            smp.top_logprobs = dict(zip(ids.tolist(), values.tolist(), strict=True))
+            smp.top_logprobs[smp.token_id] = smp.logprob
     return samples
