@@ -75,13 +75,11 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence (q [S, H, D]), the last token of its context."""
-    out = torch.empty_like(q)
-    for s, context_len in enumerate(context_lens.tolist()):
-        k, v = gather_kv(k_cache, v_cache, block_tables[s], context_len)
-        pos = torch.tensor([context_len - 1], device=q.device)
-        out[s] = _attend(q[s : s + 1], k, v, pos, scale, sliding_window)[0]
-    return out
+    """One query token per sequence (q [S, H, D]), the last token of its context: prefill, one row each."""
+    one_row_each = torch.arange(q.shape[0] + 1, device=q.device)
+    return paged_prefill_attention(
+        q, k_cache, v_cache, block_tables, one_row_each, context_lens, scale, sliding_window
+    )
 
 
 def paged_prefill_attention(
