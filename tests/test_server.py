@@ -187,6 +187,62 @@ def test_bad_completion_requests(client, kwargs, error, names):
     assert info.value.body["code"] == info.value.status_code
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+@pytest.mark.parametrize(
+    "endpoint, kwargs, param",
+    [  # the README's list of refused fields, then fields the server does not know at all
+        ("completions", dict(echo=True), "echo"),
+        ("completions", dict(presence_penalty=0.5), "presence_penalty"),
+        ("completions", dict(frequency_penalty=-0.5), "frequency_penalty"),
+        ("completions", dict(prompt=["one prompt", "another"]), "prompt"),
+        ("completions", dict(prompt=[[1, 2], [3, 4]]), "prompt"),
+        ("chat", dict(logprobs=True), "logprobs"),
+        ("chat", dict(tools=[TOOL]), "tools"),
+        ("chat", dict(response_format={"type": "json_object"}), "response_format"),
+        ("chat", dict(presence_penalty=1.0), "presence_penalty"),
+        ("chat", dict(top_logprobs=2), "top_logprobs"),
+        ("chat", dict(messages=[{"role": "user", "content": [IMAGE]}]), "messages.0.content"),
+        ("chat", dict(messages=[{"role": "user", "content": "hi", "name": "bob"}]), "messages.0.name"),
+        ("completions", dict(suffix="!"), "suffix"),
+        ("completions", dict(best_of=2), "best_of"),
+        ("completions", dict(logit_bias={"1": 5}), "logit_bias"),
+        ("completions", dict(stream=True, stream_options={"continuous_usage_stats": True}), "stream_options"),
+    ],
+)
+def test_unsupported_fields_are_refused_by_name(client, endpoint, kwargs, param):
+    """A field pagedllm does not implement is a 400 naming it, never silently ignored."""
+    if endpoint == "chat":
+        create = client.chat.completions.create
+        request = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4) | kwargs
+    else:
+        create, request = client.completions.create, dict(model=MODEL, prompt=PROMPT, max_tokens=4) | kwargs
+    with pytest.raises(openai.BadRequestError) as info:
+        create(**request)
+    assert info.value.body["param"].startswith(param), info.value.body
+    assert param.split(".")[-1] in info.value.body["message"]
+
+
+def test_supported_request_shapes_still_pass(client, llm):
+    """Zero penalties, echo=false, text content parts and a reply passed back as a message are accepted."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is 2 + 2?"}]}]
+    first = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, presence_penalty=0, logprobs=False
+    )
+    plain = [{"role": "user", "content": "What is 2 + 2?"}]
+    expected = llm.chat(plain, SamplingParams(max_tokens=6, temperature=0))
+    assert first.choices[0].message.content == expected[0].outputs[0].text
+    follow_up = [*messages, first.choices[0].message, {"role": "user", "content": "And 3 + 3?"}]
+    second = client.chat.completions.create(model=MODEL, messages=follow_up, max_tokens=4, temperature=0)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, echo=False, frequency_penalty=0.0, user="u1"
+    )
+    assert response.usage.completion_tokens == 3
+
+
 def test_chat_without_messages_is_a_bad_request(client):
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=MODEL, messages=None)
