@@ -96,6 +96,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             preemption_mode=config.preemption_mode,
+            watermark=config.watermark,
         )
         self.requests: dict[str, Request] = {}
         self.num_steps = 0

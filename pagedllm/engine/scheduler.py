@@ -68,6 +68,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.num_blocks_swapped_out = 0  # device -> host block copies, over the scheduler's life
+        self.num_blocks_swapped_in = 0  # host -> device
         self._fork_copies: list[tuple[int, int]] = []  # to perform before the next forward
 
     def add(self, seq: Sequence) -> None:
@@ -128,7 +130,9 @@ class Scheduler:
             seq = self.swapped[0]
             if not self.allocator.can_swap_in(seq.seq_id):
                 return
-            out.swap_in += self.allocator.swap_in(seq.seq_id)
+            copies = self.allocator.swap_in(seq.seq_id)
+            self.num_blocks_swapped_in += len(copies)
+            out.swap_in += copies
             self.swapped.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -177,10 +181,12 @@ class Scheduler:
             self.running.remove(seq)
         if self.preemption_mode == "swap":
             try:
-                out.swap_out += self.allocator.swap_out(seq.seq_id)
+                copies = self.allocator.swap_out(seq.seq_id)
             except NoFreeBlocks:  # the host pool is full too: fall back to recompute
                 pass
             else:
+                self.num_blocks_swapped_out += len(copies)
+                out.swap_out += copies
                 seq.status = SequenceStatus.SWAPPED
                 self.swapped.append(seq)
                 return
