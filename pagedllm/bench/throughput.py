@@ -2,8 +2,11 @@
 
 The same requests run through the engine with the paged KV layout and with contiguous slabs
 (`max` and `pow2` reservation), all with the same KV memory, and optionally through Hugging Face
-transformers' `generate` on the same weights. Printed: output tokens/s, mean and max running batch,
-mean share of KV slots holding live tokens, preemptions, and the ratios measured in this one run.
+transformers' `generate` on the same weights. Printed: the workload's totals, then per system the
+output tokens and tokens/s, mean and max running batch, mean share of KV slots holding live tokens,
+preemptions ("-" where a system does not report it), and the ratios measured in this one run.
+pagedllm's time is the sum of its add_request and step calls only: the per-step readings (batch size,
+KV usage) are taken between steps, outside the clock.
 
 Workload: `--num-prompts` prompts of random token ids, lengths uniform in `--input-len LO-HI`, each
 generating exactly `--output-len` tokens greedily (EOS ignored), all submitted at once (offline batch).
@@ -36,8 +39,17 @@ class Row:
     mean_batch: float | None  # None where the system does not report it
     max_batch: int | None
     live_fraction: float | None  # mean over steps of live KV slots / all KV slots
-    preemptions: int
+    preemptions: int | None
     same_tokens_as_paged: float | None  # share of requests whose greedy output equals paged's
+
+
+@dataclass
+class Workload:
+    """What every system is asked to do, counted from the prompts themselves."""
+
+    num_prompts: int
+    prompt_tokens: int
+    output_tokens: int  # requested: output_len per prompt, EOS ignored
 
 
 def make_prompts(num: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
@@ -57,22 +69,27 @@ def run_engine(args, layout: str, prompts: list[list[int]]) -> tuple[Row, list[l
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
+        watermark=args.watermark,
     )
     engine = llm.engine
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
     for i, ids in enumerate(prompts):
         engine.add_request(f"bench-{i}", ids, params)
+    seconds = time.perf_counter() - start
     batch_sizes, live, outputs = [], [], {}
-    start = time.perf_counter()
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        start = time.perf_counter()
+        step_outputs = engine.step()
+        seconds += time.perf_counter() - start
+        # Readings between steps, off the clock:
+        for out in step_outputs:
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
         batch_sizes.append(len(engine.scheduler.running))
         usage = engine.allocator.usage()
         live.append(usage.live_slots / usage.total_slots)
-    seconds = time.perf_counter() - start
     assert engine.allocator.all_free(), "KV blocks leaked"
     tokens = [outputs[f"bench-{i}"] for i in range(len(prompts))]
     total = sum(len(t) for t in tokens)
@@ -117,17 +134,8 @@ def run_hf(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
         tokens += out[:, width:].tolist()
     seconds = time.perf_counter() - start
     total = sum(len(t) for t in tokens)
-    return Row(
-        "hf-transformers",
-        seconds,
-        total,
-        total / seconds,
-        float(args.hf_batch_size),
-        args.hf_batch_size,
-        None,
-        0,
-        None,
-    ), tokens
+    name = f"hf batch {args.hf_batch_size}"
+    return Row(name, seconds, total, total / seconds, None, None, None, None, None), tokens
 
 
 def run_vllm(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
@@ -153,11 +161,28 @@ def run_vllm(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
     seconds = time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     total = sum(len(t) for t in tokens)
-    return Row(f"vllm {vllm.__version__}", seconds, total, total / seconds, None, None, None, 0, None), tokens
+    return Row(
+        f"vllm {vllm.__version__}", seconds, total, total / seconds, None, None, None, None, None
+    ), tokens
 
 
 def _opt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+HEADER = (
+    f"{'system':<18}{'seconds':>9}{'out tokens':>12}{'out tok/s':>11}{'mean batch':>12}{'max batch':>11}"
+    f"{'live KV':>9}{'preempt':>9}{'= paged':>9}"
+)
+
+
+def format_row(r: Row) -> str:
+    """One table line under HEADER; "-" where the system does not report a value."""
+    return (
+        f"{r.system:<18}{r.seconds:>9.1f}{r.output_tokens:>12,}{r.output_tok_s:>11.1f}"
+        f"{_opt(r.mean_batch, '.1f'):>12}{_opt(r.max_batch, 'd'):>11}{_opt(r.live_fraction, '.1%'):>9}"
+        f"{_opt(r.preemptions, 'd'):>9}{_opt(r.same_tokens_as_paged, '.0%'):>9}"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--watermark", type=float, default=0.01, help="share of KV blocks an admission leaves free"
+    )
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--hf", action="store_true", help="also run HF transformers generate (the peer)")
     parser.add_argument("--hf-batch-size", type=int, default=64)
@@ -216,23 +244,20 @@ def main(argv: list[str] | None = None) -> int:
                 tokens
             )
     rows = [row for row, _ in rows]
+    workload = Workload(len(prompts), sum(len(p) for p in prompts), len(prompts) * args.output_len)
     if args.json:
-        print(json.dumps({"config": vars(args), "rows": [asdict(r) for r in rows]}, indent=2))
+        report = {"config": vars(args), "workload": asdict(workload), "rows": [asdict(r) for r in rows]}
+        print(json.dumps(report, indent=2))
         return 0
     print(
-        f"{args.num_prompts} prompts of {args.input_len} tokens -> {args.output_len} tokens each, "
-        f"model {args.model}, KV {args.kv_cache_memory}, max_model_len {args.max_model_len}"
+        f"workload: {workload.num_prompts} prompts of {args.input_len} random tokens, "
+        f"{workload.prompt_tokens:,} prompt tokens in all, {args.output_len} output tokens each = "
+        f"{workload.output_tokens:,}; model {args.model}, KV {args.kv_cache_memory}, "
+        f"max_model_len {args.max_model_len}, watermark {args.watermark:g}"
     )
-    print(
-        f"{'system':<18}{'seconds':>9}{'out tok/s':>11}{'mean batch':>12}{'max batch':>11}{'live KV':>9}"
-        f"{'preempt':>9}{'= paged':>9}"
-    )
+    print(HEADER)
     for r in rows:
-        batch = f"{_opt(r.mean_batch, '.1f'):>12}{_opt(r.max_batch, 'd'):>11}"
-        live, same = _opt(r.live_fraction, ".1%"), _opt(r.same_tokens_as_paged, ".0%")
-        print(
-            f"{r.system:<18}{r.seconds:>9.1f}{r.output_tok_s:>11.1f}{batch}{live:>9}{r.preemptions:>9}{same:>9}"
-        )
+        print(format_row(r))
     base = next((r for r in rows if r.system == "paged"), None)
     if base:
         for r in rows:
