@@ -1,10 +1,14 @@
 """`pagedllm bench kernel`: paged decode attention vs contiguous attention on the same data.
 
-Each case builds one batch of sequences (random context lengths, blocks scattered at random), checks that
-the paged backend and the contiguous baseline agree, then times them in interleaved repetitions and
-reports the medians and their ratio. Contiguous baseline: per-sequence scaled_dot_product_attention over
-K/V stored densely ([Hkv, C, D] per sequence, GQA group folded into the query dim) on CPU; one padded,
-masked SDPA call over the whole batch on CUDA (a per-sequence loop there would time kernel launches).
+Each case builds one batch of sequences (random context lengths) and times, in interleaved repetitions,
+after checking that all three agree:
+  paged       the backend reading K/V through block tables whose blocks are scattered at random
+  in-order    the same backend on the same values laid out contiguously: each sequence's blocks
+              consecutive and in order, so paged / in-order is the cost of paging itself
+  contiguous  a dense baseline: per-sequence scaled_dot_product_attention over K/V stored as
+              [Hkv, C, D] (GQA group folded into the query dim) on CPU; one padded, masked SDPA call
+              over the whole batch on CUDA (a per-sequence loop there would time kernel launches)
+It reports the medians and the ratios paged / in-order and paged / contiguous.
 """
 
 from __future__ import annotations
@@ -41,8 +45,10 @@ class Row:
     num_seqs: int
     tokens: int
     paged_ms: float
+    in_order_ms: float  # the same backend, each sequence's blocks consecutive in memory
     contiguous_ms: float
-    ratio: float
+    paging_ratio: float  # paged / in-order: the cost of scattered blocks alone
+    ratio: float  # paged / contiguous baseline
     contiguous_impl: str
     threads: int
     device: str
@@ -99,37 +105,57 @@ def _timed(fn: Callable[[], torch.Tensor], device: torch.device) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def median_ms(
+    variants: dict[str, Callable[[], torch.Tensor]], reps: int, warmup: int, device: torch.device
+) -> dict[str, float]:
+    """Median milliseconds of each variant, timed round-robin so all see the same machine load."""
+    for _ in range(warmup):
+        for fn in variants.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, fn in variants.items():
+            times[name].append(_timed(fn, device))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def run_case(shape: str, backend: str, dtype: str, context_lens: list[int], args: argparse.Namespace) -> Row:
     num_heads, num_kv_heads, head_dim = SHAPES[shape]
     device = torch.device(args.device)
-    batch = random_paged_batch(
-        context_lens, [1] * len(context_lens), num_heads, num_kv_heads, head_dim, args.block_size,
-        DTYPES[dtype], device, seed=args.seed,
-    )  # fmt: skip
+    sizes = (num_heads, num_kv_heads, head_dim, args.block_size, DTYPES[dtype], device)
+    paged, in_order = (
+        random_paged_batch(context_lens, [1] * len(context_lens), *sizes, seed=args.seed, scattered=scattered)
+        for scattered in (True, False)
+    )  # the same values; only where the blocks lie differs
     scale = 1.0 / math.sqrt(head_dim)
     ops = _backend_module(backend)
-    paged = lambda: ops.paged_decode_attention(
-        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, scale
-    )
-    contiguous = (padded_batch_attention if device.type == "cuda" else per_sequence_attention)(batch, scale)
+
+    def through_tables(b: PagedBatch) -> Callable[[], torch.Tensor]:
+        inputs = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale)
+        return lambda: ops.paged_decode_attention(*inputs)
+
+    dense = padded_batch_attention if device.type == "cuda" else per_sequence_attention
+    variants = {
+        "paged": through_tables(paged),
+        "in_order": through_tables(in_order),
+        "contiguous": dense(paged, scale),
+    }
     tol = 2e-2 if dtype == "bf16" else 1e-4
-    torch.testing.assert_close(paged().float(), contiguous().float(), atol=tol, rtol=tol)
-    for _ in range(args.warmup):
-        paged(), contiguous()
-    paged_ms, contiguous_ms = [], []
-    for _ in range(args.reps):  # interleaved, so both see the same machine load
-        paged_ms.append(_timed(paged, device))
-        contiguous_ms.append(_timed(contiguous, device))
-    p, c = statistics.median(paged_ms), statistics.median(contiguous_ms)
+    expected = variants["contiguous"]().float()
+    for name in ("paged", "in_order"):
+        torch.testing.assert_close(variants[name]().float(), expected, atol=tol, rtol=tol)
+    ms = median_ms(variants, args.reps, args.warmup, device)
     return Row(
         shape=shape,
         backend=backend,
         dtype=dtype,
         num_seqs=len(context_lens),
         tokens=sum(context_lens),
-        paged_ms=round(p, 4),
-        contiguous_ms=round(c, 4),
-        ratio=round(p / c, 3),
+        paged_ms=round(ms["paged"], 4),
+        in_order_ms=round(ms["in_order"], 4),
+        contiguous_ms=round(ms["contiguous"], 4),
+        paging_ratio=round(ms["paged"] / ms["in_order"], 3),
+        ratio=round(ms["paged"] / ms["contiguous"], 3),
         contiguous_impl="padded-batch-sdpa" if device.type == "cuda" else "per-sequence-sdpa",
         threads=torch.get_num_threads(),
         device=device.type,
@@ -180,17 +206,22 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if not args.json:
         print(
-            f"paged decode vs contiguous attention: {args.num_seqs} seqs, context {args.min_context}-"
-            f"{args.max_context}, block {args.block_size}, {torch.get_num_threads()} threads, "
+            "paged decode (blocks scattered) vs the same backend on in-order blocks vs dense SDPA: "
+            f"{args.num_seqs} seqs, context {args.min_context}-{args.max_context}, block {args.block_size}, "
+            f"{torch.get_num_threads()} threads, "
             f"{args.device}, median of {args.reps} interleaved reps"
         )
-        print(f"{'shape':8} {'backend':8} {'dtype':5} {'paged ms':>9} {'contig ms':>9} {'ratio':>6}")
+        print(
+            f"{'shape':8} {'backend':8} {'dtype':5} {'paged ms':>9} {'in-order ms':>11} {'contig ms':>9} "
+            f"{'paged/in-order':>14} {'paged/contig':>12}"
+        )
     for row in iter_rows(args):
         if args.json:
             print(json.dumps(asdict(row)), flush=True)
         else:
-            cells = f"{row.paged_ms:9.3f} {row.contiguous_ms:9.3f} {row.ratio:6.2f}"
-            print(f"{row.shape:8} {row.backend:8} {row.dtype:5} {cells}", flush=True)
+            cells = f"{row.paged_ms:9.3f} {row.in_order_ms:11.3f} {row.contiguous_ms:9.3f}"
+            ratios = f"{row.paging_ratio:14.2f} {row.ratio:12.2f}"
+            print(f"{row.shape:8} {row.backend:8} {row.dtype:5} {cells} {ratios}", flush=True)
     return 0
 
 
