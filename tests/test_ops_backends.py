@@ -65,9 +65,28 @@ def _batch(case: Case):
     )  # fmt: skip
 
 
+class _CountedLaunches:
+    """Wraps a Triton kernel: kernel[grid](...) launches are recorded, then run as usual."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
+
+
 @pytest.fixture(params=BACKEND_NAMES)
-def backend(request):
-    return importlib.import_module(f"pagedllm.ops.{BACKENDS[request.param]}")
+def backend(request, monkeypatch):
+    module = importlib.import_module(f"pagedllm.ops.{BACKENDS[request.param]}")
+    if request.param != "triton":
+        yield module
+        return
+    launches: list = []
+    for name in ("_paged_attention_kernel", "_write_kv_kernel"):
+        monkeypatch.setattr(module, name, _CountedLaunches(getattr(module, name), launches))
+    yield module
+    assert launches, "the test passed without launching a Triton kernel"
 
 
 @pytest.mark.parametrize("case", DECODE.values(), ids=DECODE.keys())
