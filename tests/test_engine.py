@@ -138,6 +138,32 @@ def test_stop_conditions(smollm2_llm):
     assert_all_blocks_free(smollm2_llm)
 
 
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached(smollm2_llm):
+    """Where the free greedy run ends with EOS (or would hit a stop token), a run with min_tokens picks
+    the best token that is not banned there, read from the free run's own logprobs."""
+    chat = [{"role": "user", "content": "Say hi."}]
+    free = smollm2_llm.chat(chat, SamplingParams(max_tokens=60, temperature=0, logprobs=5))[0].outputs[0]
+    eos = set(smollm2_llm.engine.eos_token_ids)
+    end = len(free.token_ids) - 1
+    assert free.finish_reason == "stop" and free.token_ids[end] in eos
+
+    def best_allowed(position: int, banned: set[int]) -> int:
+        return max((t for t in free.logprobs[position] if t not in banned), key=free.logprobs[position].get)
+
+    held = smollm2_llm.chat(chat, SamplingParams(max_tokens=60, temperature=0, min_tokens=end + 3))
+    tokens = held[0].outputs[0].token_ids
+    assert tokens[:end] == free.token_ids[:end]
+    assert tokens[end] == best_allowed(end, eos)
+    assert len(tokens) >= end + 3 and not eos & set(tokens[: end + 3])
+
+    stop_token = free.token_ids[1]
+    params = SamplingParams(max_tokens=4, temperature=0, min_tokens=3, stop_token_ids=[stop_token])
+    tokens = smollm2_llm.chat(chat, params)[0].outputs[0].token_ids
+    assert tokens[:2] == [free.token_ids[0], best_allowed(1, eos | {stop_token})]
+    assert stop_token not in tokens[:3]
+    assert_all_blocks_free(smollm2_llm)
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "message"),
     [
