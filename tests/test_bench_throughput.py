@@ -47,11 +47,15 @@ def test_throughput_bench_json(capsys):
 def test_throughput_table_prints_the_workload_and_dashes_for_unreported_values(capsys):
     assert throughput.main(["--num-prompts", "2", "--input-len", "4-9", "--output-len", "3",
                             "--kv-cache-memory", "4MiB", "--max-model-len", "32", "--layouts", "paged",
-                            "--watermark", "0.2"]) == 0  # fmt: skip
+                            "--watermark", "0", "0.2"]) == 0  # fmt: skip
     lines = capsys.readouterr().out.splitlines()
     prompt_tokens = sum(len(p) for p in throughput.make_prompts(2, 4, 9, 49152, seed=0))
     assert lines[0].startswith(f"workload: 2 prompts of 4-9 random tokens, {prompt_tokens} prompt tokens")
-    assert "3 output tokens each = 6;" in lines[0] and "watermark 0.2" in lines[0]
-    assert lines[2].split()[0] == "paged" and lines[2].split()[2] == "6"
+    assert "3 output tokens each = 6;" in lines[0] and "watermark 0 / 0.2" in lines[0]
+    sweep = [line.split() for line in lines[2:4]]
+    assert [cells[:2] for cells in sweep] == [["paged", "w=0"], ["paged", "w=0.2"]]
+    assert all(cells[3] == "6" for cells in sweep)  # output tokens
+    assert all(cells[-1] == "100%" for cells in sweep)  # both watermarks, the same greedy tokens
+    assert lines[4].startswith("paged w=0 / paged w=0.2: ")
     row = throughput.Row("hf batch 2", 1.0, 6, 6.0, None, None, None, None, None)
     assert throughput.format_row(row).split()[-5:] == ["-"] * 5

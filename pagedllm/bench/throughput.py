@@ -57,7 +57,7 @@ def make_prompts(num: int, lo: int, hi: int, vocab: int, seed: int) -> list[list
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(num)]
 
 
-def run_engine(args, layout: str, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
+def run_engine(args, layout: str, watermark: float, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
     from pagedllm import LLM, SamplingParams
 
     kv_layout, reserve = LAYOUTS[layout]
@@ -69,7 +69,7 @@ def run_engine(args, layout: str, prompts: list[list[int]]) -> tuple[Row, list[l
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
-        watermark=args.watermark,
+        watermark=watermark,
     )
     engine = llm.engine
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
@@ -94,7 +94,7 @@ def run_engine(args, layout: str, prompts: list[list[int]]) -> tuple[Row, list[l
     tokens = [outputs[f"bench-{i}"] for i in range(len(prompts))]
     total = sum(len(t) for t in tokens)
     row = Row(
-        layout,
+        layout if len(args.watermark) == 1 else f"{layout} w={watermark:g}",
         seconds,
         total,
         total / seconds,
@@ -200,7 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument(
-        "--watermark", type=float, default=0.01, help="share of KV blocks an admission leaves free"
+        "--watermark",
+        type=float,
+        nargs="+",
+        default=[0.01],
+        help="share of KV blocks an admission leaves free; several values: each layout runs with each",
     )
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--hf", action="store_true", help="also run HF transformers generate (the peer)")
@@ -228,12 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_shared_model(args.model, torch.float32, "cpu")  # held for the whole run
     vocab = loaded.config.vocab_size
     prompts = make_prompts(args.num_prompts, lo, hi, vocab, args.seed)
-    rows, paged_tokens = [], None
+    rows, base, paged_tokens = [], None, None
     for layout in args.layouts:
-        row, tokens = run_engine(args, layout, prompts)
-        if layout == "paged":
-            paged_tokens = tokens
-        rows.append((row, tokens))
+        for watermark in args.watermark:
+            row, tokens = run_engine(args, layout, watermark, prompts)
+            if layout == "paged" and base is None:
+                base, paged_tokens = row, tokens
+            rows.append((row, tokens))
     if args.hf:
         rows.append(run_hf(args, prompts))
     if args.vllm:
@@ -253,16 +258,17 @@ def main(argv: list[str] | None = None) -> int:
         f"workload: {workload.num_prompts} prompts of {args.input_len} random tokens, "
         f"{workload.prompt_tokens:,} prompt tokens in all, {args.output_len} output tokens each = "
         f"{workload.output_tokens:,}; model {args.model}, KV {args.kv_cache_memory}, "
-        f"max_model_len {args.max_model_len}, watermark {args.watermark:g}"
+        f"max_model_len {args.max_model_len}, watermark {' / '.join(f'{w:g}' for w in args.watermark)}"
     )
     print(HEADER)
     for r in rows:
         print(format_row(r))
-    base = next((r for r in rows if r.system == "paged"), None)
     if base:
         for r in rows:
             if r is not base:
-                print(f"paged / {r.system}: {base.output_tok_s / r.output_tok_s:.2f}x output tokens/s")
+                print(
+                    f"{base.system} / {r.system}: {base.output_tok_s / r.output_tok_s:.2f}x output tokens/s"
+                )
     return 0
 
 
