@@ -208,8 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "paged decode (blocks scattered) vs the same backend on in-order blocks vs dense SDPA: "
             f"{args.num_seqs} seqs, context {args.min_context}-{args.max_context}, block {args.block_size}, "
-            f"{torch.get_num_threads()} threads, "
-            f"{args.device}, median of {args.reps} interleaved reps"
+            f"{torch.get_num_threads()} threads, {args.device}, median of {args.reps} interleaved reps"
         )
         print(
             f"{'shape':8} {'backend':8} {'dtype':5} {'paged ms':>9} {'in-order ms':>11} {'contig ms':>9} "
