@@ -1,7 +1,8 @@
 """Every attention backend against the torch reference on random paged inputs.
 
-Runs the sdpa and cpu backends; under TRITON_INTERPRET=1 (test_ops_triton.py starts that run in a
-subprocess) it runs the triton backend instead, on the same cases.
+Runs the sdpa backend and the cpu backend built for every instruction set this CPU runs; under
+TRITON_INTERPRET=1 (test_ops_triton.py starts that run in a subprocess) it runs the triton backend
+instead, on the same cases.
 """
 
 import importlib
@@ -12,11 +13,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pagedllm.ops import BACKENDS, reference
+from pagedllm.ops import BACKENDS, cpu, reference
 from pagedllm.ops.synthetic import random_paged_batch
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-BACKEND_NAMES = ["triton"] if INTERPRETED else ["sdpa", "cpu"]
+CPU_BUILDS = [f"cpu-{isa}" for isa in cpu.supported_isas()]  # each instruction set this machine runs
+BACKEND_NAMES = ["triton"] if INTERPRETED else ["sdpa", *CPU_BUILDS]
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,10 @@ class _CountedLaunches:
 
 @pytest.fixture(params=BACKEND_NAMES)
 def backend(request, monkeypatch):
-    module = importlib.import_module(f"pagedllm.ops.{BACKENDS[request.param]}")
+    name, _, isa = request.param.partition("-")
+    if isa:  # the cpu backend, on the build for this instruction set
+        monkeypatch.setattr(cpu, "selected_isa", lambda: isa)
+    module = importlib.import_module(f"pagedllm.ops.{BACKENDS[name]}")
     if request.param != "triton":
         yield module
         return

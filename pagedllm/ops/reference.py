@@ -1,6 +1,8 @@
-"""Torch reference for paged attention: gather through the block table, softmax in float32.
+"""Torch reference for paged attention (gather through the block table, softmax in float32) and for the
+fused elementwise ops of a decoder layer (RMSNorm, activation-and-multiply, rotary embedding).
 
-Simple enough to trust; every other backend is tested against it.
+Simple enough to trust; every other backend is tested against it. Backends without their own
+elementwise kernels (sdpa, triton) use these.
 
 Shapes (one layer):
   k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
@@ -11,6 +13,12 @@ Shapes (one layer):
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 def write_kv(
@@ -127,3 +135,26 @@ def swap_blocks(
     dst = torch.tensor([p[1] for p in pairs], device=dst_k.device)
     for s, d in ((src_k, dst_k), (src_v, dst_v)):
         d.index_copy_(0, dst, s.index_select(0, src).to(d.device))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """x / rms(x) * weight over the last dim, in float32 as Hugging Face computes it; Gemma scales by
+    (1 + weight) before rounding to x's dtype, Llama rounds first."""
+    normed = F.rms_norm(x.float(), weight.shape, eps=eps)
+    if unit_offset:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
+def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up for x = [gate | up] ([T, 2I] -> [T, I])."""
+    gate, up = x.chunk(2, dim=-1)
+    return ACTIVATIONS[activation](gate) * up
+
+
+def rotary_embedding_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """Rotate x [T, H, D] in place by position, pairing dim i with i + D/2 (Hugging Face's rotate_half
+    layout); cos_sin [max_positions, D] float32 holds cos of each pair's angle, then sin."""
+    cos, sin = cos_sin[positions, None].chunk(2, dim=-1)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
