@@ -1,6 +1,6 @@
 """pagedllm: a readable Python LLM inference engine built on PagedAttention."""
 
-from pagedllm._threads import set_openmp_defaults
+from pagedllm._runtime import set_openmp_defaults
 
 set_openmp_defaults()  # before torch starts its OpenMP threads
 

@@ -92,7 +92,7 @@ def test_half_precision_dtypes_track_fp32(dtype, tol, fp32_greedy, smollm2_llm):
     from pagedllm import LLM
 
     llm = LLM("smollm2-135m", dtype=dtype, kv_cache_memory="16MiB", max_model_len=256)
-    assert llm.engine.runner.k_cache.dtype == getattr(torch, dtype)
+    assert llm.engine.runner.kv_caches[0][0].dtype == getattr(torch, dtype)
     agreed = 0
     for ref, out in zip(fp32_greedy, llm.generate(PROMPTS, GREEDY_LOGPROBS), strict=True):
         half = out.outputs[0]

@@ -106,3 +106,14 @@ def test_fp16_on_cpu_uses_sdpa():
     """The C++ kernel covers fp32 and bf16; fp16 CPU tensors go to the pure PyTorch backend."""
     assert ops.get_backend_name("cpu", torch.float16) == "sdpa"
     assert ops.get_backend_name("cpu", torch.bfloat16) == ops.get_backend_name("cpu", torch.float32)
+
+
+def test_cpu_kv_cache_is_head_major_behind_slot_major_views():
+    """Each layer's K/V view is [num_blocks, block_size, Hkv, D]; on the CPU one head's rows of a block
+    are contiguous in memory, and the views start zero-filled and writable."""
+    (k, v), *_ = ops.allocate_kv_caches(2, 5, 16, 3, 64, torch.float32, "cpu")
+    assert k.shape == v.shape == (5, 16, 3, 64)
+    assert k.stride() == (3 * 16 * 64, 64, 16 * 64, 1)
+    assert k.count_nonzero() == 0
+    ops.write_kv(torch.ones(1, 3, 64), torch.ones(1, 3, 64), k, v, torch.tensor([17]))
+    assert k[1, 1].eq(1).all() and k.count_nonzero() == 3 * 64

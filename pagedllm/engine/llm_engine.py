@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm._threads import apply_thread_count
+from pagedllm._runtime import apply_thread_count, keep_large_allocations
 from pagedllm.engine import detokenizer
 from pagedllm.engine.config import EngineConfig, parse_bytes
 from pagedllm.engine.model_runner import ModelRunner
@@ -58,6 +58,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         apply_thread_count()
+        if torch.device(config.device).type == "cpu":
+            keep_large_allocations()
         loaded = load_shared_model(config.model, config.torch_dtype, config.device)
         self.loaded_model = loaded
         self.model = loaded.model

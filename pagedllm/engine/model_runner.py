@@ -16,8 +16,9 @@ from pagedllm.models.attention import AttentionMetadata
 class ModelRunner:
     """Runs a flattened batch (prefill chunks and decode tokens together) through the paged KV cache.
 
-    The cache is one K and one V tensor per layer, [num_blocks, block_size, num_kv_heads, head_dim];
-    the contiguous layout uses the same memory as [num_slots, 1, num_kv_heads, head_dim].
+    The cache is one K and one V view per layer, [num_blocks, block_size, num_kv_heads, head_dim]
+    (ops.allocate_kv_caches picks the memory order for the device); the contiguous layout uses the same
+    memory as [num_slots, 1, num_kv_heads, head_dim]. A host pool of the same shape holds swapped blocks.
     """
 
     def __init__(
@@ -33,23 +34,23 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         cfg = model.config
-        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(cfg.num_layers)]
-        host_shape = (cfg.num_layers, num_host_blocks, *shape[2:])
-        pin = self.device.type == "cuda"
-        self.host_k_cache = torch.zeros(host_shape, dtype=dtype, pin_memory=pin) if num_host_blocks else None
-        self.host_v_cache = torch.zeros(host_shape, dtype=dtype, pin_memory=pin) if num_host_blocks else None
+        geometry = (block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        self.kv_caches = ops.allocate_kv_caches(cfg.num_layers, num_blocks, *geometry, self.device)
+        self.host_kv_caches = (
+            ops.allocate_kv_caches(
+                cfg.num_layers, num_host_blocks, *geometry, "cpu", self.device.type == "cuda"
+            )
+            if num_host_blocks
+            else []
+        )
 
     def move_blocks(self, out: SchedulerOutput) -> None:
         """Swap-outs first (their device blocks may be reused this step), then swap-ins, then CoW copies."""
-        for layer in range(len(self.kv_caches)):
-            k, v = self.kv_caches[layer]
+        for layer, (k, v) in enumerate(self.kv_caches):
             if out.swap_out:
-                ops.swap_blocks(k, v, self.host_k_cache[layer], self.host_v_cache[layer], out.swap_out)
+                ops.swap_blocks(k, v, *self.host_kv_caches[layer], out.swap_out)
             if out.swap_in:
-                ops.swap_blocks(self.host_k_cache[layer], self.host_v_cache[layer], k, v, out.swap_in)
+                ops.swap_blocks(*self.host_kv_caches[layer], k, v, out.swap_in)
             if out.copies:
                 ops.copy_blocks(k, v, out.copies)
 

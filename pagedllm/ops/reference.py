@@ -5,7 +5,7 @@ Simple enough to trust; every other backend is tested against it. Backends witho
 elementwise kernels (sdpa, triton) use these.
 
 Shapes (one layer):
-  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] views, any memory order (kv_cache.py)
   block_tables:     [num_seqs, max_blocks] int32, padded with any valid id
   context_lens:     [num_seqs] int32, tokens in the cache for each sequence, including this step's
 """
@@ -31,12 +31,9 @@ def write_kv(
     """Scatter new tokens' K/V ([T, Hkv, D]) into cache slots; slot -1 means skip."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    block_size = k_cache.shape[1]
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    assert flat_k.shape[0] == k_cache.shape[0] * block_size
-    flat_k.index_copy_(0, slots, key[keep].to(k_cache.dtype))
-    flat_v.index_copy_(0, slots, value[keep].to(v_cache.dtype))
+    blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
 
 
 def gather_kv(

@@ -30,12 +30,15 @@ def random_paged_batch(
     device: str | torch.device = "cpu",
     seed: int = 0,
     spare_blocks: int = 3,
+    head_major: bool = False,
     scattered: bool = True,
 ) -> PagedBatch:
     """Sequences whose blocks are scattered at random over a cache with spare (NaN-filled) blocks.
 
     scattered=False lays each sequence's blocks out consecutively, in order (sequence after sequence):
     the same q, K and V values as scattered=True with the same seed, stored as contiguous K/V.
+    head_major=True stores the caches' memory head-major, as pagedllm allocates them on the CPU
+    (ops/kv_cache.py): the same [num_blocks, block_size, Hkv, D] views and values, other strides.
     """
     if len(context_lens) != len(query_lens) or any(
         q > c for q, c in zip(query_lens, context_lens, strict=True)
@@ -65,6 +68,8 @@ def random_paged_batch(
             v_cache[block, : chunk.stop - chunk.start] = v[chunk]
         keys.append(k.to(device))
         values.append(v.to(device))
+    if head_major:
+        k_cache, v_cache = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache))
     starts = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     q = torch.randn(int(starts[-1]), num_heads, head_dim, generator=gen).to(dtype)
     return PagedBatch(

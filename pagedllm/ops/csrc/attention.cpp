@@ -22,7 +22,7 @@ namespace {
 
 constexpr int64_t kRowsPerTile = 16;  // query rows of one sequence handled by one work item
 constexpr int kRows = 4;              // query rows of a micro-kernel: they share every K/V load
-constexpr int64_t kBlocksAhead = 2;  // how far ahead blocks are prefetched
+constexpr int64_t kBlocksAhead = 1;  // how far ahead blocks are prefetched
 
 // Calls fn(std::integral_constant<int, N>) for n in 1..kRows, so that N is a compile-time row count.
 template <typename F>
@@ -78,10 +78,10 @@ inline float exp_shifted_sum(float* x, int64_t count, float max_value) {
 template <typename T>
 struct PagedRows {
   const int32_t* table;
-  int64_t block_size, slot_stride, head_offset, head_dim;
+  int64_t block_size, block_stride, slot_stride, head_offset, head_dim;
 
   const T* block_start(const T* cache, int64_t b) const {
-    return cache + static_cast<int64_t>(table[b]) * block_size * slot_stride + head_offset;
+    return cache + static_cast<int64_t>(table[b]) * block_stride + head_offset;
   }
 
   // Asks for block b's rows of [lo, hi) to be brought into the cache ahead of use.
@@ -91,7 +91,7 @@ struct PagedRows {
     const char* start = reinterpret_cast<const char*>(block_start(cache, b));
     const int64_t rows = std::min(block_size, hi - first), bytes = head_dim * sizeof(T);
     for (int64_t j = 0; j < rows; ++j)
-      for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(start + j * slot_stride * sizeof(T) + off, _MM_HINT_T0);
+      for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(start + j * slot_stride * sizeof(T) + off, _MM_HINT_T1);
   }
 
   // fn(t0, t1, row_t0) for each block's share [t0, t1) of [lo, hi); token rows are slot_stride apart.
@@ -135,7 +135,8 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
-  const int64_t slot_stride = num_kv_heads * head_dim;  // elements between consecutive tokens
+  // The caches are [num_blocks, block_size, Hkv, D] views; their memory may be slot-major or head-major.
+  const int64_t block_stride = k_cache.stride(0), slot_stride = k_cache.stride(1), head_stride = k_cache.stride(2);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
@@ -185,7 +186,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
                       (it.kv_head * group + m % group) * q_head_stride;
       for (int64_t i = 0; i < head_dim; ++i) query[m * head_dim + i] = static_cast<float>(src[i]) * scale;
     }
-    const PagedRows<TKV> paged{table, block_size, slot_stride, it.kv_head * head_dim, head_dim};
+    const PagedRows<TKV> paged{table, block_size, block_stride, slot_stride, it.kv_head * head_stride, head_dim};
 
     // Pass 1: scores of every (row, head) against every key of the tile's range. Each block of keys is
     // loaded once and scored against all rows, kRows rows at a time.
@@ -247,7 +248,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
               "out must have q's dtype and the caches one dtype");
   TORCH_CHECK(q.stride(2) == 1, "q's last dimension must be contiguous");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous and shaped like q");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(),
+              "the caches must share strides and have contiguous head vectors");
   check_int32_cpu(block_tables, "block_tables");
   check_int32_cpu(query_start_loc, "query_start_loc");
   check_int32_cpu(context_lens, "context_lens");
@@ -270,24 +272,24 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   }
 }
 
-// Copies token t's K/V rows ([Hkv * D] each) into flat slot slot_mapping[t]; slot -1 is skipped. Key and
-// value may be strided views of a fused projection (rows any distance apart) and of another dtype than
-// the cache (converted while copying).
+// Copies token t's K/V heads ([Hkv, D] each) into flat slot slot_mapping[t] (block slot / block_size,
+// row slot % block_size of the [num_blocks, block_size, Hkv, D] cache view, whatever its memory order);
+// slot -1 is skipped. Key and value may be strided views of a fused projection (token rows any distance
+// apart) and of another dtype than the cache (converted while copying).
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping) {
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "the caches must be contiguous and of one dtype");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "the caches must share strides and a dtype and have contiguous head vectors");
   TORCH_CHECK(key.dim() == 3 && key.sizes().slice(1) == k_cache.sizes().slice(2) && value.sizes() == key.sizes(),
               "expected key/value [T, Hkv, D] matching the cache, got ", key.sizes());
   TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key and value must share a dtype");
-  for (const at::Tensor* t : {&key, &value}) {
-    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "key/value heads must be contiguous within a token");
-  }
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value head vectors must be contiguous");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.size(0) == key.size(0),
               "slot_mapping must be contiguous int64 with one entry per token");
-  const int64_t row = key.size(1) * key.size(2);
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t heads = key.size(1), d = key.size(2), block_size = k_cache.size(1);
+  const int64_t num_slots = k_cache.size(0) * block_size;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < slot_mapping.size(0); ++t) {
     TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " of token ", t, " is out of range (", num_slots, " slots)");
@@ -297,13 +299,15 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
     using D = decltype(dst_tag);
     for (auto [src, dst] : {std::pair{&key, &k_cache}, std::pair{&value, &v_cache}}) {
       const S* s = src->template data_ptr<S>();
-      D* d = dst->template data_ptr<D>();
-      const int64_t stride = src->stride(0);
+      D* base = dst->template data_ptr<D>();
       for (int64_t t = 0; t < slot_mapping.size(0); ++t) {
         if (slots[t] < 0) continue;
-        const S* from = s + t * stride;
-        D* to = d + slots[t] * row;
-        for_each_chunk(row, [&](int64_t i, int n) { store(load(from + i, n), to + i, n); });
+        D* row = base + (slots[t] / block_size) * dst->stride(0) + (slots[t] % block_size) * dst->stride(1);
+        for (int64_t h = 0; h < heads; ++h) {
+          const S* from = s + t * src->stride(0) + h * src->stride(1);
+          D* to = row + h * dst->stride(2);
+          for_each_chunk(d, [&](int64_t i, int n) { store(load(from + i, n), to + i, n); });
+        }
       }
     }
   };

@@ -71,12 +71,12 @@ void rms_norm_kernel(at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
 
 enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 
-inline VecF silu(VecF g) { return g / (VecF::set1(1.f) + exp(VecF::zero() - g)); }
+inline VecF silu(VecF g) { return g * reciprocal(VecF::set1(1.f) + exp(VecF::zero() - g)); }
 
 inline VecF gelu_tanh(VecF g) {
-  // 0.5 g (1 + tanh(z)) = g - g / (1 + exp(2z)), z = sqrt(2 / pi) (g + 0.044715 g^3).
-  const VecF z = g * fmadd(VecF::set1(0.0356774081f), g * g, VecF::set1(0.7978845608f));
-  return g - g / (VecF::set1(1.f) + exp(z + z));
+  // 0.5 g (1 + tanh(z)) = g sigmoid(2z) = g / (1 + exp(-2z)), z = sqrt(2 / pi) (g + 0.044715 g^3).
+  const VecF minus_2z = g * fmadd(VecF::set1(-0.0713548162f), g * g, VecF::set1(-1.5957691216f));
+  return g * reciprocal(VecF::set1(1.f) + exp(minus_2z));
 }
 
 template <typename T>

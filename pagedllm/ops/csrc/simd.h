@@ -57,6 +57,7 @@ inline float reduce_add(VecF a) { return _mm512_reduce_add_ps(a.v); }
 inline float reduce_max(VecF a) { return _mm512_reduce_max_ps(a.v); }
 inline VecF round_nearest(VecF a) { return _mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline VecF scale_by_pow2(VecF a, VecF n) { return _mm512_scalef_ps(a.v, n.v); }  // a * 2^n, n integral
+inline VecF reciprocal_estimate(VecF a) { return _mm512_rcp14_ps(a.v); }  // relative error < 2^-14
 
 #else  // AVX2 + FMA
 
@@ -118,6 +119,7 @@ inline float reduce_max(VecF a) {
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 inline VecF round_nearest(VecF a) { return _mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline VecF reciprocal_estimate(VecF a) { return _mm256_rcp_ps(a.v); }  // relative error < 1.5 * 2^-12
 inline VecF scale_by_pow2(VecF a, VecF n) {  // a * 2^n, n integral in [-126, 127]
   const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127));
   return _mm256_mul_ps(a.v, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
@@ -150,6 +152,14 @@ inline VecF exp(VecF x) {
   VecF p = VecF::set1(1.f / 5040);
   for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = fmadd(p, r, VecF::set1(c));
   return scale_by_pow2(p, n);
+}
+
+// 1 / a without a division (whose throughput is a fraction of a multiply's): the estimate refined by
+// two Newton steps, each r * (2 - a r), to within an ulp or two of the quotient.
+inline VecF reciprocal(VecF a) {
+  VecF r = reciprocal_estimate(a);
+  r = r * (VecF::set1(2.f) - a * r);
+  return r * (VecF::set1(2.f) - a * r);
 }
 
 // Calls fn(i, n) for each SIMD chunk [i, i + n) of [0, d): full vectors, then one partial tail.

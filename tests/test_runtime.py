@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm._threads import usable_cpus
+from pagedllm._runtime import usable_cpus
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = (
@@ -46,7 +46,14 @@ def test_affinity_limits_the_thread_count_when_torch_came_first():
     """torch imported before pagedllm, in a process pinned to one CPU: the engine lowers torch's count."""
     code = (
         "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); import torch; "
-        "torch.set_num_threads(2); import pagedllm; from pagedllm._threads import apply_thread_count; "
+        "torch.set_num_threads(2); import pagedllm; from pagedllm._runtime import apply_thread_count; "
         "apply_thread_count(); print(torch.get_num_threads())"
     )
     assert _run(code) == ["1"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_glibc_accepts_the_allocator_settings():
+    from pagedllm._runtime import keep_large_allocations
+
+    assert keep_large_allocations()

@@ -1,4 +1,6 @@
-"""OpenMP settings for torch's CPU threads, applied when pagedllm is imported (before torch, if possible).
+"""Process-wide runtime settings for fast CPU inference: OpenMP threads and the C allocator.
+
+OpenMP settings for torch's CPU threads are applied when pagedllm is imported (before torch, if possible).
 
 OpenMP threads that spin while waiting between parallel regions collapse as soon as anything else
 shares the cores (a busy 2-core machine ran `pagedllm generate` in 16.5 s with spinning threads and
@@ -9,10 +11,14 @@ quota), where torch would count every CPU of the machine.
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import math
 import os
 import sys
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 _DEFAULTED = "_PAGEDLLM_DEFAULTED_OMP_NUM_THREADS"  # marks a thread count pagedllm chose
 
@@ -45,3 +51,31 @@ def apply_thread_count() -> None:
         usable = int(os.environ[_DEFAULTED])
         if torch.get_num_threads() > usable:
             torch.set_num_threads(usable)
+
+
+# glibc's mallopt parameters.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD = 256 << 20
+_TRIM_THRESHOLD = 512 << 20
+
+
+def keep_large_allocations() -> bool:
+    """Let glibc serve allocations up to 256 MiB from its heap and keep up to 512 MiB of freed heap.
+
+    By default glibc hands every allocation above 32 MiB to mmap and unmaps it when freed, so each
+    prefill step's large activations (a 100 MB MLP intermediate at 8192 tokens) are page-faulted in
+    afresh: act_and_mul over 8389 x 3072 floats took 17.5 ms that way and 5.5 ms with the memory reused.
+    Called when an engine starts on the CPU; returns whether glibc accepted the settings.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
+    )
+    logger.debug(
+        "glibc mallopt (mmap threshold %d, trim threshold %d): %s", _MMAP_THRESHOLD, _TRIM_THRESHOLD, ok
+    )
+    return ok
