@@ -39,6 +39,10 @@ def test_json_rows_per_backend_and_dtype(capsys):
         assert r["paged_ms"] > 0 and r["in_order_ms"] > 0 and r["contiguous_ms"] > 0
         assert r["ratio"] == pytest.approx(r["paged_ms"] / r["contiguous_ms"], rel=0.01, abs=1e-3)
         assert r["paging_ratio"] == pytest.approx(r["paged_ms"] / r["in_order_ms"], rel=0.01, abs=1e-3)
+        _, kv_heads, head_dim = kernel.SHAPES[r["shape"]]
+        kv_bytes = 2 * r["tokens"] * kv_heads * head_dim * (4 if r["dtype"] == "fp32" else 2)
+        assert r["kv_gb_s"] == pytest.approx(kv_bytes / r["paged_ms"] / 1e6, rel=0.02)
+        assert r["bandwidth_fraction"] == pytest.approx(r["kv_gb_s"] / r["read_gb_s"], rel=0.02)
 
 
 def test_table_output(capsys):
@@ -46,9 +50,10 @@ def test_table_output(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split() == [
         "shape", "backend", "dtype", "paged", "ms", "in-order", "ms", "contig", "ms", "paged/in-order",
-        "paged/contig",
+        "paged/contig", "K/V", "GB/s", "of", "read", "bw",
     ]  # fmt: skip
     assert lines[2].split()[:3] == ["smollm2", "torch", "fp32"]
+    assert lines[-1].startswith("read bandwidth of this machine")
 
 
 def test_bad_context_range_is_rejected():

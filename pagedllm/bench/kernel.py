@@ -8,7 +8,11 @@ after checking that all three agree:
   contiguous  a dense baseline: per-sequence scaled_dot_product_attention over K/V stored as
               [Hkv, C, D] (GQA group folded into the query dim) on CPU; one padded, masked SDPA call
               over the whole batch on CUDA (a per-sequence loop there would time kernel launches)
-It reports the medians and the ratios paged / in-order and paged / contiguous.
+It reports the medians, the ratios paged / in-order and paged / contiguous, and the rate at which the
+paged kernel reads K/V (bytes of every sequence's K and V per second) against the read bandwidth the
+same process measures on this machine (a `sum` over a 512 MiB tensor, same threads): how close paged
+attention comes to the memory's limit. On the CPU the caches lie in memory as the engine allocates them
+(head-major, huge pages: ops/kv_cache.py).
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ class Row:
     contiguous_ms: float
     paging_ratio: float  # paged / in-order: the cost of scattered blocks alone
     ratio: float  # paged / contiguous baseline
+    kv_gb_s: float  # K/V bytes of all sequences / paged time
+    read_gb_s: float  # this machine's read bandwidth, measured in the same process
+    bandwidth_fraction: float  # kv_gb_s / read_gb_s
     contiguous_impl: str
     threads: int
     device: str
@@ -124,9 +131,12 @@ def run_case(shape: str, backend: str, dtype: str, context_lens: list[int], args
     device = torch.device(args.device)
     sizes = (num_heads, num_kv_heads, head_dim, args.block_size, DTYPES[dtype], device)
     paged, in_order = (
-        random_paged_batch(context_lens, [1] * len(context_lens), *sizes, seed=args.seed, scattered=scattered)
+        random_paged_batch(
+            context_lens, [1] * len(context_lens), *sizes, seed=args.seed, scattered=scattered,
+            head_major=device.type == "cpu",
+        )
         for scattered in (True, False)
-    )  # the same values; only where the blocks lie differs
+    )  # the same values; only where the blocks lie differs  # fmt: skip
     scale = 1.0 / math.sqrt(head_dim)
     ops = _backend_module(backend)
 
@@ -145,6 +155,8 @@ def run_case(shape: str, backend: str, dtype: str, context_lens: list[int], args
     for name in ("paged", "in_order"):
         torch.testing.assert_close(variants[name]().float(), expected, atol=tol, rtol=tol)
     ms = median_ms(variants, args.reps, args.warmup, device)
+    kv_bytes = 2 * sum(context_lens) * num_kv_heads * head_dim * paged.k_cache.element_size()
+    kv_gb_s = kv_bytes / ms["paged"] / 1e6
     return Row(
         shape=shape,
         backend=backend,
@@ -156,6 +168,9 @@ def run_case(shape: str, backend: str, dtype: str, context_lens: list[int], args
         contiguous_ms=round(ms["contiguous"], 4),
         paging_ratio=round(ms["paged"] / ms["in_order"], 3),
         ratio=round(ms["paged"] / ms["contiguous"], 3),
+        kv_gb_s=round(kv_gb_s, 4),
+        read_gb_s=round(args.read_gb_s, 2),
+        bandwidth_fraction=round(kv_gb_s / args.read_gb_s, 5),
         contiguous_impl="padded-batch-sdpa" if device.type == "cuda" else "per-sequence-sdpa",
         threads=torch.get_num_threads(),
         device=device.type,
@@ -188,12 +203,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def read_bandwidth_gb_s(device: torch.device, reps: int = 5) -> float:
+    """GB/s of a sum over a 512 MiB float32 tensor (best of reps): what reading memory costs here."""
+    x = torch.ones(128 * 2**20, device=device)
+    best = min(_timed(x.sum, device) for _ in range(reps))
+    return x.numel() * x.element_size() / best / 1e6
+
+
 def iter_rows(args: argparse.Namespace) -> Iterator[Row]:
     """Run every (shape, backend, dtype) case on one set of context lengths."""
     rng = random.Random(args.seed)
     context_lens = [rng.randint(args.min_context, args.max_context) for _ in range(args.num_seqs)]
     if "cpu" in args.backends and get_backend_name("cpu") != "cpu":
         raise RuntimeError("the cpu backend is unavailable here (see the warning above)")
+    args.read_gb_s = read_bandwidth_gb_s(torch.device(args.device))
     for shape in args.shapes:
         for backend in args.backends:
             for dtype in args.dtypes:
@@ -212,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"{'shape':8} {'backend':8} {'dtype':5} {'paged ms':>9} {'in-order ms':>11} {'contig ms':>9} "
-            f"{'paged/in-order':>14} {'paged/contig':>12}"
+            f"{'paged/in-order':>14} {'paged/contig':>12} {'K/V GB/s':>9} {'of read bw':>10}"
         )
     for row in iter_rows(args):
         if args.json:
@@ -220,7 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cells = f"{row.paged_ms:9.3f} {row.in_order_ms:11.3f} {row.contiguous_ms:9.3f}"
             ratios = f"{row.paging_ratio:14.2f} {row.ratio:12.2f}"
-            print(f"{row.shape:8} {row.backend:8} {row.dtype:5} {cells} {ratios}", flush=True)
+            bandwidth = f"{row.kv_gb_s:9.1f} {row.bandwidth_fraction:10.0%}"
+            print(f"{row.shape:8} {row.backend:8} {row.dtype:5} {cells} {ratios} {bandwidth}", flush=True)
+    if not args.json:
+        print(f"read bandwidth of this machine (sum over 512 MiB, same threads): {args.read_gb_s:.1f} GB/s")
     return 0
 
 

@@ -11,6 +11,7 @@ through torch.utils.cpp_extension (cache under TORCH_EXTENSIONS_DIR, default ~/.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from pathlib import Path
 
@@ -52,13 +53,22 @@ def selected_isa() -> str | None:
 
 
 @functools.cache
+def _sources_digest() -> str:
+    """A short hash of the kernel sources: builds of different versions get different cache folders."""
+    digest = hashlib.sha256()
+    for path in sorted(_CSRC.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:10]
+
+
+@functools.cache
 def build_error(isa: str) -> str | None:
     """Build and load the kernels for one instruction set, once; None on success, else why it failed."""
     try:
         from torch.utils import cpp_extension
 
         cpp_extension.load(
-            name=f"pagedllm_cpu_{isa}",
+            name=f"pagedllm_cpu_{isa}_{_sources_digest()}",
             sources=[str(_CSRC / name) for name in _SOURCES],
             extra_cflags=_COMMON_FLAGS + ISA_FLAGS[isa] + [f"-DPAGEDLLM_NAMESPACE=pagedllm_{isa}"],
             extra_ldflags=["-fopenmp"],

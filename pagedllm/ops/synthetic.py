@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.ops.kv_cache import allocate_kv_caches
+
 
 @dataclass
 class PagedBatch:
@@ -38,7 +40,8 @@ def random_paged_batch(
     scattered=False lays each sequence's blocks out consecutively, in order (sequence after sequence):
     the same q, K and V values as scattered=True with the same seed, stored as contiguous K/V.
     head_major=True stores the caches' memory head-major, as pagedllm allocates them on the CPU
-    (ops/kv_cache.py): the same [num_blocks, block_size, Hkv, D] views and values, other strides.
+    (ops/kv_cache.py, on huge pages there too): the same [num_blocks, block_size, Hkv, D] views and
+    values, other strides.
     """
     if len(context_lens) != len(query_lens) or any(
         q > c for q, c in zip(query_lens, context_lens, strict=True)
@@ -68,7 +71,12 @@ def random_paged_batch(
             v_cache[block, : chunk.stop - chunk.start] = v[chunk]
         keys.append(k.to(device))
         values.append(v.to(device))
-    if head_major:
+    if head_major and torch.device(device).type == "cpu":  # the engine's own memory: huge pages too
+        ((k_cache, v_cache),) = [
+            (k.copy_(k_cache), v.copy_(v_cache))
+            for k, v in allocate_kv_caches(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, "cpu")
+        ]
+    elif head_major:
         k_cache, v_cache = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache))
     starts = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     q = torch.randn(int(starts[-1]), num_heads, head_dim, generator=gen).to(dtype)

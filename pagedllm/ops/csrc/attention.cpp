@@ -46,20 +46,103 @@ inline __m128 dot_rows(const float* q, const T* k, int64_t d) {
   return reduce_add4(acc[0], acc[1], acc[2], acc[3]);
 }
 
+// s_r[t] = q_r . k_t for N fp32 query rows q_r (d apart) and count key rows k_t (k_stride apart); score
+// rows are s_stride apart. C > 0: d is C whole vectors, and the queries are held in registers.
+template <int N, int C, typename T>
+inline void score_rows(float* s, int64_t s_stride, const float* q, const T* k, int64_t k_stride, int64_t count,
+                       int64_t d) {
+  if constexpr (C == 0) {
+    for (int64_t t = 0; t < count; ++t) {
+      alignas(16) float dots[kRows];
+      _mm_store_ps(dots, dot_rows<N>(q, k + t * k_stride, d));
+      for (int r = 0; r < N; ++r) s[r * s_stride + t] = dots[r];
+    }
+  } else {
+    VecF qv[N][C];
+    for (int r = 0; r < N; ++r)
+      for (int c = 0; c < C; ++c) qv[r][c] = VecF::load(q + r * d + c * VecF::kWidth);
+    int64_t t = 0;
+    if constexpr (VecF::kWidth == 16 && N * C <= 16) {
+      // Four keys at a time: each row's four dot products come out of one reduction, as one store.
+      for (; t + 4 <= count; t += 4) {
+        VecF acc[N][4];
+        for (int r = 0; r < N; ++r)
+          for (int j = 0; j < 4; ++j) acc[r][j] = VecF::zero();
+        for (int c = 0; c < C; ++c) {
+          VecF kv[4];
+          for (int j = 0; j < 4; ++j) kv[j] = VecF::load(k + (t + j) * k_stride + c * VecF::kWidth);
+          for (int r = 0; r < N; ++r)
+            for (int j = 0; j < 4; ++j) acc[r][j] = fmadd(qv[r][c], kv[j], acc[r][j]);
+        }
+        for (int r = 0; r < N; ++r) _mm_storeu_ps(s + r * s_stride + t, reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+      }
+    }
+    for (; t < count; ++t) {
+      const T* row = k + t * k_stride;
+      VecF acc[kRows] = {VecF::zero(), VecF::zero(), VecF::zero(), VecF::zero()};
+      for (int c = 0; c < C; ++c) {
+        const VecF kv = VecF::load(row + c * VecF::kWidth);
+        for (int r = 0; r < N; ++r) acc[r] = fmadd(qv[r][c], kv, acc[r]);
+      }
+      alignas(16) float dots[kRows];
+      _mm_store_ps(dots, reduce_add4(acc[0], acc[1], acc[2], acc[3]));
+      for (int r = 0; r < N; ++r) s[r * s_stride + t] = dots[r];
+    }
+  }
+}
+
 // y_r += sum_j w_r[j] * x_j for N accumulator rows y_r (d apart) and count value rows x_j (x_stride
-// apart); weight rows are w_stride apart. Accumulates in registers, one SIMD chunk of columns at a time.
-template <int N, typename T>
+// apart); weight rows are w_stride apart. C > 0: d is C whole vectors, accumulated G at a time so that
+// N x G independent sums hide each fused multiply-add's latency; else one (possibly partial) vector at
+// a time.
+template <int N, int C, typename T>
 inline void accumulate_rows(float* y, const float* w, int64_t w_stride, const T* x, int64_t x_stride,
                             int64_t count, int64_t d) {
-  for_each_chunk(d, [&](int64_t i, int n) {
-    VecF acc[N];
-    for (int r = 0; r < N; ++r) acc[r] = load(y + r * d + i, n);
-    for (int64_t j = 0; j < count; ++j) {
-      const VecF xv = load(x + j * x_stride + i, n);
-      for (int r = 0; r < N; ++r) acc[r] = fmadd(VecF::set1(w[r * w_stride + j]), xv, acc[r]);
+  if constexpr (C == 0) {
+    for_each_chunk(d, [&](int64_t i, int n) {
+      VecF acc[N];
+      for (int r = 0; r < N; ++r) acc[r] = load(y + r * d + i, n);
+      for (int64_t j = 0; j < count; ++j) {
+        const VecF xv = load(x + j * x_stride + i, n);
+        for (int r = 0; r < N; ++r) acc[r] = fmadd(VecF::set1(w[r * w_stride + j]), xv, acc[r]);
+      }
+      for (int r = 0; r < N; ++r) store(acc[r], y + r * d + i, n);
+    });
+  } else {
+    constexpr int G = std::min(C, VecF::kWidth == 16 ? 4 : 2);  // fits the register file with N <= 4
+    for (int c0 = 0; c0 < C; c0 += G) {
+      const int64_t i = c0 * VecF::kWidth;
+      VecF acc[N][G];
+      for (int r = 0; r < N; ++r)
+        for (int g = 0; g < G; ++g) acc[r][g] = VecF::load(y + r * d + i + g * VecF::kWidth);
+      for (int64_t j = 0; j < count; ++j) {
+        VecF xv[G];
+        for (int g = 0; g < G; ++g) xv[g] = VecF::load(x + j * x_stride + i + g * VecF::kWidth);
+        for (int r = 0; r < N; ++r) {
+          const VecF wv = VecF::set1(w[r * w_stride + j]);
+          for (int g = 0; g < G; ++g) acc[r][g] = fmadd(wv, xv[g], acc[r][g]);
+        }
+      }
+      for (int r = 0; r < N; ++r)
+        for (int g = 0; g < G; ++g) acc[r][g].store(y + r * d + i + g * VecF::kWidth);
     }
-    for (int r = 0; r < N; ++r) store(acc[r], y + r * d + i, n);
-  });
+  }
+}
+
+// Calls fn(std::integral_constant<int, C>) with C = head_dim / kWidth for the common head sizes (up to
+// 8 whole vectors: 128 with AVX-512), else with C = 0 (the general, runtime-sized path).
+template <typename F>
+inline void with_head_vectors(int64_t head_dim, const F& fn) {
+  if (head_dim % VecF::kWidth == 0) {
+    switch (head_dim / VecF::kWidth) {
+      case 1: return fn(std::integral_constant<int, 1>{});
+      case 2: return fn(std::integral_constant<int, 2>{});
+      case 4: return fn(std::integral_constant<int, 4>{});
+      case 8: return fn(std::integral_constant<int, 8>{});
+      default: break;
+    }
+  }
+  fn(std::integral_constant<int, 0>{});
 }
 
 // x[i] = exp(x[i] - max) in place; returns the sum.
@@ -124,7 +207,8 @@ struct WorkItem {
   int64_t seq, kv_head, row_begin, row_end;  // rows relative to the sequence's first query row
 };
 
-template <typename TQ, typename TKV>
+// C: the head dimension in whole SIMD vectors when the micro-kernels specialise on it, else 0.
+template <int C, typename TQ, typename TKV>
 void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& block_tables,
                       const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale,
@@ -193,11 +277,8 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
     paged.for_each_block(k_ptr, lo, hi, [&](int64_t t0, int64_t t1, const TKV* k_rows) {
       for (int64_t m0 = 0; m0 < m_count; m0 += kRows) {
         with_rows(m_count - m0, [&](auto n) {
-          for (int64_t t = t0; t < t1; ++t) {
-            float dots[kRows];
-            _mm_storeu_ps(dots, dot_rows<n>(&query[m0 * head_dim], k_rows + (t - t0) * slot_stride, head_dim));
-            for (int r = 0; r < n; ++r) scores[(m0 + r) * span + t - lo] = dots[r];
-          }
+          score_rows<n, C>(&scores[m0 * span + t0 - lo], span, &query[m0 * head_dim], k_rows, slot_stride, t1 - t0,
+                           head_dim);
         });
       }
     });
@@ -215,7 +296,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
     paged.for_each_block(v_ptr, lo, hi, [&](int64_t t0, int64_t t1, const TKV* v_rows) {
       for (int64_t m0 = 0; m0 < m_count; m0 += kRows) {
         with_rows(m_count - m0, [&](auto n) {
-          accumulate_rows<n>(&acc[m0 * head_dim], &scores[m0 * span + t0 - lo], span, v_rows, slot_stride,
+          accumulate_rows<n, C>(&acc[m0 * head_dim], &scores[m0 * span + t0 - lo], span, v_rows, slot_stride,
                              t1 - t0, head_dim);
         });
       }
@@ -258,7 +339,10 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   auto run = [&](auto q_tag, auto kv_tag) {
     using TQ = decltype(q_tag);
     using TKV = decltype(kv_tag);
-    attention_kernel<TQ, TKV>(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window);
+    with_head_vectors(q.size(2), [&](auto c) {
+      attention_kernel<c, TQ, TKV>(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                                   window);
+    });
   };
   if (q_type == at::kFloat && kv_type == at::kFloat) {
     run(float{}, float{});
