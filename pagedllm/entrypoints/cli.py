@@ -1,4 +1,4 @@
-"""The `pagedllm` command: generate text, or run a benchmark."""
+"""The `pagedllm` command: generate text, serve, run a benchmark, or draw the KV cache."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ BENCHMARKS = {
     "memory": "pagedllm.bench.memory",  # paged vs contiguous KV waste, no model needed
     "kernel": "pagedllm.bench.kernel",  # paged vs contiguous attention kernels
     "throughput": "pagedllm.bench.throughput",  # paged vs contiguous (vs HF) on a real model
+    "snapshot": "pagedllm.bench.snapshot",  # what the dashboard's GET /v1/kv costs next to a step
 }
 
 
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a benchmark (options after the name go to it)")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
+    sub.add_parser("viz", help="draw the KV cache of a real run, paged vs contiguous (pagedllm viz --help)")
     return parser
 
 
@@ -96,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHMARKS:
         return importlib.import_module(BENCHMARKS[argv[1]]).main(argv[2:])
+    if argv[:1] == ["viz"]:
+        return importlib.import_module("pagedllm.viz.report").main(argv[1:])
     args = parser.parse_args(argv)
     try:
         return args.func(args)

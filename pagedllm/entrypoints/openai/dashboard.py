@@ -13,8 +13,16 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from pagedllm.engine.kv_snapshot import KVSnapshots
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine
+from pagedllm.entrypoints.openai.metrics import EngineMetrics
 
 STATIC = files(__package__) / "static"
+
+
+def kv_payload(snapshots: KVSnapshots, metrics: EngineMetrics) -> dict:
+    """What GET /v1/kv returns: the KV snapshot, with the token counters (for tokens/s). Engine thread."""
+    snapshot = snapshots.take()
+    snapshot["counters"].update(metrics.token_totals())
+    return snapshot
 
 
 def router(engine: AsyncEngine) -> APIRouter:
@@ -23,15 +31,10 @@ def router(engine: AsyncEngine) -> APIRouter:
     script = (STATIC / "dashboard.js").read_text()
     routes = APIRouter()
 
-    def take(_) -> dict:
-        snapshot = snapshots.take()
-        snapshot["counters"].update(engine.metrics.token_totals())
-        return snapshot
-
     @routes.get("/v1/kv")
     async def kv() -> JSONResponse:
         """The KV cache between two engine steps, and the token counters (for tokens/s)."""
-        return JSONResponse(await engine.run(take))
+        return JSONResponse(await engine.run(lambda _: kv_payload(snapshots, engine.metrics)))
 
     @routes.get("/dashboard", response_class=HTMLResponse)
     async def dashboard() -> HTMLResponse:
