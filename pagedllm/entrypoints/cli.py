@@ -51,7 +51,20 @@ def _serve(args: argparse.Namespace) -> int:
         device=args.device,
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
+        **{name: getattr(args, name) for name in KV_ARGS},
     )
+
+
+KV_ARGS = ("block_size", "max_num_seqs", "kv_layout", "contiguous_reserve", "enable_prefix_caching")
+
+
+def _add_kv_args(parser: argparse.ArgumentParser) -> None:
+    """The KV cache's shape and batch limit (EngineConfig names): what the dashboard helps to tune."""
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step at most")
+    parser.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
+    parser.add_argument("--contiguous-reserve", default="max", choices=["max", "pow2"], help="slab size")
+    parser.add_argument("--enable-prefix-caching", action="store_true", help="reuse cached prompt blocks")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="cpu")
     serve.add_argument("--kv-cache-memory", default="1GiB")
     serve.add_argument("--max-model-len", type=int, default=None)
+    _add_kv_args(serve)
     serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="run a benchmark (options after the name go to it)")
