@@ -43,3 +43,18 @@ def running_server(app) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@contextlib.contextmanager
+def openai_client(base: str, engine) -> Iterator:
+    """The official client on a running server; afterwards every request must be done, every block free."""
+    import openai
+
+    yield openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+    # The engine thread finishes (or aborts) asynchronously: give it a moment, then nothing may be left.
+    deadline = time.monotonic() + 10
+    while (
+        engine.has_unfinished_requests() or not engine.allocator.all_free()
+    ) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert_all_blocks_free(engine)

@@ -11,9 +11,8 @@ import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-import openai
 import pytest
-from helpers import assert_all_blocks_free, running_server
+from helpers import assert_all_blocks_free, openai_client, running_server
 
 from pagedllm import SamplingParams
 from pagedllm.engine.kv_snapshot import KVSnapshots
@@ -47,14 +46,8 @@ def server():
 
 @pytest.fixture
 def client(server):
-    base, engine = server
-    yield openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-    deadline = time.monotonic() + 10  # the engine thread finishes (or aborts) asynchronously
-    while (
-        engine.has_unfinished_requests() or not engine.allocator.all_free()
-    ) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert_all_blocks_free(engine)
+    with openai_client(*server) as client:
+        yield client
 
 
 def in_flight(client, max_tokens: int = 120) -> list:
@@ -196,11 +189,10 @@ PAGE_STATE = """() => {
   const cells = [...document.querySelectorAll('#map .cell')];
   const value = (k) => document.querySelector(`#numbers tr[data-k="${k}"] .v`).textContent;
   return {
-    step: +document.body.dataset.step, updates: +document.body.dataset.updates, cells: cells.length,
+    drawn: window.kvDashboard.snap, updates: window.kvDashboard.updates, cells: cells.length,
     shared: cells.filter((c) => c.classList.contains('shared'))
       .map((c) => [+c.dataset.block, +c.textContent]),
-    live: value('live'), tail: value('tail'), free: value('free'),
-    running: value('running'),
+    live: value('live'), tail: value('tail'), free: value('free'), running: value('running'),
     seqs: [...document.querySelectorAll('#seqs tbody tr')].map((tr) => tr.dataset.seq),
   };
 }"""
@@ -217,7 +209,7 @@ def browser():
 
 
 class Recorder(threading.Thread):
-    """Polls /v1/kv as fast as it can, keeping the snapshot of every step it sees."""
+    """Polls /v1/kv as fast as it can, keeping a snapshot of every step it sees, until stopped."""
 
     def __init__(self, base: str):
         super().__init__(daemon=True)
@@ -228,24 +220,44 @@ class Recorder(threading.Thread):
             snap = get(f"{self.base}/v1/kv")
             self.by_step[snap["step"]] = snap
 
+    def __enter__(self) -> Recorder:
+        self.start()
+        return self
 
-def shown_at_recorded_steps(page, recorder: Recorder, script: str, wanted, count: int = 3):
-    """(page state, /v1/kv snapshot of the same step) pairs, `count` of them, each a step `wanted(snap)`
-    accepts, about 0.7 s apart; the page state is read in one evaluate, so it is one render's."""
-    pairs, deadline = [], time.monotonic() + 60
-    while len(pairs) < count and time.monotonic() < deadline:
-        shown = page.evaluate(script)
-        snap = recorder.by_step.get(shown["step"])
-        if snap is None or not wanted(snap):
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.join(timeout=10)
+
+
+def between_steps(snap: dict) -> dict:
+    """What no step changed: a request added between two steps changes only the waiting count and the
+    prompt token counter (and the snapshot's time), not the step number."""
+    queues = {k: v for k, v in snap["queues"].items() if k != "waiting"}
+    counters = {k: v for k, v in snap["counters"].items() if k != "prompt_tokens"}
+    rest = {k: v for k, v in snap.items() if k not in ("time", "queues", "counters")}
+    return rest | {"queues": queues, "counters": counters}
+
+
+def drawn_at_recorded_steps(page, recorder: Recorder, script: str, wanted, count: int = 3) -> list[dict]:
+    """`count` page states about a second apart, each drawn from a snapshot of a step `wanted` accepts
+    and equal to the recorder's own /v1/kv of that step (the page state is read in one evaluate, so it
+    is one render's). Checks that the page kept updating: a new step each time, >= 1 update a second."""
+    shown, deadline = [], time.monotonic() + 60
+    while len(shown) < count and time.monotonic() < deadline:
+        state = page.evaluate(script) | {"at": time.monotonic()}
+        recorded = recorder.by_step.get(state["drawn"]["step"])
+        if recorded is None or not wanted(recorded):
             time.sleep(0.1)
             continue
-        pairs.append((shown, snap))
-        time.sleep(0.7)
-    assert len(pairs) == count, f"the page showed only {len(pairs)} of {count} steps /v1/kv was seen at"
-    steps = [shown["step"] for shown, _ in pairs]
-    assert steps == sorted(set(steps))  # the page keeps updating, step after step
-    assert pairs[-1][0]["updates"] - pairs[0][0]["updates"] >= 2  # at least one update a second
-    return pairs
+        assert between_steps(state["drawn"]) == between_steps(recorded)
+        shown.append(state)
+        time.sleep(1.0)
+    assert len(shown) == count, f"the page drew only {len(shown)} of {count} steps /v1/kv was seen at"
+    steps = [state["drawn"]["step"] for state in shown]
+    assert steps == sorted(set(steps))
+    rate = (shown[-1]["updates"] - shown[0]["updates"]) / (shown[-1]["at"] - shown[0]["at"])
+    assert rate >= 1, f"{rate:.2f} updates a second"
+    return shown
 
 
 def open_dashboard(browser, base: str, errors: list):
@@ -259,30 +271,29 @@ def open_dashboard(browser, base: str, errors: list):
 @needs_chromium
 def test_dashboard_page_draws_the_live_paged_cache(client, server, browser, tmp_path):
     base, _ = server
-    futures = in_flight(client, max_tokens=100)
-    recorder = Recorder(base)
-    recorder.start()
     errors = []
-    page = open_dashboard(browser, base, errors)
-    pairs = shown_at_recorded_steps(page, recorder, PAGE_STATE, forked_blocks)
-    # While the n = 3 request runs: its third sequence's block table marks the forked blocks shared.
-    trio = next(s for s in pairs[0][0]["seqs"] if s.endswith("#2"))
-    page.hover(f'#seqs tbody tr[data-seq="{trio}"]')
-    entries = page.locator("#table-view .entry.shared")
-    assert entries.count() >= len(forked_blocks(pairs[0][1])) >= 1 and "×" in entries.first.inner_text()
-    page.screenshot(path=os.environ.get("PAGEDLLM_DASHBOARD_SCREENSHOT") or tmp_path / "dashboard.png")
-    for shown, snap in pairs:
+    page = open_dashboard(browser, base, errors)  # first, so its time series start before the load
+    futures = in_flight(client, max_tokens=100)
+    with Recorder(base) as recorder:
+        shown = drawn_at_recorded_steps(page, recorder, PAGE_STATE, forked_blocks)
+        # While the n = 3 request runs: its third sequence's block table marks the forked blocks shared.
+        trio = next(s for s in shown[-1]["seqs"] if s.endswith("#2"))
+        page.hover(f'#seqs tbody tr[data-seq="{trio}"]')
+        entries = page.locator("#table-view .entry.shared")
+        assert entries.count() >= len(forked_blocks(shown[-1]["drawn"])) >= 1
+        assert "×" in entries.first.inner_text()
+        page.screenshot(path=os.environ.get("PAGEDLLM_DASHBOARD_SCREENSHOT") or tmp_path / "dashboard.png")
+    for state in shown:
+        snap = state["drawn"]
         ref, usage, queues = snap["blocks"]["ref"], snap["usage"], snap["queues"]
-        assert shown["cells"] == snap["num_blocks"] == 91
-        assert shown["shared"] == [[b, r] for b, r in enumerate(ref) if r > 1]
-        assert {b for b, r in shown["shared"] if r >= 3} >= forked_blocks(snap)  # the fork, drawn shared
-        assert [shown[k] for k in ("live", "tail", "free")] == [
+        assert state["cells"] == snap["num_blocks"] == 91
+        assert state["shared"] == [[b, r] for b, r in enumerate(ref) if r > 1]
+        assert {b for b, r in state["shared"] if r >= 3} >= forked_blocks(snap)  # the fork, drawn shared
+        assert [state[k] for k in ("live", "tail", "free")] == [
             f"{usage[k]:,}" for k in ("live", "tail", "free")
         ]
-        assert shown["running"] == f"{queues['running']} / {queues['waiting']} / {queues['swapped']}"
-        assert shown["seqs"] == [s["id"] for s in snap["seqs"]]
-    recorder.stop.set()
-    recorder.join(timeout=10)
+        assert state["running"] == f"{queues['running']} / {queues['waiting']} / {queues['swapped']}"
+        assert state["seqs"] == [s["id"] for s in snap["seqs"]]
     assert [len(f.result().choices) for f in futures] == [3, 1, 1, 1, 1]
     assert errors == []
 
@@ -291,7 +302,7 @@ RUNS_STATE = """() => {
   const segs = [...document.querySelectorAll('#map .seg')];
   const value = (k) => document.querySelector(`#numbers tr[data-k="${k}"] .v`).textContent;
   return {
-    step: +document.body.dataset.step, updates: +document.body.dataset.updates,
+    drawn: window.kvDashboard.snap, updates: window.kvDashboard.updates,
     runs: new Set(segs.map((s) => s.dataset.run)).size,
     slabs: [...new Set(segs.filter((s) => s.dataset.seq).map((s) => s.dataset.seq))],
     external: new Set(segs.filter((s) => s.classList.contains('external')).map((s) => +s.dataset.run)).size,
@@ -306,29 +317,24 @@ def test_dashboard_page_draws_contiguous_slabs_and_gaps(server, browser):
         MODEL, kv_cache_memory="8MiB", max_model_len=256, kv_layout="contiguous", contiguous_reserve="pow2"
     )  # 176 slots: a few slabs at a time, and gaps between them
     errors = []
-    with running_server(app) as base:
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-        with ThreadPoolExecutor(6) as pool:
+    with running_server(app) as base, openai_client(base, app.state.engine.engine) as client:
+        page = open_dashboard(browser, base, errors)
+        with ThreadPoolExecutor(6) as pool, Recorder(base) as recorder:
             futures = [
                 pool.submit(client.completions.create, model=MODEL, prompt="Count: 1, 2," * (1 + i % 3),
                             max_tokens=16 + 8 * i, temperature=0, extra_body={"ignore_eos": True})
                 for i in range(6)
             ]  # fmt: skip
-            recorder = Recorder(base)
-            recorder.start()
-            page = open_dashboard(browser, base, errors)
-            for shown, snap in shown_at_recorded_steps(page, recorder, RUNS_STATE, lambda s: s["seqs"], 2):
-                runs, usage = snap["runs"], snap["usage"]
-                assert shown["runs"] == len(runs)
-                assert shown["slabs"] == [r[3] for r in runs if r[3] is not None]
-                assert shown["external"] == sum(r[4] for r in runs)
-                assert [shown[k] for k in ("live", "reserved", "external_slots")] == [
-                    f"{usage[k]:,}" for k in ("live", "reserved", "external")
-                ]
-            recorder.stop.set()
-            recorder.join(timeout=10)
+            shown = drawn_at_recorded_steps(page, recorder, RUNS_STATE, lambda snap: snap["seqs"], 2)
             assert all(f.result().choices[0].finish_reason == "length" for f in futures)
-        assert_all_blocks_free(app.state.engine.engine)
+    for state in shown:
+        runs, usage = state["drawn"]["runs"], state["drawn"]["usage"]
+        assert state["runs"] == len(runs)
+        assert state["slabs"] == [r[3] for r in runs if r[3] is not None]
+        assert state["external"] == sum(r[4] for r in runs)
+        assert [state[k] for k in ("live", "reserved", "external_slots")] == [
+            f"{usage[k]:,}" for k in ("live", "reserved", "external")
+        ]
     assert errors == []
 
 

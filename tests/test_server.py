@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from helpers import running_server
+from helpers import openai_client, running_server
 
 from pagedllm import SamplingParams
 from pagedllm.entrypoints.openai.server import build_app
@@ -26,16 +26,8 @@ def server():
 
 @pytest.fixture
 def client(server):
-    base, engine = server
-    yield openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-    # The engine thread finishes (or aborts) asynchronously: give it a moment, then nothing may be left.
-    deadline = time.monotonic() + 10
-    while (
-        engine.has_unfinished_requests() or not engine.allocator.all_free()
-    ) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not engine.has_unfinished_requests()
-    assert engine.allocator.all_free(), engine.allocator.usage()
+    with openai_client(*server) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-from pagedllm.bench.throughput import make_prompts
+from pagedllm.bench.throughput import make_prompts, parse_range
 
 
 def measure(args) -> dict:
@@ -98,9 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        args.input_len = tuple(int(x) for x in args.input_len.split("-"))
-        assert len(args.input_len) == 2
-    except (ValueError, AssertionError):
+        args.input_len = parse_range(args.input_len)
+    except ValueError:
         parser.exit(2, f"pagedllm bench snapshot: error: --input-len must be LO-HI, got {args.input_len!r}\n")
     result = measure(args)
     if args.json:

@@ -25,6 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagedllm.bench.throughput import parse_range
 from pagedllm.kv import KVUsage
 
 NUM_SAMPLES = 3  # of the first request
@@ -180,9 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     try:
-        lo, hi = (int(x) for x in args.output_len.split("-"))
-        assert 1 <= lo <= hi
-    except (ValueError, AssertionError):
+        lo, hi = parse_range(args.output_len)
+    except ValueError:
         parser.error(f"--output-len must be LO-HI with 1 <= LO <= HI, got {args.output_len!r}")
     try:
         from pagedllm.viz import figures

@@ -62,6 +62,8 @@ function render(snap) {
   document.body.dataset.step = snap.step;
   remember(snap, previous);
   const contiguous = snap.layout === "contiguous";
+  document.body.classList.toggle("contiguous", contiguous);
+  document.body.classList.toggle("paged", !contiguous);
   const what = contiguous ? `contiguous slabs (reserve ${snap.reserve})` : "paged";
   $("#config").textContent = `${snap.model} · ${what} · ${fmt(snap.num_blocks)} blocks × ${snap.block_size} ` +
     `tokens = ${fmt(snap.total_slots)} slots · max_model_len ${fmt(snap.max_model_len)}`;
@@ -205,9 +207,10 @@ function drawNumbers(snap) {
   }));
   const last = state.history[state.history.length - 1];
   const c = snap.counters;
-  const rows = PARTS.map((p) => [p, `<span class="swatch" style="--c:${COLOR[p]}"></span>${PART_LABEL[p]}`,
+  const parts = snap.layout === "contiguous" ? ["live", "reserved", "external", "free"] : ["live", "tail", "free"];
+  const rows = parts.map((p) => [p, `<span class="swatch" style="--c:${COLOR[p]}"></span>${PART_LABEL[p]}`,
     pct(u[p] / total), fmt(u[p])]);
-  rows.push(["shared_saved", "slots saved by sharing", "", fmt(u.shared_saved)]);
+  if (snap.layout !== "contiguous") rows.push(["shared_saved", "slots saved by sharing", "", fmt(u.shared_saved)]);
   rows.push(["running", "running / waiting / swapped", "",
     `${snap.queues.running} / ${snap.queues.waiting} / ${snap.queues.swapped}`]);
   rows.push(["tps", "tokens/s generated · prompt", "", `${last.tps.toFixed(1)} · ${last.prompt_tps.toFixed(1)}`]);
@@ -372,7 +375,7 @@ function drawCharts() {
   lines("#chart-tps", [[(p) => p.tps, "#31a354"], [(p) => p.prompt_tps, "#9ecae1"]]);
   const most = Math.max(1, ...state.history.map((p) => p.preemptions));
   lines("#chart-pre", [[(p) => p.preemptions / most, "#de2d26"], [(p) => p.hit, "#2c7f6e"]], 1,
-    `top: ${fmt(most)} preemptions, 100% hit rate`);
+    `top of the chart: ${fmt(most)} preemption${most > 1 ? "s" : ""} · 100% hits`);
 }
 
 poll();
