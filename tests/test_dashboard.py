@@ -264,7 +264,7 @@ def open_dashboard(browser, base: str, errors: list):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.on("pageerror", lambda error: errors.append(str(error)))
     page.goto(f"{base}/dashboard")
-    page.wait_for_function("() => +document.body.dataset.updates >= 1")
+    page.wait_for_function("() => window.kvDashboard.updates >= 1")
     return page
 
 

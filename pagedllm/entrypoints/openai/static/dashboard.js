@@ -58,8 +58,6 @@ function render(snap) {
   const previous = state.snap;
   state.snap = snap;
   state.updates += 1;
-  document.body.dataset.updates = state.updates;
-  document.body.dataset.step = snap.step;
   remember(snap, previous);
   const contiguous = snap.layout === "contiguous";
   document.body.classList.toggle("contiguous", contiguous);
@@ -122,7 +120,6 @@ function drawBlocks(snap) {
   state.cells.forEach((cell, id) => {
     const held = ref[id] > 0;
     cell.style.background = held ? fill(tokens[id], snap.block_size, COLOR.tail) : "";
-    cell.classList.toggle("free", !held);
     cell.classList.toggle("cached", !held && cached[id] === 1);
     cell.classList.toggle("shared", ref[id] > 1);
     cell.dataset.ref = ref[id];
