@@ -21,7 +21,9 @@ def test_snapshot_bench_times_every_sequence_decoding(capsys):
 
 def test_snapshot_bench_says_when_the_batch_does_not_fit(capsys):
     """4 MiB = 5 blocks: one 40-token prompt (3 blocks) at a time."""
-    with pytest.raises(SystemExit, match="only 1 of 8 sequences run at once: raise --kv-cache-memory"):
+    with pytest.raises(
+        SystemExit, match=r"at most 1 of 8 sequences ran at once \(0 preemptions\): raise --kv-cache-memory"
+    ):
         snapshot.main(
             ["--num-seqs", "8", "--steps", "1", "--input-len", "40-40", "--kv-cache-memory", "4MiB"]
         )

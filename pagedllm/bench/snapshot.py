@@ -40,14 +40,26 @@ def measure(args) -> dict:
     params = SamplingParams(max_tokens=args.steps + 8, temperature=0, ignore_eos=True)
     for i, ids in enumerate(prompts):
         engine.add_request(f"snap-{i}", ids, params)
-    while engine.scheduler.waiting or any(not seq.output_token_ids for seq in engine.scheduler.running):
-        engine.step()  # prefill everything first: the timed steps are decode steps of the whole batch
-    running = len(engine.scheduler.running)
-    if running != args.num_seqs:
-        raise SystemExit(
-            f"only {running} of {args.num_seqs} sequences run at once: raise --kv-cache-memory "
-            f"(now {args.kv_cache_memory})"
-        )
+    scheduler, most = engine.scheduler, 0
+
+    def check_whole_batch() -> None:
+        """Every sequence running, none preempted or finished: else the cache is too small."""
+        preemptions = scheduler.num_preemptions
+        if len(scheduler.running) != args.num_seqs or preemptions or len(engine.requests) < args.num_seqs:
+            for request_id in list(engine.requests):
+                engine.abort_request(request_id)
+            raise SystemExit(
+                f"at most {most} of {args.num_seqs} sequences ran at once ({preemptions} preemptions): "
+                f"raise --kv-cache-memory (now {args.kv_cache_memory})"
+            )
+
+    # Prefill everything first: the timed steps are decode steps of the whole batch.
+    while scheduler.waiting or any(not seq.output_token_ids for seq in scheduler.running):
+        engine.step()
+        most = max(most, len(scheduler.running))
+        if scheduler.num_preemptions or len(engine.requests) < args.num_seqs:
+            break
+    check_whole_batch()
     snapshots, metrics = KVSnapshots(engine), EngineMetrics()
     step_ms, snapshot_ms, encode_ms, size = [], [], [], 0
     for _ in range(args.steps):
@@ -61,6 +73,8 @@ def measure(args) -> dict:
         step_ms.append(1e3 * (stepped - start))
         snapshot_ms.append(1e3 * (snapped - stepped))
         encode_ms.append(1e3 * (encoded - snapped))
+    check_whole_batch()
+    running = len(scheduler.running)
     for request_id in list(engine.requests):
         engine.abort_request(request_id)
     assert engine.allocator.all_free(), "KV blocks leaked"
