@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-import uvicorn
+from helpers import openai_client, running_server
 
 from pagedllm import SamplingParams
 from pagedllm.entrypoints.openai.server import build_app
@@ -22,39 +20,14 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def server():
     app = build_app(MODEL, kv_cache_memory="64MiB", max_model_len=1024)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if urllib.request.urlopen(f"{base}/health").status == 200:
-                break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "server did not come up"
-        time.sleep(0.1)
-    yield base, app.state.engine.engine
-    uv.should_exit = True
-    thread.join(timeout=30)
+    with running_server(app) as base:
+        yield base, app.state.engine.engine
 
 
 @pytest.fixture
 def client(server):
-    base, engine = server
-    yield openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-    # The engine thread finishes (or aborts) asynchronously: give it a moment, then nothing may be left.
-    deadline = time.monotonic() + 10
-    while (
-        engine.has_unfinished_requests() or not engine.allocator.all_free()
-    ) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not engine.has_unfinished_requests()
-    assert engine.allocator.all_free(), engine.allocator.usage()
+    with openai_client(*server) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

@@ -56,6 +56,14 @@ class Workload:
     output_tokens: int  # requested: output_len per prompt, EOS ignored
 
 
+def parse_range(text: str) -> tuple[int, int]:
+    """'LO-HI' -> (LO, HI) with 1 <= LO <= HI; ValueError otherwise."""
+    lo, hi = (int(x) for x in text.split("-"))
+    if not 1 <= lo <= hi:
+        raise ValueError(text)
+    return lo, hi
+
+
 def make_prompts(num: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(num)]
@@ -245,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        lo, hi = (int(x) for x in args.input_len.split("-"))
+        lo, hi = parse_range(args.input_len)
     except ValueError:
         parser.exit(
             2, f"pagedllm bench throughput: error: --input-len must be LO-HI, got {args.input_len!r}\n"

@@ -1,4 +1,4 @@
-"""The `pagedllm` command: generate text, or run a benchmark."""
+"""The `pagedllm` command: generate text, serve, run a benchmark, or draw the KV cache."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ BENCHMARKS = {
     "memory": "pagedllm.bench.memory",  # paged vs contiguous KV waste, no model needed
     "kernel": "pagedllm.bench.kernel",  # paged vs contiguous attention kernels
     "throughput": "pagedllm.bench.throughput",  # paged vs contiguous (vs HF) on a real model
+    "snapshot": "pagedllm.bench.snapshot",  # what the dashboard's GET /v1/kv costs next to a step
 }
 
 
@@ -50,7 +51,20 @@ def _serve(args: argparse.Namespace) -> int:
         device=args.device,
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
+        **{name: getattr(args, name) for name in KV_ARGS},
     )
+
+
+KV_ARGS = ("block_size", "max_num_seqs", "kv_layout", "contiguous_reserve", "enable_prefix_caching")
+
+
+def _add_kv_args(parser: argparse.ArgumentParser) -> None:
+    """The KV cache's shape and batch limit (EngineConfig names): what the dashboard helps to tune."""
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step at most")
+    parser.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
+    parser.add_argument("--contiguous-reserve", default="max", choices=["max", "pow2"], help="slab size")
+    parser.add_argument("--enable-prefix-caching", action="store_true", help="reuse cached prompt blocks")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,10 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="cpu")
     serve.add_argument("--kv-cache-memory", default="1GiB")
     serve.add_argument("--max-model-len", type=int, default=None)
+    _add_kv_args(serve)
     serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="run a benchmark (options after the name go to it)")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
+    sub.add_parser("viz", help="draw the KV cache of a real run, paged vs contiguous (pagedllm viz --help)")
     return parser
 
 
@@ -96,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHMARKS:
         return importlib.import_module(BENCHMARKS[argv[1]]).main(argv[2:])
+    if argv[:1] == ["viz"]:
+        return importlib.import_module("pagedllm.viz.report").main(argv[1:])
     args = parser.parse_args(argv)
     try:
         return args.func(args)

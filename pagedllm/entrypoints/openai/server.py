@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai import dashboard
 from pagedllm.entrypoints.openai import protocol as p
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -45,6 +46,7 @@ def build_app(model: str = "smollm2-135m", served_model_name: str | None = None,
 
     app = FastAPI(title="pagedllm", lifespan=lifespan)
     app.state.engine = engine
+    app.include_router(dashboard.router(engine))  # GET /dashboard and GET /v1/kv
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
