@@ -14,18 +14,21 @@ DTYPES.update({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.floa
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
-def parse_bytes(value: int | str) -> int:
-    """'512MiB', '1.5GB', '4096' or an int -> bytes."""
+QUANTIZATION_CHOICES = ("auto", None, "none", "int8", "int4", "gguf")
+
+
+def parse_bytes(value: int | str, name: str = "kv_cache_memory") -> int:
+    """'512MiB', '1.5GB', '4096' or an int -> bytes; errors name the setting."""
     if isinstance(value, int):
         size = value
     else:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
         unit = match.group(2).lower() if match else None
         if unit not in _UNITS:
-            raise ValueError(f"kv_cache_memory must be a size like '512MiB' or '2GB', got {value!r}")
+            raise ValueError(f"{name} must be a size like '512MiB' or '2GB', got {value!r}")
         size = int(float(match.group(1)) * _UNITS[unit])
     if size <= 0:
-        raise ValueError(f"kv_cache_memory must be positive, got {value!r}")
+        raise ValueError(f"{name} must be positive, got {value!r}")
     return size
 
 
@@ -35,8 +38,14 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "cpu"
     block_size: int = 16
-    kv_cache_memory: int | str = "1GiB"  # KV cache size; ignored when num_kv_blocks is given
+    kv_cache_memory: int | str = "1GiB"  # KV cache size; ignored when num_kv_blocks or memory_budget is given
     num_kv_blocks: int | None = None
+    # Weights and KV cache together (vLLM's gpu_memory_utilization, in bytes): the KV cache gets what the
+    # loaded weights leave, so smaller (quantized) weights mean more KV blocks.
+    memory_budget: int | str | None = None
+    # auto: a GGUF file keeps its own quantized blocks (see models/quantization.py), other checkpoints
+    # load unquantized; None / "none": unquantized in `dtype`; "int8" / "int4": weight-only, at load time.
+    quantization: str | None = "auto"
     max_model_len: int | None = None  # default: the model's context length
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -67,6 +76,12 @@ class EngineConfig:
         if not isinstance(self.watermark, (int, float)) or not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be a fraction in [0, 1), got {self.watermark!r}")
         parse_bytes(self.kv_cache_memory)
+        if self.memory_budget is not None:
+            parse_bytes(self.memory_budget, "memory_budget")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(
+                f"quantization must be one of {list(QUANTIZATION_CHOICES)}, got {self.quantization!r}"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -27,12 +27,14 @@ logger = logging.getLogger(__name__)
 _loaded_models: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def load_shared_model(model: str, dtype: torch.dtype, device: str) -> LoadedModel:
+def load_shared_model(
+    model: str, dtype: torch.dtype, device: str, quantization: str | None = "auto"
+) -> LoadedModel:
     """load_model, reusing a model another live engine already loaded with the same settings."""
-    key = (model, dtype, device)
+    key = (model, dtype, device, quantization)
     loaded = _loaded_models.get(key)
     if loaded is None:
-        loaded = load_model(model, dtype=dtype, device=device)
+        loaded = load_model(model, dtype=dtype, device=device, quantization=quantization)
         _loaded_models[key] = loaded
     return loaded
 
@@ -60,14 +62,17 @@ class LLMEngine:
         apply_thread_count()
         if torch.device(config.device).type == "cpu":
             keep_large_allocations()
-        loaded = load_shared_model(config.model, config.torch_dtype, config.device)
+        loaded = load_shared_model(config.model, config.torch_dtype, config.device, config.quantization)
         self.loaded_model = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = set(loaded.eos_token_ids)
         model_cfg = self.model.config
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
-        num_blocks = config.num_kv_blocks or self._blocks_that_fit(parse_bytes(config.kv_cache_memory))
+        num_blocks = config.num_kv_blocks or self._blocks_that_fit(self._kv_budget())
+        self.num_kv_blocks = num_blocks
+        self.weight_bytes = loaded.weight_bytes
+        self.kv_cache_bytes = num_blocks * self._block_bytes()
         if config.kv_layout == "paged":
             self.allocator = PagedAllocator(
                 num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
@@ -80,7 +85,10 @@ class LLMEngine:
             )
             cache_blocks, cache_block_size = num_slots, 1
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %s layout)",
+            "weights %.1f MiB (%s), KV cache %.1f MiB: %d blocks of %d tokens (%d tokens, %s layout)",
+            self.weight_bytes / 2**20,
+            loaded.linear_method,
+            self.kv_cache_bytes / 2**20,
             num_blocks,
             config.block_size,
             num_blocks * config.block_size,
@@ -105,13 +113,31 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
 
-    def _blocks_that_fit(self, num_bytes: int) -> int:
+    def _block_bytes(self) -> int:
         cfg = self.model.config
         bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
         bytes_per_token *= torch.tensor([], dtype=self.config.torch_dtype).element_size()
-        num_blocks = num_bytes // (bytes_per_token * self.config.block_size)
+        return bytes_per_token * self.config.block_size
+
+    def _kv_budget(self) -> int:
+        """Bytes for the KV cache: kv_cache_memory, or what the weights leave of memory_budget."""
+        config = self.config
+        if config.memory_budget is None:
+            return parse_bytes(config.kv_cache_memory)
+        budget = parse_bytes(config.memory_budget, "memory_budget")
+        weights = self.loaded_model.weight_bytes
+        if budget <= weights:
+            raise ValueError(
+                f"memory_budget={config.memory_budget!r} ({budget / 2**20:.1f} MiB) leaves nothing for the "
+                f"KV cache: the weights take {weights / 2**20:.1f} MiB"
+            )
+        return budget - weights
+
+    def _blocks_that_fit(self, num_bytes: int) -> int:
+        num_blocks = num_bytes // self._block_bytes()
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={self.config.kv_cache_memory!r} holds no KV block")
+            setting = "memory_budget" if self.config.memory_budget is not None else "kv_cache_memory"
+            raise ValueError(f"{setting}={getattr(self.config, setting)!r} holds no KV block")
         return num_blocks
 
     # -- requests ---------------------------------------------------------------------------------

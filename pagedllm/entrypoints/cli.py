@@ -12,6 +12,8 @@ BENCHMARKS = {
     "kernel": "pagedllm.bench.kernel",  # paged vs contiguous attention kernels
     "throughput": "pagedllm.bench.throughput",  # paged vs contiguous (vs HF) on a real model
     "snapshot": "pagedllm.bench.snapshot",  # what the dashboard's GET /v1/kv costs next to a step
+    "latency": "pagedllm.bench.latency",  # one user: time to first token, decode tok/s (vs llama.cpp)
+    "linear": "pagedllm.bench.linear",  # the matmul kernels and libraries on the model's shapes
 }
 
 
@@ -24,6 +26,7 @@ def _generate(args: argparse.Namespace) -> int:
         device=args.device,
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
+        **{name: getattr(args, name) for name in WEIGHT_ARGS},
     )
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
@@ -51,7 +54,27 @@ def _serve(args: argparse.Namespace) -> int:
         device=args.device,
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
-        **{name: getattr(args, name) for name in KV_ARGS},
+        **{name: getattr(args, name) for name in KV_ARGS + WEIGHT_ARGS},
+    )
+
+
+WEIGHT_ARGS = ("quantization", "memory_budget")
+
+
+def add_weight_args(parser: argparse.ArgumentParser) -> None:
+    """How the weights are stored, and a memory budget they share with the KV cache (EngineConfig names)."""
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8", "int4", "gguf"],
+        help="weight storage: auto keeps a GGUF file's own quantized blocks (gguf), else none; int8 / int4 "
+        "quantize at load time (weight-only)",
+    )
+    parser.add_argument(
+        "--memory-budget",
+        default=None,
+        help="weights + KV cache, e.g. 1GiB: the KV cache gets what the weights leave (overrides "
+        "--kv-cache-memory)",
     )
 
 
@@ -83,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--kv-cache-memory", default="256MiB")
     gen.add_argument("--max-model-len", type=int, default=None)
+    add_weight_args(gen)
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
@@ -97,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-memory", default="1GiB")
     serve.add_argument("--max-model-len", type=int, default=None)
     _add_kv_args(serve)
+    add_weight_args(serve)
     serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="run a benchmark (options after the name go to it)")

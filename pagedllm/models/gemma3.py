@@ -56,7 +56,7 @@ class Gemma3ForCausalLM(CausalLM):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """A flattened batch of [T] tokens from many sequences -> [T, hidden] final hidden states."""
-        h = self.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         h = h * torch.tensor(self.embed_scale, dtype=h.dtype)  # rounded to the model dtype, as trained
         for layer in self.layers:
             h = layer(h, positions, self.local_rotary, self.global_rotary, meta)

@@ -3,7 +3,8 @@
 Weights are dequantized to float32 with the `gguf` package and renamed to Hugging Face names, undoing
 two llama.cpp conventions: the Q/K row permutation of Llama-family models and Gemma's stored (1 + w)
 norm weights. The folder is cached under the cache root, keyed by the file's size and mtime, so a
-second load reads plain safetensors.
+second load reads plain safetensors. For quantization="gguf" the loader reads the file itself instead
+(gguf_blocks): the same names and row order, quantized tensors still in their blocks.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedllm.models.gguf_quants import KEPT_TYPES, GGUFBlocks
 from pagedllm.models.registry import gguf_architecture
 
 logger = logging.getLogger(__name__)
@@ -77,6 +79,13 @@ def converted_folder(gguf_path: Path) -> Path:
         if not (folder / "config.json").exists():  # else another process finished the same conversion
             raise
     return folder
+
+
+def gguf_blocks(gguf_path: Path, config: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """A GGUF file's tensors under Hugging Face names, quantized ones still in their blocks (GGUFBlocks)."""
+    from gguf import GGUFReader
+
+    return hf_tensors(GGUFReader(gguf_path), config, keep_blocks=True)
 
 
 def _convert(gguf_path: Path, out: Path) -> None:
@@ -157,22 +166,31 @@ def hf_config(reader: Any) -> dict[str, Any]:
     return config
 
 
-def hf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantized float32 tensors under Hugging Face names."""
+def hf_tensors(reader: Any, config: dict[str, Any], keep_blocks: bool = False) -> Iterator[tuple[str, Any]]:
+    """float32 tensors under Hugging Face names; with keep_blocks, quantized 2-D tensors of a kept type
+    stay in their blocks (GGUFBlocks; rows reordered as the float ones are, which is exact)."""
     from gguf.quants import dequantize
 
     arch = _field(reader, "general.architecture")
     permuted = arch in ("llama", "mistral")  # llama.cpp interleaves Q/K rows for its RoPE kernel
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name, gemma=arch == "gemma3")
-        weights = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        blocks = keep_blocks and tensor.tensor_type in KEPT_TYPES and len(tensor.data.shape) == 2
+        weights = (
+            tensor.data
+            if blocks
+            else dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        )
         if permuted and name.endswith("q_proj.weight"):
             weights = unpermute_rows(weights, config["num_attention_heads"])
         elif permuted and name.endswith("k_proj.weight"):
             weights = unpermute_rows(weights, config["num_key_value_heads"])
         elif arch == "gemma3" and name.endswith("norm.weight"):
             weights = weights - 1.0  # GGUF stores Gemma's (1 + w); Hugging Face stores w
-        yield name, torch.from_numpy(np.array(weights, dtype=np.float32, order="C"))
+        if blocks:
+            yield name, GGUFBlocks(np.ascontiguousarray(weights), tensor.tensor_type)
+        else:
+            yield name, torch.from_numpy(np.array(weights, dtype=np.float32, order="C"))
 
 
 def hf_tensor_name(gguf_name: str, gemma: bool) -> str:

@@ -137,15 +137,24 @@ class Attention(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """What every family shares: token embedding, LM head (tied to the embedding or not), float32 logits."""
+    """What every family shares: token embedding, LM head (tied to the embedding or not), float32 logits.
+
+    A tied model has no embedding table of its own: the LM head's weight, stored however its
+    LinearMethod stores it (quantized, say), serves the embedding lookups too."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight  # one parameter, loaded once
+        self.lm_head.serves_embedding = config.tie_word_embeddings
+        tied = config.tie_word_embeddings
+        self.embed_tokens = None if tied else Embedding(config.vocab_size, config.hidden_size)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids -> embedding rows."""
+        if self.embed_tokens is None:
+            return self.lm_head.method.embedding(self.lm_head, input_ids)
+        return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] final hidden states -> [N, vocab] float32 logits."""

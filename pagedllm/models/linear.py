@@ -3,16 +3,23 @@
 A layer says what it computes (y = x W^T + b, optionally + a residual) and which checkpoint rows it
 holds; a LinearMethod, chosen once when the model is loaded, decides the storage and the kernel:
 
-  DenseLinear   the weight as loaded, torch's F.linear / addmm (any device and dtype; the reference)
-  OneDNNLinear  CPU float32 / bfloat16: the weight reordered once into oneDNN's blocked layout, multiplied
-                by oneDNN through torch's mkldnn ops, the residual add fused into the matmul
+  DenseLinear    the weight as loaded, torch's F.linear / addmm (any device and dtype; the reference)
+  OneDNNLinear   CPU float32 / bfloat16: the weight reordered once into oneDNN's blocked layout, multiplied
+                 by oneDNN through torch's mkldnn ops, the residual add fused into the matmul
+  KernelLinear   CPU: the weight kept row by row on huge pages, multiplied by pagedllm's C++ kernel
+                 (ops/csrc/linear.cpp), which streams it for the few rows of a decode step and tiles it
+                 through the cache for many rows: one copy of the weight for both regimes
+  Int8Linear, Int4Linear, GGUFLinear (quantization.py): the same kernel on weight-only int8 / int4 storage
 
-`PAGEDLLM_LINEAR_METHOD=dense|onednn` overrides the choice (for comparisons).
+The loader hands each layer's checkpoint tensors to its method (load_weight), then lets the method turn
+them into its storage (process). A tied LM head also serves the token embedding (embedding).
+`PAGEDLLM_LINEAR_METHOD=dense|onednn|kernel` overrides the unquantized choice (for comparisons).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +29,8 @@ LINEAR_METHOD_ENV_VAR = "PAGEDLLM_LINEAR_METHOD"
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b) (+ residual). W starts uninitialised: the loader fills it, then the method
-    prepares it (process) and multiplies by it (apply)."""
+    """y = x W^T (+ b) (+ residual). W starts uninitialised: the loader fills it through the method, then
+    the method prepares it (process) and multiplies by it (apply)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -31,6 +38,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.method: LinearMethod = DenseLinear()
+        self.serves_embedding = False  # a tied LM head: its weight is the token embedding table too
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return self.method.apply(self, x, residual)
@@ -48,15 +56,40 @@ class MergedLinear(Linear):
 
 
 class LinearMethod:
-    """How a Linear layer's weight is stored (process, once after loading) and multiplied (apply)."""
+    """How a Linear layer's weight is loaded (load_weight), stored (process, once after loading) and
+    multiplied (apply); `embedding` reads rows of it for a tied token embedding."""
 
     name = "base"
 
+    def create_weights(self, layer: Linear) -> None:
+        """Before loading: make the layer ready to receive checkpoint tensors (default: its dense weight)."""
+
+    def load_weight(self, layer: Linear, row: int, tensor) -> None:
+        """Copy a checkpoint tensor into the weight's rows [row, row + len(tensor)); a still-quantized one
+        (GGUF blocks) is dequantized first."""
+        tensor = dense_tensor(tensor)
+        with torch.no_grad():
+            layer.weight[row : row + tensor.shape[0]].copy_(tensor)
+
     def process(self, layer: Linear) -> None:
-        """Turn the loaded layer.weight into this method's storage."""
+        """Turn the loaded layer into this method's storage."""
 
     def apply(self, layer: Linear, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
+
+    def embedding(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W (a tied LM head serving as the token embedding)."""
+        return F.embedding(ids, layer.weight)
+
+    def tensors(self, layer: Linear) -> list[torch.Tensor]:
+        """The tensors holding the layer's weight in this method's storage (for memory accounting)."""
+        return [layer.weight]
+
+
+def dense_tensor(tensor) -> torch.Tensor:
+    """A checkpoint tensor as a torch tensor: a still-quantized one (with .dequantize(), e.g. GGUF blocks)
+    dequantized."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
 
 
 class DenseLinear(LinearMethod):
@@ -65,23 +98,30 @@ class DenseLinear(LinearMethod):
     name = "dense"
 
     def apply(self, layer: Linear, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        if residual is None:
-            return F.linear(x, layer.weight, layer.bias)
-        if layer.bias is None:
-            return torch.addmm(residual, x, layer.weight.t())
-        return F.linear(x, layer.weight, layer.bias) + residual
+        return dense_linear(x, layer.weight, layer.bias, residual)
+
+
+def dense_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
+) -> torch.Tensor:
+    """x W^T (+ bias) (+ residual) by torch."""
+    if residual is None:
+        return F.linear(x, weight, bias)
+    if bias is None:
+        return torch.addmm(residual, x, weight.t())
+    return F.linear(x, weight, bias) + residual
 
 
 class OneDNNLinear(LinearMethod):
     """oneDNN on a weight reordered once into its blocked layout (torch's mkldnn linear ops, as inductor's
-    weight freezing uses them). At decode batch sizes this is 1.3-1.9x plain F.linear here (BENCHMARKS.md)."""
+    weight freezing uses them). A tied LM head keeps its plain weight too, for the embedding lookups."""
 
     name = "onednn"
 
     def process(self, layer: Linear) -> None:
-        # Replaces the parameter; a weight shared with the embedding (tied LM head) stays alive there.
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
-        del layer.weight
+        if not layer.serves_embedding:
+            del layer.weight
 
     def apply(self, layer: Linear, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         x = x.contiguous()
@@ -89,26 +129,142 @@ class OneDNNLinear(LinearMethod):
             return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, layer.packed_weight, layer.bias, "add")
 
+    def tensors(self, layer: Linear) -> list[torch.Tensor]:
+        return [layer.packed_weight, *([layer.weight] if hasattr(layer, "weight") else [])]
 
-LINEAR_METHODS: dict[str, type[LinearMethod]] = {"dense": DenseLinear, "onednn": OneDNNLinear}
+
+@dataclass
+class StoredWeight:
+    """A weight as pagedllm's C++ linear kernel reads it (ops/csrc/linear.cpp): `data` is W [N, K] in
+    float32 / bf16, or int8 [N, K], or int4 pairs in uint8 [N, K / 2]; quantized data has [N, K / group_size]
+    scales (float32 or float16) and, for int4 or offset int8, mins."""
+
+    data: torch.Tensor
+    scales: torch.Tensor | None = None
+    mins: torch.Tensor | None = None
+    group_size: int = 0
+
+    @property
+    def format(self) -> str:
+        return {torch.int8: "int8", torch.uint8: "int4"}.get(self.data.dtype, str(self.data.dtype)[6:])
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.data, self.scales, self.mins) if t is not None]
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> StoredWeight:
+        """The same weight with its tensors replaced (same order as tensors())."""
+        it = iter(tensors)
+        data = next(it)
+        scales = next(it) if self.scales is not None else None
+        mins = next(it) if self.mins is not None else None
+        return StoredWeight(data, scales, mins, self.group_size)
+
+
+class KernelLinear(LinearMethod):
+    """The weight as a StoredWeight, multiplied by pagedllm's C++ kernel (ops/csrc/linear.cpp) at any
+    number of rows: weights streamed once for the few rows of a decode step, register tiles over a panel
+    converted in cache for many. This class stores the float weight as it is; subclasses quantize it.
+
+    bf16 weights at more rows than the kernel streams go to torch's matmul (oneDNN's AVX512-BF16 GEMM,
+    on the same plain weight), which the kernel's float32 arithmetic cannot match."""
+
+    name = "kernel"
+    STREAM_ROWS = 4  # csrc/linear.cpp kStreamRows
+
+    def store(self, layer: Linear) -> StoredWeight:
+        """The layer's storage, built from its loaded weight."""
+        return StoredWeight(layer.weight.detach())
+
+    def process(self, layer: Linear) -> None:
+        if hasattr(layer, "weight"):
+            layer.params_dtype = layer.weight.dtype  # what the layer computes in: x and out, embedding rows
+        layer.stored = self.store(layer)
+        if hasattr(layer, "weight"):
+            del layer.weight
+
+    def apply(self, layer: Linear, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        from pagedllm.ops import cpu
+
+        w = layer.stored
+        if w.data.dtype == torch.bfloat16 and x.shape[0] > self.STREAM_ROWS:
+            return dense_linear(x, w.data, layer.bias, residual)
+        return cpu.linear(x, w.data, w.scales, w.mins, w.group_size, layer.bias, residual)
+
+    def embedding(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
+        from pagedllm.ops import cpu
+
+        w = layer.stored
+        return cpu.dequantize_rows(w.data, w.scales, w.mins, w.group_size, ids, layer.params_dtype)
+
+    def tensors(self, layer: Linear) -> list[torch.Tensor]:
+        return layer.stored.tensors()
+
+
+LINEAR_METHODS: dict[str, type[LinearMethod]] = {
+    "dense": DenseLinear,
+    "onednn": OneDNNLinear,
+    "kernel": KernelLinear,
+}
 
 
 def default_linear_method(device: torch.device | str, dtype: torch.dtype) -> LinearMethod:
-    """oneDNN for float32 / bfloat16 on a CPU with mkldnn, else dense; $PAGEDLLM_LINEAR_METHOD overrides."""
+    """For unquantized weights: pagedllm's kernel for float32 / bfloat16 on a CPU it builds for, else
+    oneDNN where torch has it, else dense; $PAGEDLLM_LINEAR_METHOD overrides."""
     requested = os.environ.get(LINEAR_METHOD_ENV_VAR, "").strip().lower()
     if requested:
         if requested not in LINEAR_METHODS:
             raise ValueError(f"{LINEAR_METHOD_ENV_VAR}={requested!r} is not one of {sorted(LINEAR_METHODS)}")
         return LINEAR_METHODS[requested]()
-    onednn = torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
-    if onednn and dtype in (torch.float32, torch.bfloat16):
-        return OneDNNLinear()
-    return DenseLinear()
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return DenseLinear()
+    from pagedllm.ops import cpu
+
+    if cpu.unavailable_reason() is None:
+        return KernelLinear()
+    return OneDNNLinear() if torch.backends.mkldnn.is_available() else DenseLinear()
 
 
-def process_linear_layers(model: nn.Module, method: LinearMethod) -> None:
-    """Hand every Linear of a loaded model to `method`, which prepares its weight."""
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.method = method
-            method.process(module)
+def linear_layers(model: nn.Module) -> list[Linear]:
+    return [m for m in model.modules() if isinstance(m, Linear)]
+
+
+def set_linear_method(model: nn.Module, method: LinearMethod) -> None:
+    """Before loading: every Linear of the model is stored and multiplied by `method`."""
+    for layer in linear_layers(model):
+        layer.method = method
+        method.create_weights(layer)
+
+
+def process_linear_layers(model: nn.Module, method: LinearMethod | None = None) -> None:
+    """After loading: each Linear's method prepares its storage (`method`, if given, is set first). The
+    C++ kernel's storage of all layers then moves, in model order, into one huge-page buffer."""
+    from pagedllm.ops.memory import huge_pages_available, pack_on_huge_pages
+
+    layers = linear_layers(model)
+    for layer in layers:
+        if method is not None:
+            layer.method = method
+        layer.method.process(layer)
+    stored = [layer for layer in layers if hasattr(layer, "stored")]
+    if stored and huge_pages_available():
+        copies = iter(pack_on_huge_pages([t for layer in stored for t in layer.stored.tensors()]))
+        for layer in stored:
+            layer.stored = layer.stored.with_tensors([next(copies) for _ in layer.stored.tensors()])
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of memory holding the model's weights: parameters, buffers and the linear methods' storage,
+    each underlying buffer counted once (so a tied weight, or the shared huge-page buffer, counts once)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for layer in linear_layers(model):
+        tensors += layer.method.tensors(layer)
+    seen, total = set(), 0
+    for t in tensors:
+        if t.is_mkldnn:  # opaque: no storage to share
+            total += t.numel() * t.element_size()
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total

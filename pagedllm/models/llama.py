@@ -44,7 +44,7 @@ class LlamaForCausalLM(CausalLM):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """A flattened batch of [T] tokens from many sequences -> [T, hidden] final hidden states."""
-        h = self.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         for layer in self.layers:
             h = layer(h, positions, self.rotary, meta)
         return self.norm(h)

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.gguf_loader import cache_root, converted_folder
-from pagedllm.models.linear import LinearMethod, default_linear_method, process_linear_layers
+from pagedllm.models.gguf_loader import cache_root, converted_folder, gguf_blocks
+from pagedllm.models.linear import LinearMethod, process_linear_layers, set_linear_method, weight_bytes
+from pagedllm.models.quantization import GGUFLinear, linear_method_for
 from pagedllm.models.registry import model_class
 from pagedllm.models.weights import load_weights
 
@@ -27,6 +28,8 @@ class LoadedModel:
     config: ModelConfig
     name: str  # what the caller asked for
     path: Path  # the Hugging Face style folder the weights came from (the cache folder for a GGUF)
+    linear_method: str  # how the matmul weights are stored: dense, onednn, kernel, int8, int4, gguf
+    weight_bytes: int  # memory holding the weights (models.linear.weight_bytes)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -61,15 +64,15 @@ def _gemma3_gguf() -> Path:
 BUILTIN_MODELS = {"smollm2-135m": _smollm2_gguf, "gemma3-270m": _gemma3_gguf}
 
 
-def resolve_checkpoint(model: str) -> Path:
-    """The Hugging Face style folder for a built-in name, a folder path or a .gguf path."""
+def gguf_file(model: str) -> Path | None:
+    """The GGUF file behind a built-in name or a .gguf path; None for a folder. Errors for anything else."""
     if model in BUILTIN_MODELS:
-        return converted_folder(BUILTIN_MODELS[model]())
+        return BUILTIN_MODELS[model]()
     path = Path(model).expanduser()
     if path.is_dir():
-        return path
+        return None
     if path.is_file() and path.suffix == ".gguf":
-        return converted_folder(path)
+        return path
     raise FileNotFoundError(
         f"model {model!r} is not a built-in name ({', '.join(BUILTIN_MODELS)}), "
         "an existing folder, or an existing .gguf file"
@@ -121,19 +124,30 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     linear_method: LinearMethod | None = None,
+    quantization: str | None = "auto",
 ) -> LoadedModel:
-    """Load weights, config and tokenizer, then let the linear method (default: the best for this device
-    and dtype) prepare every matmul weight; the model is in eval mode with gradients off."""
-    folder = resolve_checkpoint(model)
+    """Load weights, config and tokenizer; the linear method (default: the one `quantization` names, see
+    quantization.linear_method_for: "auto" keeps a GGUF file's own blocks) receives every matmul weight
+    and prepares its storage. The model is in eval mode with gradients off."""
+    gguf = gguf_file(model)
+    folder = converted_folder(gguf) if gguf is not None else Path(model).expanduser()
     config = read_config(folder)
     cls = model_class(config.architecture)
     with torch.device(device):
         module = cls(config)  # parameters uninitialised (torch.empty): every one is loaded below
     module.to(dtype)
-    load_weights(module, _read_weights(weight_files(folder)))
+    method = linear_method or linear_method_for(quantization, device, dtype, gguf=gguf is not None)
+    set_linear_method(module, method)
+    if isinstance(method, GGUFLinear):
+        weights = gguf_blocks(gguf, json.loads((folder / "config.json").read_text()))
+    else:
+        weights = _read_weights(weight_files(folder))
+    load_weights(module, weights)
     module.eval().requires_grad_(False)
-    process_linear_layers(module, linear_method or default_linear_method(device, dtype))
-    return LoadedModel(module, _load_tokenizer(folder), config, model, folder)
+    process_linear_layers(module)
+    return LoadedModel(
+        module, _load_tokenizer(folder), config, model, folder, method.name, weight_bytes(module)
+    )
 
 
 def _load_tokenizer(folder: Path):

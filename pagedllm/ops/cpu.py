@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ["attention.cpp", "elementwise.cpp", "register.cpp"]
+_SOURCES = ["attention.cpp", "elementwise.cpp", "linear.cpp", "register.cpp"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DPAGEDLLM_AVX512"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -177,3 +177,32 @@ def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
 def rotary_embedding_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
     """Rotate x [T, H, D] (a strided view is fine) in place by position; cos_sin [max_pos, D] float32."""
     kernels().rotary_embedding(x, positions, cos_sin)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor | None = None,
+    mins: torch.Tensor | None = None,
+    group_size: int = 0,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) (+ residual) for W stored row by row (see csrc/linear.cpp): float32 or
+    bf16 [N, K]; int8 [N, K]; or int4 pairs in uint8 [N, K/2], with [N, K/group_size] scales (and mins)."""
+    return kernels().linear(x, weight, scales, mins, group_size, bias, residual)
+
+
+def dequantize_rows(
+    weight: torch.Tensor,
+    scales: torch.Tensor | None,
+    mins: torch.Tensor | None,
+    group_size: int,
+    ids: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Rows `ids` of W (stored as for linear) as a [len(ids), K] tensor of `dtype` (an embedding lookup)."""
+    cols = weight.shape[1] * (2 if weight.dtype == torch.uint8 else 1)
+    out = torch.empty(ids.shape[0], cols, dtype=dtype)
+    kernels().dequantize_rows(out, weight, scales, mins, group_size, ids.to(torch.int64).contiguous())
+    return out

@@ -11,30 +11,19 @@ devices the memory is slot-major and contiguous, the layout the Triton kernels i
 
 from __future__ import annotations
 
-import mmap
-
 import torch
 
+from pagedllm.ops.memory import huge_page_zeros, huge_pages_available
+
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (k_cache, v_cache)
-
-
-def _huge_page_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled flat CPU tensor in private anonymous memory advised to use transparent huge pages."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    memory = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(memory, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-        memory.madvise(mmap.MADV_HUGEPAGE)
-    flat = torch.frombuffer(memory, dtype=dtype, count=numel)  # keeps `memory` alive
-    flat.zero_()  # touch every page now, not during the first steps that write them
-    return flat
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
     numel = 1
     for size in shape:
         numel *= size
-    if device.type == "cpu" and not pin and numel > 0 and hasattr(mmap, "MAP_PRIVATE"):
-        return _huge_page_zeros(numel, dtype).view(shape)
+    if device.type == "cpu" and not pin and numel > 0 and huge_pages_available():
+        return huge_page_zeros(numel, dtype).view(shape)
     return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
 
 

@@ -43,6 +43,13 @@ class EngineMetrics:
             "Prompt tokens found in the prefix cache / prompt tokens looked up, since start",
             registry=reg,
         )
+        self.weight_memory = Gauge(
+            "pagedllm:weight_memory_bytes",
+            "Memory holding the model's weights in their loaded storage (quantized or not)",
+            registry=reg,
+        )
+        self.kv_cache_memory = Gauge("pagedllm:kv_cache_memory_bytes", "Memory of the KV cache", registry=reg)
+        self.kv_cache_blocks = Gauge("pagedllm:kv_cache_blocks", "KV cache blocks in all", registry=reg)
         self.prompt_tokens = Counter("pagedllm:prompt_tokens", "Prompt tokens", registry=reg)
         self.generation_tokens = Counter("pagedllm:generation_tokens", "Generated tokens", registry=reg)
         self.preemptions = Counter("pagedllm:num_preemptions", "Preemptions", registry=reg)
@@ -69,6 +76,9 @@ class EngineMetrics:
     def observe(self, engine: LLMEngine) -> None:
         """Read the scheduler's queues and counters and the KV pool (engine thread only)."""
         scheduler = engine.scheduler
+        self.weight_memory.set(engine.weight_bytes)
+        self.kv_cache_memory.set(engine.kv_cache_bytes)
+        self.kv_cache_blocks.set(engine.num_kv_blocks)
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting) + len(scheduler.swapped))
         usage = engine.allocator.usage()

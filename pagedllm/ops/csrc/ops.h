@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 
 namespace pagedllm {
 
@@ -13,5 +14,10 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
 void act_and_mul(at::Tensor out, const at::Tensor& x, int64_t activation);
 void rotary_embedding(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos_sin);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scales,
+                  const c10::optional<at::Tensor>& mins, int64_t group_size, const c10::optional<at::Tensor>& bias,
+                  const c10::optional<at::Tensor>& residual);
+void dequantize_rows(at::Tensor out, const at::Tensor& weight, const c10::optional<at::Tensor>& scales,
+                     const c10::optional<at::Tensor>& mins, int64_t group_size, const at::Tensor& ids);
 
 }  // namespace pagedllm

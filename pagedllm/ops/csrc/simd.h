@@ -44,6 +44,16 @@ struct VecF {
   }
   void store(c10::BFloat16* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v)); }
   void store(c10::BFloat16* p, int n) const { _mm256_mask_storeu_epi16(p, mask(n), to_bf16(v)); }
+  // kWidth int8 values as floats.
+  static VecF load(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  // kWidth bytes: their low nibbles and their high nibbles, as floats.
+  static void load_nibbles(const uint8_t* p, VecF& low, VecF& high) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    low = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
+    high = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+  }
 };
 
 inline VecF operator+(VecF a, VecF b) { return _mm512_add_ps(a.v, b.v); }
@@ -98,6 +108,16 @@ struct VecF {
     alignas(16) uint16_t tmp[8];
     _mm_store_si128(reinterpret_cast<__m128i*>(tmp), to_bf16(v));
     std::memcpy(p, tmp, n * sizeof(uint16_t));
+  }
+  // kWidth int8 values as floats.
+  static VecF load(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  // kWidth bytes: their low nibbles and their high nibbles, as floats.
+  static void load_nibbles(const uint8_t* p, VecF& low, VecF& high) {
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+    high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
   }
 };
 

@@ -1,0 +1,153 @@
+"""Weight-only quantization: the LinearMethods that keep a layer's weight as int8 or int4 codes with
+per-group scales, multiplied by pagedllm's C++ kernel (ops/csrc/linear.cpp) with float32 sums.
+
+  int8   symmetric, one scale per output row (gpt-fast's int8 weight-only form): W = s_n * q, q in -127..127
+  int4   asymmetric groups of 32 columns (Q4_1's form): W = s * q + m, q in 0..15, s and m float16
+  gguf   a GGUF file's own blocks (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K), repacked exactly into the
+         int4 form (4-bit types) or the int8 form with group scales and mins (the others, and a fused
+         projection mixing types); the values multiplied are the file's, bit for bit
+
+Why not torch's own weight-only ops: on this machine's CPU, `_weight_int8pack_mm` and
+`_weight_int4pack_mm_for_cpu` run 1-2 GFLOP/s with float32 activations (unvectorised) and at one row
+far below the memory bandwidth with bf16 ones; fbgemm's `quantized::linear_dynamic` is fast but
+quantizes the activations too. `pagedllm bench linear` measures them all side by side.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from pagedllm.models.gguf_quants import GGUFBlocks, Unpacked
+from pagedllm.models.linear import KernelLinear, Linear, LinearMethod, StoredWeight, default_linear_method
+
+QUANTIZATIONS = ("int8", "int4", "gguf")
+INT4_GROUP = 32
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes 0..15 -> [N, K / 2] uint8: in each run of 32 columns, byte i holds column i (low
+    nibble) and column i + 16 (high nibble)."""
+    n, k = q.shape
+    runs = q.to(torch.uint8).reshape(n, k // 32, 2, 16)
+    return (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def quantize_int8(w: torch.Tensor) -> StoredWeight:
+    """Symmetric per-row int8: scale = max |w| / 127."""
+    w = w.float()
+    scales = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scales).clamp(-127, 127).to(torch.int8)
+    return StoredWeight(q, scales, None, w.shape[1])
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> StoredWeight:
+    """Asymmetric int4 in groups of `group` columns: min and (max - min) / 15, stored as float16."""
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"int4 quantization needs in_features divisible by {group}, got {k}")
+    groups = w.float().reshape(n, k // group, group)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales, mins = ((high - low) / 15).half(), low.half()
+    step = torch.where(scales > 0, scales, 1).float()
+    q = torch.round((groups - mins.float()[..., None]) / step[..., None]).clamp(0, 15)
+    return StoredWeight(pack_int4(q.reshape(n, k)), scales, mins, group)
+
+
+class Int8Linear(KernelLinear):
+    name = "int8"
+
+    def store(self, layer: Linear) -> StoredWeight:
+        return quantize_int8(layer.weight.detach())
+
+
+class Int4Linear(KernelLinear):
+    name = "int4"
+
+    def store(self, layer: Linear) -> StoredWeight:
+        return quantize_int4(layer.weight.detach())
+
+
+class GGUFLinear(KernelLinear):
+    """A GGUF file's quantized blocks, kept: each checkpoint shard is unpacked exactly when loaded, and a
+    layer's shards (q, k, v of a fused projection may differ in type) are repacked into one storage."""
+
+    name = "gguf"
+
+    def create_weights(self, layer: Linear) -> None:
+        layer.params_dtype = layer.weight.dtype
+        del layer.weight  # never materialised: the blocks arrive in load_weight
+        layer.gguf_shards = {}
+
+    def load_weight(self, layer: Linear, row: int, tensor) -> None:
+        layer.gguf_shards[row] = tensor.unpack() if isinstance(tensor, GGUFBlocks) else tensor.float()
+
+    def store(self, layer: Linear) -> StoredWeight:
+        shards = [layer.gguf_shards[row] for row in sorted(layer.gguf_shards)]
+        del layer.gguf_shards
+        if not all(isinstance(s, Unpacked) for s in shards):  # a float shard: the layer stays float, exactly
+            dense = [torch.from_numpy(_dequantize(s)) if isinstance(s, Unpacked) else s for s in shards]
+            return StoredWeight(torch.cat(dense).to(layer.params_dtype))
+        return repack(shards)
+
+
+def _dequantize(u: Unpacked) -> np.ndarray:
+    q = u.q.astype(np.float32).reshape(u.q.shape[0], -1, u.group)
+    w = q * u.scales[..., None] + (0 if u.mins is None else u.mins[..., None])
+    return w.reshape(u.q.shape)
+
+
+def repack(shards: list[Unpacked]) -> StoredWeight:
+    """Row-stacked unpacked shards as one StoredWeight: int4 if every shard is 4-bit with one group size,
+    else int8; scales repeated to the smallest group; float16 scales where every one is exact in float16."""
+    group = math.gcd(*(s.group for s in shards))
+    int4 = all(s.bits == 4 for s in shards) and all(s.group == group for s in shards)
+    with_mins = int4 or any(s.mins is not None for s in shards)
+    q = np.concatenate([s.q.astype(np.uint8 if int4 else np.int8) for s in shards])
+    scales = np.concatenate([np.repeat(s.scales, s.group // group, axis=1) for s in shards])
+    mins = None
+    if with_mins:
+        mins = np.concatenate(
+            [
+                np.repeat(s.mins if s.mins is not None else np.zeros_like(s.scales), s.group // group, axis=1)
+                for s in shards
+            ]
+        )
+    exact_in_half = all(
+        np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in (scales, mins) if a is not None
+    )
+    dtype = torch.float16 if exact_in_half else torch.float32
+    as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+    data = pack_int4(torch.from_numpy(q)) if int4 else torch.from_numpy(q)
+    return StoredWeight(data, as_tensor(scales), None if mins is None else as_tensor(mins), group)
+
+
+_METHODS: dict[str, type[LinearMethod]] = {"int8": Int8Linear, "int4": Int4Linear, "gguf": GGUFLinear}
+
+
+def linear_method_for(
+    quantization: str | None, device: torch.device | str, dtype: torch.dtype, gguf: bool
+) -> LinearMethod:
+    """The LinearMethod for a `quantization` setting: "auto" keeps a GGUF file's own blocks where the CPU
+    kernels run (the weights a GGUF user chose) and leaves other checkpoints unquantized; None / "none"
+    loads unquantized weights in `dtype`; "int8" / "int4" quantize at load time; "gguf" keeps the blocks."""
+    from pagedllm.ops import cpu
+
+    if quantization == "auto":
+        usable = torch.device(device).type == "cpu" and cpu.unavailable_reason() is None
+        quantization = "gguf" if gguf and usable else None
+    if quantization in (None, "none"):
+        return default_linear_method(device, dtype)
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization must be 'auto', None or one of {list(QUANTIZATIONS)}, got {quantization!r}"
+        )
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"quantization={quantization!r} runs on the CPU kernels only, not on {device!r}")
+    if (reason := cpu.unavailable_reason()) is not None:
+        raise ValueError(f"quantization={quantization!r} needs the CPU kernels: {reason}")
+    if quantization == "gguf" and not gguf:
+        raise ValueError("quantization='gguf' keeps a GGUF file's blocks: the model must be a .gguf file")
+    return _METHODS[quantization]()

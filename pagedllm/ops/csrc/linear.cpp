@@ -1,0 +1,370 @@
+// Matmuls over a weight stored row after row: out[M, N] = x[M, K] W[N, K]^T (+ bias[N]) (+ residual[M, N]).
+//
+// The weight formats (each row of W one contiguous run of memory, rows in order):
+//   float32 / bf16  W itself
+//   int8            q [N, K] int8:  W[n, k] = scale[n, k / g] * q[n, k] (+ min[n, k / g])
+//   int4            q [N, K / 2] uint8, two unsigned 4-bit values a byte: in each run of 32 columns byte i
+//                   holds column i in its low nibble and column i + 16 in its high nibble (the layout of
+//                   GGUF's Q4_0 / Q4_1 blocks);  W[n, k] = scale[n, k / g] * q[n, k] + min[n, k / g]
+// g is the group size; scales and mins are [N, K / g], float32 or float16.
+//
+// One storage serves both regimes:
+//   few rows of x (decode): each weight is read once from memory, converted to float in registers and
+//   multiplied with every row of x; output rows are split between threads. Bound by memory bandwidth.
+//   many rows (prefill, batched decode): each thread converts (or copies) a panel of weight rows once
+//   into a float32 buffer that stays in cache, then runs register tiles of dot products (4 rows of x by
+//   4 rows of W) over it. Bound by arithmetic: on par with oneDNN's prepacked fp32 GEMM here
+//   (docs/BENCHMARKS.md, `pagedllm bench linear`), without a second, prepacked copy of the weight.
+// Sums are float32 whatever the storage; x may be float32 or bf16 (converted to float32 first), out has
+// x's dtype.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "ops.h"
+#include "simd.h"
+
+namespace pagedllm {
+namespace {
+
+constexpr int kTileRows = 4;             // rows of x in one register tile
+constexpr int kTileCols = 4;             // rows of W in one register tile
+constexpr int64_t kPanelRows = 32;       // rows of W in one work item
+constexpr int64_t kChunkRows = 256;      // rows of x in one work item (many-row regime)
+constexpr int64_t kStreamRows = 4;       // up to this many rows of x, quantized weights are converted in registers
+constexpr int64_t kTaskWork = 1 << 17;   // multiply-adds a parallel task should have (waking a thread costs ~10 us)
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::Half v) { return _cvtsh_ss(v.x); }
+
+// A source of weight rows as floats. for_each_unit<R>(n, fn) calls fn(k, w, valid) for the runs
+// ("units") of columns of rows n .. n + R - 1 in order: w[r * kVectors + j] holds row n + r's columns
+// k + j * kWidth onwards; `valid` < kWidth only for the last unit of a float row whose length is not a
+// multiple of kWidth (the lanes beyond it are zero).
+template <typename W>
+struct DenseRows {
+  static constexpr int kVectors = 1;
+  const W* data;
+  int64_t ld, cols;
+
+  template <int R, typename Fn>
+  void for_each_unit(int64_t n, const Fn& fn) const {
+    VecF w[R];
+    int64_t k = 0;
+    for (; k + VecF::kWidth <= cols; k += VecF::kWidth) {
+      for (int r = 0; r < R; ++r) w[r] = VecF::load(data + (n + r) * ld + k);
+      fn(k, w, VecF::kWidth);
+    }
+    if (k < cols) {
+      const int valid = static_cast<int>(cols - k);
+      for (int r = 0; r < R; ++r) w[r] = VecF::load(data + (n + r) * ld + k, valid);
+      fn(k, w, valid);
+    }
+  }
+};
+
+// Per-group scales (and mins) of a quantized weight, broadcast for R rows at group g.
+template <typename S>
+struct Groups {
+  const S* scales;
+  const S* mins;  // null: no offset
+  int64_t size, per_row;
+
+  template <int R>
+  void load(int64_t n, int64_t g, VecF* scale, VecF* min) const {
+    for (int r = 0; r < R; ++r) {
+      scale[r] = VecF::set1(to_float(scales[(n + r) * per_row + g]));
+      if (mins != nullptr) min[r] = VecF::set1(to_float(mins[(n + r) * per_row + g]));
+    }
+  }
+};
+
+// int8 values, 16 columns a unit.
+template <typename S>
+struct Int8Rows {
+  static constexpr int kUnit = 16;
+  static constexpr int kVectors = kUnit / VecF::kWidth;
+  const int8_t* data;
+  int64_t ld, cols;  // ld in bytes
+  Groups<S> groups;
+
+  template <int R, typename Fn>
+  void for_each_unit(int64_t n, const Fn& fn) const {
+    if (groups.mins != nullptr) {
+      run<R, true>(n, fn);
+    } else {
+      run<R, false>(n, fn);
+    }
+  }
+
+  template <int R, bool kMin, typename Fn>
+  void run(int64_t n, const Fn& fn) const {
+    VecF scale[R], min[R], w[R * kVectors];
+    for (int64_t g = 0; g < groups.per_row; ++g) {
+      groups.template load<R>(n, g, scale, min);
+      for (int64_t k = g * groups.size; k < (g + 1) * groups.size; k += kUnit) {
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = data + (n + r) * ld + k;
+          for (int j = 0; j < kVectors; ++j) {
+            const VecF v = VecF::load(q + j * VecF::kWidth);
+            w[r * kVectors + j] = kMin ? fmadd(v, scale[r], min[r]) : v * scale[r];
+          }
+        }
+        fn(k, w, VecF::kWidth);
+      }
+    }
+  }
+};
+
+// Pairs of 4-bit values, 32 columns (16 bytes) a unit; always with mins.
+template <typename S>
+struct Int4Rows {
+  static constexpr int kUnit = 32;
+  static constexpr int kVectors = kUnit / VecF::kWidth;
+  const uint8_t* data;
+  int64_t ld, cols;  // ld in bytes
+  Groups<S> groups;
+
+  template <int R, typename Fn>
+  void for_each_unit(int64_t n, const Fn& fn) const {
+    constexpr int kHalf = kVectors / 2;  // vectors of low nibbles (columns 0-15) = of high ones (16-31)
+    VecF scale[R], min[R], w[R * kVectors];
+    for (int64_t g = 0; g < groups.per_row; ++g) {
+      groups.template load<R>(n, g, scale, min);
+      for (int64_t k = g * groups.size; k < (g + 1) * groups.size; k += kUnit) {
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* q = data + (n + r) * ld + k / 2;
+          for (int j = 0; j < kHalf; ++j) {
+            VecF low, high;
+            VecF::load_nibbles(q + j * VecF::kWidth, low, high);
+            w[r * kVectors + j] = fmadd(low, scale[r], min[r]);
+            w[r * kVectors + kHalf + j] = fmadd(high, scale[r], min[r]);
+          }
+        }
+        fn(k, w, VecF::kWidth);
+      }
+    }
+  }
+};
+
+// Writes out[m, n] = sum (+ bias[n]) (+ residual[m, n]) in out's dtype (float32 or bf16).
+struct Epilogue {
+  void* out;
+  const void* bias;
+  const void* residual;
+  int64_t ld_out, ld_residual;
+  bool bf16;
+
+  float read(const void* p, int64_t i) const {
+    return bf16 ? static_cast<float>(static_cast<const c10::BFloat16*>(p)[i]) : static_cast<const float*>(p)[i];
+  }
+  void store(int64_t m, int64_t n, float sum) const {
+    if (bias != nullptr) sum += read(bias, n);
+    if (residual != nullptr) sum += read(residual, m * ld_residual + n);
+    if (bf16) {
+      static_cast<c10::BFloat16*>(out)[m * ld_out + n] = c10::BFloat16(sum);
+    } else {
+      static_cast<float*>(out)[m * ld_out + n] = sum;
+    }
+  }
+};
+
+// The MR x R dot products of x rows [m, m + MR) with weight rows [n, n + R), stored through the epilogue
+// (at output column n + col_offset).
+template <int MR, int R, typename Source>
+void tile(const Source& src, int64_t n, const float* x, int64_t ld_x, int64_t m, const Epilogue& out,
+          int64_t col_offset) {
+  VecF acc[MR][R];
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = VecF::zero();
+  const float* xm = x + m * ld_x;
+  src.template for_each_unit<R>(n, [&](int64_t k, const VecF* w, int valid) {
+    for (int j = 0; j < Source::kVectors; ++j) {
+      for (int i = 0; i < MR; ++i) {
+        const float* xk = xm + i * ld_x + k + j * VecF::kWidth;
+        const VecF xv = valid == VecF::kWidth ? VecF::load(xk) : VecF::load(xk, valid);
+        for (int r = 0; r < R; ++r) acc[i][r] = fmadd(xv, w[r * Source::kVectors + j], acc[i][r]);
+      }
+    }
+  });
+  for (int i = 0; i < MR; ++i) {
+    if constexpr (R == 4) {
+      alignas(16) float sums[4];
+      _mm_store_ps(sums, reduce_add4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+      for (int r = 0; r < 4; ++r) out.store(m + i, n + col_offset + r, sums[r]);
+    } else {
+      for (int r = 0; r < R; ++r) out.store(m + i, n + col_offset + r, reduce_add(acc[i][r]));
+    }
+  }
+}
+
+template <int R, typename Source>
+void tile_rows(int mr, const Source& src, int64_t n, const float* x, int64_t ld_x, int64_t m, const Epilogue& out,
+               int64_t col_offset) {
+  switch (mr) {
+    case 1: return tile<1, R>(src, n, x, ld_x, m, out, col_offset);
+    case 2: return tile<2, R>(src, n, x, ld_x, m, out, col_offset);
+    case 3: return tile<3, R>(src, n, x, ld_x, m, out, col_offset);
+    default: return tile<4, R>(src, n, x, ld_x, m, out, col_offset);
+  }
+}
+
+// out[m0:m1, n0 + col_offset : n1 + col_offset] from source rows [n0, n1). Streaming from memory, one
+// row of W at a time (a single sequential stream: four rows read side by side left the hardware
+// prefetcher at half the bandwidth); from cache, register tiles of four rows.
+template <typename Source>
+void block(const Source& src, int64_t n0, int64_t n1, const float* x, int64_t ld_x, int64_t m0, int64_t m1,
+           const Epilogue& out, int64_t col_offset, bool stream) {
+  for (int64_t m = m0; m < m1; m += kTileRows) {
+    const int mr = static_cast<int>(std::min<int64_t>(kTileRows, m1 - m));
+    int64_t n = n0;
+    if (!stream) {
+      for (; n + kTileCols <= n1; n += kTileCols) tile_rows<kTileCols>(mr, src, n, x, ld_x, m, out, col_offset);
+    }
+    for (; n < n1; ++n) tile_rows<1>(mr, src, n, x, ld_x, m, out, col_offset);
+  }
+}
+
+// Rows [n0, n1) of the source as float32 into buf (row-major, ld = cols).
+template <typename Source>
+void convert_rows(const Source& src, int64_t n0, int64_t n1, int64_t cols, float* buf) {
+  for (int64_t n = n0; n < n1; ++n) {
+    float* row = buf + (n - n0) * cols;
+    src.template for_each_unit<1>(n, [&](int64_t k, const VecF* w, int valid) {
+      for (int j = 0; j < Source::kVectors; ++j) store(w[j], row + k + j * VecF::kWidth, valid);
+    });
+  }
+}
+
+template <typename Source>
+void matmul(const Source& src, int64_t n_rows, int64_t cols, const float* x, int64_t m_rows, const Epilogue& out) {
+  const bool stream = m_rows <= kStreamRows;
+  const int64_t chunk_rows = stream ? m_rows : kChunkRows;
+  const int64_t chunks = (m_rows + chunk_rows - 1) / chunk_rows;
+  const int64_t panels = (n_rows + kPanelRows - 1) / kPanelRows;
+  const int64_t item_work = kPanelRows * cols * std::min(chunk_rows, m_rows);
+  at::parallel_for(0, panels * chunks, std::max<int64_t>(1, kTaskWork / item_work), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n0 = (item / chunks) * kPanelRows, n1 = std::min(n0 + kPanelRows, n_rows);
+      const int64_t m0 = (item % chunks) * chunk_rows, m1 = std::min(m0 + chunk_rows, m_rows);
+      if (stream) {
+        block(src, n0, n1, x, cols, m0, m1, out, 0, stream);
+      } else {
+        static thread_local std::vector<float> buffer;
+        buffer.resize(kPanelRows * cols);
+        convert_rows(src, n0, n1, cols, buffer.data());
+        const DenseRows<float> panel{buffer.data(), cols, cols};
+        block(panel, 0, n1 - n0, x, cols, m0, m1, out, n0, false);
+      }
+    }
+  });
+}
+
+// Calls fn(source) with the row source for this weight format.
+template <typename Fn>
+void with_source(const at::Tensor& weight, const c10::optional<at::Tensor>& scales,
+                 const c10::optional<at::Tensor>& mins, int64_t group, int64_t cols, const Fn& fn) {
+  const int64_t n_rows = weight.size(0);
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be a contiguous 2-D tensor");
+  const auto type = weight.scalar_type();
+  if (type == at::kFloat || type == at::kBFloat16) {
+    TORCH_CHECK(weight.size(1) == cols, "weight has ", weight.size(1), " columns, x has ", cols);
+    if (type == at::kFloat) return fn(DenseRows<float>{weight.data_ptr<float>(), cols, cols});
+    return fn(DenseRows<c10::BFloat16>{weight.data_ptr<c10::BFloat16>(), cols, cols});
+  }
+  const bool int4 = type == at::kByte;
+  TORCH_CHECK(int4 || type == at::kChar, "unsupported weight dtype ", type, " (float32, bfloat16, int8 or uint8 = int4)");
+  TORCH_CHECK(weight.size(1) * (int4 ? 2 : 1) == cols, "weight has ", weight.size(1), " bytes a row, x has ",
+              cols, " columns");
+  TORCH_CHECK(group > 0 && group % (int4 ? 32 : 16) == 0 && cols % group == 0, "group size ", group,
+              " must divide the columns (", cols, ") and be a multiple of ", int4 ? 32 : 16);
+  TORCH_CHECK(scales.has_value(), "a quantized weight needs scales");
+  const at::Tensor& s = *scales;
+  TORCH_CHECK(s.is_contiguous() && s.dim() == 2 && s.size(0) == n_rows && s.size(1) == cols / group,
+              "scales must be a contiguous [", n_rows, ", ", cols / group, "] tensor, got ", s.sizes());
+  TORCH_CHECK(s.scalar_type() == at::kFloat || s.scalar_type() == at::kHalf, "scales must be float32 or float16");
+  if (mins.has_value()) {
+    TORCH_CHECK(mins->sizes() == s.sizes() && mins->is_contiguous() && mins->scalar_type() == s.scalar_type(),
+                "mins must be shaped and typed like scales");
+  }
+  TORCH_CHECK(!int4 || mins.has_value(), "an int4 weight needs mins");
+  auto run = [&](auto scale_tag) {
+    using S = decltype(scale_tag);
+    const Groups<S> groups{s.data_ptr<S>(), mins.has_value() ? mins->data_ptr<S>() : nullptr, group, cols / group};
+    if (int4) return fn(Int4Rows<S>{weight.data_ptr<uint8_t>(), weight.size(1), cols, groups});
+    return fn(Int8Rows<S>{weight.data_ptr<int8_t>(), weight.size(1), cols, groups});
+  };
+  if (s.scalar_type() == at::kFloat) return run(float{});
+  return run(c10::Half{});
+}
+
+bool is_float_or_bf16(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16; }
+
+}  // namespace
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scales,
+                  const c10::optional<at::Tensor>& mins, int64_t group_size, const c10::optional<at::Tensor>& bias,
+                  const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && is_float_or_bf16(x), "x must be a 2-D float32 or bfloat16 tensor, got ", x.sizes(),
+              " ", x.scalar_type());
+  const int64_t m_rows = x.size(0), cols = x.size(1), n_rows = weight.size(0);
+  at::Tensor out = at::empty({m_rows, n_rows}, x.options());
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n_rows && bias->is_contiguous() &&
+                    bias->scalar_type() == x.scalar_type(),
+                "bias must be a contiguous [", n_rows, "] tensor of x's dtype");
+  }
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == m_rows && residual->size(1) == n_rows &&
+                    residual->stride(1) == 1 && residual->scalar_type() == x.scalar_type(),
+                "residual must be a [", m_rows, ", ", n_rows, "] tensor of x's dtype with contiguous rows");
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const Epilogue epilogue{out.data_ptr(),
+                          bias.has_value() ? bias->data_ptr() : nullptr,
+                          residual.has_value() ? residual->data_ptr() : nullptr,
+                          n_rows,
+                          residual.has_value() ? residual->stride(0) : 0,
+                          x.scalar_type() == at::kBFloat16};
+  if (m_rows == 0 || n_rows == 0) return out;
+  with_source(weight, scales, mins, group_size, cols,
+              [&](const auto& src) { matmul(src, n_rows, cols, xf.data_ptr<float>(), m_rows, epilogue); });
+  return out;
+}
+
+void dequantize_rows(at::Tensor out, const at::Tensor& weight, const c10::optional<at::Tensor>& scales,
+                     const c10::optional<at::Tensor>& mins, int64_t group_size, const at::Tensor& ids) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+              "ids must be a contiguous 1-D int64 tensor");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == ids.size(0) && out.is_contiguous() && is_float_or_bf16(out),
+              "out must be a contiguous float32 or bfloat16 [len(ids), K] tensor");
+  const int64_t cols = out.size(1), n_rows = weight.size(0), count = ids.size(0);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < n_rows, "row id ", id[i], " is out of range [0, ", n_rows, ")");
+  }
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  with_source(weight, scales, mins, group_size, cols, [&](const auto& src) {
+    using Source = std::decay_t<decltype(src)>;
+    at::parallel_for(0, count, std::max<int64_t>(1, kTaskWork / (4 * cols)), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        src.template for_each_unit<1>(id[i], [&](int64_t k, const VecF* w, int valid) {
+          for (int j = 0; j < Source::kVectors; ++j) {
+            const int64_t offset = i * cols + k + j * VecF::kWidth;
+            if (bf16) {
+              store(w[j], out.data_ptr<c10::BFloat16>() + offset, valid);
+            } else {
+              store(w[j], out.data_ptr<float>() + offset, valid);
+            }
+          }
+        });
+      }
+    });
+  });
+}
+
+}  // namespace pagedllm
