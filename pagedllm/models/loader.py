@@ -64,6 +64,12 @@ def _gemma3_gguf() -> Path:
 BUILTIN_MODELS = {"smollm2-135m": _smollm2_gguf, "gemma3-270m": _gemma3_gguf}
 
 
+def resolve_folder(model: str) -> Path:
+    """The Hugging Face style folder for a built-in name, a folder path or a .gguf path (converted once)."""
+    gguf = gguf_file(model)
+    return converted_folder(gguf) if gguf is not None else Path(model).expanduser()
+
+
 def gguf_file(model: str) -> Path | None:
     """The GGUF file behind a built-in name or a .gguf path; None for a folder. Errors for anything else."""
     if model in BUILTIN_MODELS:
@@ -130,7 +136,7 @@ def load_model(
     quantization.linear_method_for: "auto" keeps a GGUF file's own blocks) receives every matmul weight
     and prepares its storage. The model is in eval mode with gradients off."""
     gguf = gguf_file(model)
-    folder = converted_folder(gguf) if gguf is not None else Path(model).expanduser()
+    folder = resolve_folder(model)
     config = read_config(folder)
     cls = model_class(config.architecture)
     with torch.device(device):

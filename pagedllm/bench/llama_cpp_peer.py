@@ -1,0 +1,72 @@
+"""The llama.cpp side of `pagedllm bench latency`, run as a child process: `python llama_cpp_peer.py`.
+
+A script run by path, so that it imports neither pagedllm (which defaults OMP_WAIT_POLICY=PASSIVE) nor
+torch: llama.cpp's ggml links the same libgomp.so.1 that torch ships, and one process has one libgomp,
+configured once. llama.cpp runs best with libgomp's default wait policy (passive waits halved its float32
+decode speed here), pagedllm with passive threads; as a child each gets its own.
+
+Reads one JSON job on stdin, writes one JSON result on stdout:
+  {"mode": "quantize", "source": path, "target": path, "ftype": "F32"}    -> {"ok": true}
+  {"mode": "generate", "model": path, "threads": n, "n_ctx": n, "prompts": [[ids]], "output_len": n}
+      -> [{"ttft_s": s, "token_times_s": [...], "tokens": [...]}, ...]   (times from the prompt's start)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def quantize(source: str, target: str, ftype: str) -> dict:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    name = f"LLAMA_FTYPE_ALL_{ftype}" if ftype == "F32" else f"LLAMA_FTYPE_MOSTLY_{ftype}"
+    params.ftype = getattr(llama_cpp, name)
+    params.allow_requantize = True
+    status = llama_cpp.llama_model_quantize(source.encode(), target.encode(), params)
+    if status != 0:
+        raise RuntimeError(f"llama_model_quantize({source} -> {ftype}) failed with status {status}")
+    return {"ok": True}
+
+
+def generate(job: dict) -> list[dict]:
+    from llama_cpp import Llama
+
+    threads = job["threads"]
+    llm = Llama(
+        job["model"],
+        n_ctx=job["n_ctx"],
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_batch=2048,  # llama-bench's defaults
+        n_ubatch=512,
+        verbose=False,
+    )
+    results = []
+    for i, prompt in enumerate([job["warmup"], *job["prompts"]]):
+        llm.reset()
+        start = time.perf_counter()
+        times, tokens = [], []
+        for token in llm.generate(prompt, temp=0.0, reset=True):  # temperature 0: greedy
+            times.append(time.perf_counter() - start)
+            tokens.append(int(token))
+            if len(tokens) == job["output_len"]:
+                break
+        if i > 0:
+            results.append({"ttft_s": times[0], "token_times_s": times, "tokens": tokens})
+    return results
+
+
+def main() -> int:
+    job = json.load(sys.stdin)
+    result = (
+        quantize(job["source"], job["target"], job["ftype"]) if job["mode"] == "quantize" else generate(job)
+    )
+    json.dump(result, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
