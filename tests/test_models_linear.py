@@ -11,6 +11,7 @@ from pagedllm.models.linear import (
     default_linear_method,
     process_linear_layers,
 )
+from pagedllm.ops import cpu
 
 ONEDNN = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without mkldnn")
 
@@ -60,31 +61,28 @@ def test_dense_residual_equals_a_separate_add():
 
 
 @ONEDNN
-def test_a_tied_lm_head_keeps_the_embedding_table():
-    """Packing the LM head must not take the weight away from the embedding it shares it with."""
-    from pagedllm.models.layers import Embedding
-
-    model = torch.nn.Module()
-    model.embed_tokens = Embedding(50, 16)
-    model.lm_head = Linear(16, 50)
-    model.lm_head.weight = model.embed_tokens.weight
-    with torch.no_grad():
-        model.embed_tokens.weight.normal_()
+def test_onednn_keeps_the_plain_weight_of_a_tied_lm_head():
+    """A tied LM head serves the embedding lookups, which need the plain rows the packed copy lacks."""
+    layer = _layer(16, 50, False, torch.float32)
+    layer.serves_embedding = True
+    table = layer.weight.detach().clone()
+    process_linear_layers(layer, OneDNNLinear())
+    ids = torch.tensor([3, 49, 0])
+    torch.testing.assert_close(layer.method.embedding(layer, ids), table[ids])
     hidden = torch.randn(2, 16)
-    expected = hidden @ model.embed_tokens.weight.T
-    process_linear_layers(model, OneDNNLinear())
-    torch.testing.assert_close(model.lm_head(hidden), expected, atol=1e-5, rtol=1e-5)
-    assert model.embed_tokens.weight.shape == (50, 16)
+    torch.testing.assert_close(layer(hidden), hidden @ table.T, atol=1e-5, rtol=1e-5)
 
 
 def test_default_method_per_device_and_dtype(monkeypatch):
     monkeypatch.delenv(LINEAR_METHOD_ENV_VAR, raising=False)
     cpu_fp32 = default_linear_method("cpu", torch.float32)
-    assert cpu_fp32.name == ("onednn" if torch.backends.mkldnn.is_available() else "dense")
+    assert cpu_fp32.name == ("kernel" if cpu.unavailable_reason() is None else "onednn")
     assert default_linear_method("cpu", torch.float16).name == "dense"
     assert default_linear_method("cuda", torch.bfloat16).name == "dense"
     monkeypatch.setenv(LINEAR_METHOD_ENV_VAR, "dense")
     assert default_linear_method("cpu", torch.float32).name == "dense"
+    monkeypatch.setenv(LINEAR_METHOD_ENV_VAR, "onednn")
+    assert default_linear_method("cpu", torch.float32).name == "onednn"
     monkeypatch.setenv(LINEAR_METHOD_ENV_VAR, "fastest")
     with pytest.raises(ValueError, match="'fastest'"):
         default_linear_method("cpu", torch.float32)

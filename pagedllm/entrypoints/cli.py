@@ -13,6 +13,7 @@ BENCHMARKS = {
     "throughput": "pagedllm.bench.throughput",  # paged vs contiguous (vs HF) on a real model
     "snapshot": "pagedllm.bench.snapshot",  # what the dashboard's GET /v1/kv costs next to a step
     "latency": "pagedllm.bench.latency",  # one user: time to first token, decode tok/s (vs llama.cpp)
+    "quality": "pagedllm.bench.quality",  # perplexity and greedy agreement per weight storage
     "linear": "pagedllm.bench.linear",  # the matmul kernels and libraries on the model's shapes
 }
 

@@ -135,19 +135,24 @@ def linear_method_for(
     loads unquantized weights in `dtype`; "int8" / "int4" quantize at load time; "gguf" keeps the blocks."""
     from pagedllm.ops import cpu
 
+    def unusable() -> str | None:
+        """Why the quantized kernels cannot serve this device and dtype, or None."""
+        if torch.device(device).type != "cpu":
+            return f"they run on the CPU, not on {device!r}"
+        if dtype not in (torch.float32, torch.bfloat16):
+            return f"they take float32 or bfloat16 activations, not {dtype}"
+        return cpu.unavailable_reason()
+
     if quantization == "auto":
-        usable = torch.device(device).type == "cpu" and cpu.unavailable_reason() is None
-        quantization = "gguf" if gguf and usable else None
+        quantization = "gguf" if gguf and unusable() is None else None
     if quantization in (None, "none"):
         return default_linear_method(device, dtype)
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"quantization must be 'auto', None or one of {list(QUANTIZATIONS)}, got {quantization!r}"
         )
-    if torch.device(device).type != "cpu":
-        raise ValueError(f"quantization={quantization!r} runs on the CPU kernels only, not on {device!r}")
-    if (reason := cpu.unavailable_reason()) is not None:
-        raise ValueError(f"quantization={quantization!r} needs the CPU kernels: {reason}")
+    if (reason := unusable()) is not None:
+        raise ValueError(f"quantization={quantization!r} needs pagedllm's CPU kernels: {reason}")
     if quantization == "gguf" and not gguf:
         raise ValueError("quantization='gguf' keeps a GGUF file's blocks: the model must be a .gguf file")
     return _METHODS[quantization]()

@@ -1,0 +1,177 @@
+"""`pagedllm bench quality`: what each weight storage costs in quality, against float32 on the same model.
+
+Per configuration (`--configs`: fp32, bf16, int8, int4, gguf): weight memory; perplexity on a fixed text
+(`--text`, default the Apache License 2.0 that ships in pagedllm/bench/data: 2,224 SmolLM2 tokens), all
+of it in one prefill through the paged cache; and greedy agreement with fp32 on the prompts the
+Hugging Face equivalence tests use (EQUIVALENCE_PROMPTS, `--max-tokens` greedy tokens each): `same` =
+prompts whose tokens all equal fp32's, `prefix` = the mean number of leading tokens equal to fp32's.
+Deterministic for a given CPU build (sums may round differently between the AVX2 and AVX-512 kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+TEXT = Path(__file__).with_name("data") / "apache-2.0.txt"
+# The prompts of tests/test_models_smollm2.py (greedy output there equals Hugging Face's).
+EQUIVALENCE_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 4, 5,",
+    "Water boils at",
+    "The three primary colors are",
+    "Q: What is the largest planet in the solar system?\nA:",
+    "Paged attention stores the key-value cache in fixed-size blocks, so that memory is allocated on "
+    "demand and shared between sequences. The main benefit of this design is",
+]
+# name -> (dtype, quantization)
+CONFIGS = {
+    "fp32": ("float32", None),
+    "bf16": ("bfloat16", None),
+    "int8": ("float32", "int8"),
+    "int4": ("float32", "int4"),
+    "gguf": ("float32", "gguf"),
+}
+
+
+@dataclass
+class Quality:
+    config: str
+    linear_method: str
+    weight_mib: float
+    perplexity: float
+    greedy_same: int  # prompts whose greedy tokens all equal the first config's
+    greedy_prefix: float  # mean leading tokens equal to the first config's
+    tokens: list[list[int]]
+
+
+def perplexity(model: torch.nn.Module, ids: list[int], dtype: torch.dtype, chunk: int = 256) -> float:
+    """exp(mean negative log-likelihood of ids[1:]) in one prefill of all of `ids` (one sequence, blocks in
+    order), logits computed `chunk` rows at a time."""
+    from pagedllm import ops
+    from pagedllm.models.attention import AttentionMetadata
+
+    cfg, block = model.config, 16
+    blocks = -(-len(ids) // block)
+    caches = ops.allocate_kv_caches(
+        cfg.num_layers, blocks, block, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu"
+    )
+    count = len(ids)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(count),
+        block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+        context_lens=torch.tensor([count], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, count], dtype=torch.int32),
+        max_query_len=count,
+        kv_caches=caches,
+    )
+    targets = torch.tensor(ids[1:])
+    nll = 0.0
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids), torch.arange(count), meta)
+        for start in range(0, count - 1, chunk):
+            logits = model.compute_logits(hidden[start : min(start + chunk, count - 1)])
+            picked = torch.log_softmax(logits, dim=-1).gather(1, targets[start : start + len(logits), None])
+            nll -= picked.double().sum().item()
+    return math.exp(nll / (count - 1))
+
+
+def evaluate(model: str, name: str, text_ids: list[int], prompts: list[str], max_tokens: int) -> Quality:
+    """One configuration: perplexity of text_ids, greedy tokens of each prompt (agreement filled in later)."""
+    from pagedllm import LLM, SamplingParams
+
+    dtype, quantization = CONFIGS[name]
+    llm = LLM(model, dtype=dtype, quantization=quantization, kv_cache_memory="64MiB", max_model_len=512)
+    engine = llm.engine
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    assert engine.allocator.all_free(), "KV blocks leaked"
+    ppl = perplexity(engine.model, text_ids, engine.config.torch_dtype)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    return Quality(name, engine.loaded_model.linear_method, engine.weight_bytes / 2**20, ppl, 0, 0.0, tokens)
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def compare(results: list[Quality]) -> None:
+    """Fill in each result's greedy agreement with the first one."""
+    reference = results[0].tokens
+    for r in results:
+        r.greedy_same = sum(a == b for a, b in zip(r.tokens, reference, strict=True))
+        r.greedy_prefix = sum(_prefix(a, b) for a, b in zip(r.tokens, reference, strict=True)) / len(
+            reference
+        )
+
+
+def run(
+    model: str, configs: list[str], text: str, max_text_tokens: int | None, max_tokens: int
+) -> list[Quality]:
+    from transformers import AutoTokenizer
+
+    from pagedllm.models.loader import read_config, resolve_folder
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_folder(model)))
+    ids = tokenizer.encode(text)[:max_text_tokens]
+    limit = read_config(resolve_folder(model)).max_position_embeddings
+    if len(ids) > limit:
+        raise ValueError(
+            f"the text has {len(ids)} tokens, more than the model's {limit}: pass --max-text-tokens"
+        )
+    results = [evaluate(model, name, ids, EQUIVALENCE_PROMPTS, max_tokens) for name in configs]
+    compare(results)
+    return results
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedllm bench quality",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--text", type=Path, default=TEXT, help="the text whose perplexity is measured")
+    parser.add_argument("--max-text-tokens", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
+    parser.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    results = run(args.model, args.configs, args.text.read_text(), args.max_text_tokens, args.max_tokens)
+    if args.json:
+        print(json.dumps([asdict(r) for r in results], indent=2))
+        return 0
+    base = results[0]
+    print(
+        f"model {args.model}; perplexity of {args.text.name}; greedy agreement with {base.config} on "
+        f"{len(EQUIVALENCE_PROMPTS)} prompts x {args.max_tokens} tokens"
+    )
+    print(
+        f"{'config':<8}{'storage':>9}{'weights MiB':>13}{'perplexity':>12}{'vs ' + base.config:>10}"
+        f"{'same':>7}{'prefix':>8}"
+    )
+    for r in results:
+        delta = f"{r.perplexity / base.perplexity - 1:+.2%}"
+        print(
+            f"{r.config:<8}{r.linear_method:>9}{r.weight_mib:>13.1f}{r.perplexity:>12.4f}{delta:>10}"
+            f"{r.greedy_same:>4}/{len(r.tokens)}{r.greedy_prefix:>8.1f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
