@@ -130,7 +130,13 @@ def paged_prefill_attention(
 
 
 def _elementwise(x: torch.Tensor, name: str):
-    return getattr(_backend(x.device.type, x.dtype), name, getattr(reference, name))
+    return _elementwise_op(x.device.type, x.dtype, name)
+
+
+@functools.cache
+def _elementwise_op(device_type: str, dtype: torch.dtype, name: str):
+    backend = _backend(device_type, dtype)
+    return getattr(backend, name) if hasattr(backend, name) else getattr(reference, name)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
@@ -153,3 +159,4 @@ def reset_backend_cache() -> None:
     """Forget the cached backend choice (after changing PAGEDLLM_ATTN_BACKEND)."""
     _resolve.cache_clear()
     _backend.cache_clear()
+    _elementwise_op.cache_clear()

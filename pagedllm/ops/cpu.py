@@ -89,8 +89,13 @@ def unavailable_reason() -> str | None:
 
 def kernels(isa: str | None = None):
     """The op namespace of one build (default: the selected one), building it first if needed."""
-    isa = isa or selected_isa()
-    reason = unavailable_reason() if isa == selected_isa() else build_error(isa)
+    return _namespace(isa or selected_isa())
+
+
+@functools.cache
+def _namespace(isa: str | None):
+    """Cached: every op call goes through here, and a decode step makes hundreds of them."""
+    reason = unavailable_reason() if isa is None else build_error(isa)
     if reason is not None:
         raise RuntimeError(f"the cpu kernels are unavailable: {reason}")
     return getattr(torch.ops, f"pagedllm_{isa}")

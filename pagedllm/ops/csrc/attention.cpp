@@ -193,12 +193,17 @@ struct PagedRows {
   }
 };
 
-// Runs fn(i) for i in [0, n) on the intra-op thread pool, handing out items one at a time so that
-// sequences of very different lengths still balance across threads.
+// Below this many multiply-adds in all, a call runs on the calling thread: one sequence's decode
+// attention over a few hundred tokens takes less time than waking the pool's passive threads.
+constexpr int64_t kInlineWork = 1 << 19;
+
+// Runs fn(i) for i in [0, n) on the intra-op thread pool (inline when `work` is small), handing out items
+// one at a time so that sequences of very different lengths still balance across threads.
 template <typename F>
-void parallel_dynamic(int64_t n, const F& fn) {
+void parallel_dynamic(int64_t n, int64_t work, const F& fn) {
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+  const int64_t tasks = work < kInlineWork ? 1 : std::min<int64_t>(n, at::get_num_threads());
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
     for (int64_t i = next++; i < n; i = next++) fn(i);
   });
 }
@@ -230,6 +235,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   TQ* out_ptr = out.data_ptr<TQ>();
 
   std::vector<WorkItem> items;
+  int64_t work = 0;  // multiply-adds (an upper bound for prefill rows, which see fewer keys)
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = starts[s + 1] - starts[s];
     TORCH_CHECK(q_len <= lens[s], "sequence ", s, " has ", q_len, " query rows but context length ",
@@ -245,9 +251,10 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
       const int64_t end = std::min(q_len, r + kRowsPerTile);
       for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({s, h, r, end});
     }
+    work += 2 * q_len * num_heads * head_dim * (window > 0 ? std::min<int64_t>(window, lens[s]) : lens[s]);
   }
 
-  parallel_dynamic(static_cast<int64_t>(items.size()), [&](int64_t idx) {
+  parallel_dynamic(static_cast<int64_t>(items.size()), work, [&](int64_t idx) {
     const WorkItem& it = items[idx];
     const int64_t context_len = lens[it.seq];
     const int64_t first_row = starts[it.seq];

@@ -38,30 +38,38 @@ constexpr int64_t kChunkRows = 256;      // rows of x in one work item (many-row
 constexpr int64_t kStreamRows = 4;       // up to this many rows of x, quantized weights are converted in registers
 constexpr int64_t kTaskWork = 1 << 17;   // multiply-adds a parallel task should have (waking a thread costs ~10 us)
 
+// Lanes of vector j of a unit with `valid` columns.
+inline int lanes(int valid, int j) { return std::clamp(valid - j * VecF::kWidth, 0, VecF::kWidth); }
+
 inline float to_float(float v) { return v; }
 inline float to_float(c10::Half v) { return _cvtsh_ss(v.x); }
 
 // A source of weight rows as floats. for_each_unit<R>(n, fn) calls fn(k, w, valid) for the runs
 // ("units") of columns of rows n .. n + R - 1 in order: w[r * kVectors + j] holds row n + r's columns
-// k + j * kWidth onwards; `valid` < kWidth only for the last unit of a float row whose length is not a
-// multiple of kWidth (the lanes beyond it are zero).
-template <typename W>
+// k + j * kWidth onwards; `valid` < kVectors * kWidth only for the last unit of a float row whose length
+// is not a multiple of it (the lanes beyond it are zero). Each of a unit's vectors is summed in its own
+// chain of multiply-adds: one chain's latency (4 cycles a vector) left a streamed row at a third of
+// what the arithmetic units can do.
+template <typename W, int V>
 struct DenseRows {
-  static constexpr int kVectors = 1;
+  static constexpr int kVectors = V;
   const W* data;
   int64_t ld, cols;
 
   template <int R, typename Fn>
   void for_each_unit(int64_t n, const Fn& fn) const {
-    VecF w[R];
+    constexpr int64_t kUnit = V * VecF::kWidth;
+    VecF w[R * V];
     int64_t k = 0;
-    for (; k + VecF::kWidth <= cols; k += VecF::kWidth) {
-      for (int r = 0; r < R; ++r) w[r] = VecF::load(data + (n + r) * ld + k);
-      fn(k, w, VecF::kWidth);
+    for (; k + kUnit <= cols; k += kUnit) {
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < V; ++j) w[r * V + j] = VecF::load(data + (n + r) * ld + k + j * VecF::kWidth);
+      fn(k, w, static_cast<int>(kUnit));
     }
     if (k < cols) {
       const int valid = static_cast<int>(cols - k);
-      for (int r = 0; r < R; ++r) w[r] = VecF::load(data + (n + r) * ld + k, valid);
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < V; ++j) w[r * V + j] = load(data + (n + r) * ld + k + j * VecF::kWidth, lanes(valid, j));
       fn(k, w, valid);
     }
   }
@@ -83,10 +91,9 @@ struct Groups {
   }
 };
 
-// int8 values, 16 columns a unit.
-template <typename S>
+// int8 values, kUnit (16 or 32, dividing the group size) columns a unit.
+template <typename S, int kUnit>
 struct Int8Rows {
-  static constexpr int kUnit = 16;
   static constexpr int kVectors = kUnit / VecF::kWidth;
   const int8_t* data;
   int64_t ld, cols;  // ld in bytes
@@ -114,7 +121,7 @@ struct Int8Rows {
             w[r * kVectors + j] = kMin ? fmadd(v, scale[r], min[r]) : v * scale[r];
           }
         }
-        fn(k, w, VecF::kWidth);
+        fn(k, w, kUnit);
       }
     }
   }
@@ -135,17 +142,25 @@ struct Int4Rows {
     VecF scale[R], min[R], w[R * kVectors];
     for (int64_t g = 0; g < groups.per_row; ++g) {
       groups.template load<R>(n, g, scale, min);
+#if defined(PAGEDLLM_AVX512)
+      VecF table[R];  // the group's 16 values: one lookup a vector (the same values scale * q + min give)
+      for (int r = 0; r < R; ++r) table[r] = nibble_table(scale[r], min[r]);
+#endif
       for (int64_t k = g * groups.size; k < (g + 1) * groups.size; k += kUnit) {
         for (int r = 0; r < R; ++r) {
           const uint8_t* q = data + (n + r) * ld + k / 2;
+#if defined(PAGEDLLM_AVX512)
+          lookup_nibbles(q, table[r], w[r * kVectors], w[r * kVectors + 1]);
+#else
           for (int j = 0; j < kHalf; ++j) {
             VecF low, high;
             VecF::load_nibbles(q + j * VecF::kWidth, low, high);
             w[r * kVectors + j] = fmadd(low, scale[r], min[r]);
             w[r * kVectors + kHalf + j] = fmadd(high, scale[r], min[r]);
           }
+#endif
         }
-        fn(k, w, VecF::kWidth);
+        fn(k, w, kUnit);
       }
     }
   }
@@ -178,26 +193,33 @@ struct Epilogue {
 template <int MR, int R, typename Source>
 void tile(const Source& src, int64_t n, const float* x, int64_t ld_x, int64_t m, const Epilogue& out,
           int64_t col_offset) {
-  VecF acc[MR][R];
+  constexpr int V = Source::kVectors;
+  VecF acc[MR][R][V];
   for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < R; ++r) acc[i][r] = VecF::zero();
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < V; ++j) acc[i][r][j] = VecF::zero();
   const float* xm = x + m * ld_x;
   src.template for_each_unit<R>(n, [&](int64_t k, const VecF* w, int valid) {
-    for (int j = 0; j < Source::kVectors; ++j) {
+    for (int j = 0; j < V; ++j) {
       for (int i = 0; i < MR; ++i) {
         const float* xk = xm + i * ld_x + k + j * VecF::kWidth;
-        const VecF xv = valid == VecF::kWidth ? VecF::load(xk) : VecF::load(xk, valid);
-        for (int r = 0; r < R; ++r) acc[i][r] = fmadd(xv, w[r * Source::kVectors + j], acc[i][r]);
+        const VecF xv = valid == V * VecF::kWidth ? VecF::load(xk) : load(xk, lanes(valid, j));
+        for (int r = 0; r < R; ++r) acc[i][r][j] = fmadd(xv, w[r * V + j], acc[i][r][j]);
       }
     }
   });
   for (int i = 0; i < MR; ++i) {
+    VecF sum[R];
+    for (int r = 0; r < R; ++r) {
+      sum[r] = acc[i][r][0];
+      for (int j = 1; j < V; ++j) sum[r] = sum[r] + acc[i][r][j];
+    }
     if constexpr (R == 4) {
       alignas(16) float sums[4];
-      _mm_store_ps(sums, reduce_add4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+      _mm_store_ps(sums, reduce_add4(sum[0], sum[1], sum[2], sum[3]));
       for (int r = 0; r < 4; ++r) out.store(m + i, n + col_offset + r, sums[r]);
     } else {
-      for (int r = 0; r < R; ++r) out.store(m + i, n + col_offset + r, reduce_add(acc[i][r]));
+      for (int r = 0; r < R; ++r) out.store(m + i, n + col_offset + r, reduce_add(sum[r]));
     }
   }
 }
@@ -235,7 +257,7 @@ void convert_rows(const Source& src, int64_t n0, int64_t n1, int64_t cols, float
   for (int64_t n = n0; n < n1; ++n) {
     float* row = buf + (n - n0) * cols;
     src.template for_each_unit<1>(n, [&](int64_t k, const VecF* w, int valid) {
-      for (int j = 0; j < Source::kVectors; ++j) store(w[j], row + k + j * VecF::kWidth, valid);
+      for (int j = 0; j < Source::kVectors; ++j) store(w[j], row + k + j * VecF::kWidth, lanes(valid, j));
     });
   }
 }
@@ -257,7 +279,7 @@ void matmul(const Source& src, int64_t n_rows, int64_t cols, const float* x, int
         static thread_local std::vector<float> buffer;
         buffer.resize(kPanelRows * cols);
         convert_rows(src, n0, n1, cols, buffer.data());
-        const DenseRows<float> panel{buffer.data(), cols, cols};
+        const DenseRows<float, 1> panel{buffer.data(), cols, cols};  // 4 x 4 tiles: chains enough
         block(panel, 0, n1 - n0, x, cols, m0, m1, out, n0, false);
       }
     }
@@ -273,8 +295,8 @@ void with_source(const at::Tensor& weight, const c10::optional<at::Tensor>& scal
   const auto type = weight.scalar_type();
   if (type == at::kFloat || type == at::kBFloat16) {
     TORCH_CHECK(weight.size(1) == cols, "weight has ", weight.size(1), " columns, x has ", cols);
-    if (type == at::kFloat) return fn(DenseRows<float>{weight.data_ptr<float>(), cols, cols});
-    return fn(DenseRows<c10::BFloat16>{weight.data_ptr<c10::BFloat16>(), cols, cols});
+    if (type == at::kFloat) return fn(DenseRows<float, 2>{weight.data_ptr<float>(), cols, cols});
+    return fn(DenseRows<c10::BFloat16, 2>{weight.data_ptr<c10::BFloat16>(), cols, cols});
   }
   const bool int4 = type == at::kByte;
   TORCH_CHECK(int4 || type == at::kChar, "unsupported weight dtype ", type, " (float32, bfloat16, int8 or uint8 = int4)");
@@ -296,7 +318,8 @@ void with_source(const at::Tensor& weight, const c10::optional<at::Tensor>& scal
     using S = decltype(scale_tag);
     const Groups<S> groups{s.data_ptr<S>(), mins.has_value() ? mins->data_ptr<S>() : nullptr, group, cols / group};
     if (int4) return fn(Int4Rows<S>{weight.data_ptr<uint8_t>(), weight.size(1), cols, groups});
-    return fn(Int8Rows<S>{weight.data_ptr<int8_t>(), weight.size(1), cols, groups});
+    if (group % 32 == 0) return fn(Int8Rows<S, 32>{weight.data_ptr<int8_t>(), weight.size(1), cols, groups});
+    return fn(Int8Rows<S, 16>{weight.data_ptr<int8_t>(), weight.size(1), cols, groups});
   };
   if (s.scalar_type() == at::kFloat) return run(float{});
   return run(c10::Half{});
@@ -356,9 +379,9 @@ void dequantize_rows(at::Tensor out, const at::Tensor& weight, const c10::option
           for (int j = 0; j < Source::kVectors; ++j) {
             const int64_t offset = i * cols + k + j * VecF::kWidth;
             if (bf16) {
-              store(w[j], out.data_ptr<c10::BFloat16>() + offset, valid);
+              store(w[j], out.data_ptr<c10::BFloat16>() + offset, lanes(valid, j));
             } else {
-              store(w[j], out.data_ptr<float>() + offset, valid);
+              store(w[j], out.data_ptr<float>() + offset, lanes(valid, j));
             }
           }
         });

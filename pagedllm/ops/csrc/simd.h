@@ -69,6 +69,18 @@ inline VecF round_nearest(VecF a) { return _mm512_roundscale_ps(a.v, _MM_FROUND_
 inline VecF scale_by_pow2(VecF a, VecF n) { return _mm512_scalef_ps(a.v, n.v); }  // a * 2^n, n integral
 inline VecF reciprocal_estimate(VecF a) { return _mm512_rcp14_ps(a.v); }  // relative error < 2^-14
 
+// A 4-bit code's 16 possible values, scale * q + min for q = 0..15, one a lane: a table for lookup_nibbles.
+inline VecF nibble_table(VecF scale, VecF min) {
+  return fmadd(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), scale, min);
+}
+// 16 bytes: their low nibbles' and their high nibbles' values in `table` (vpermps reads an index's low 4
+// bits): two instructions a vector in place of a conversion and a multiply-add.
+inline void lookup_nibbles(const uint8_t* p, VecF table, VecF& low, VecF& high) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  low = _mm512_permutexvar_ps(bytes, table.v);
+  high = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table.v);
+}
+
 #else  // AVX2 + FMA
 
 struct VecF {
