@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from helpers import assert_all_blocks_free
 
@@ -223,3 +225,35 @@ def test_abort_frees_blocks(smollm2_llm):
     engine.abort_request("a")
     engine.abort_request("b")
     assert_all_blocks_free(smollm2_llm)
+
+
+def test_memory_budget_gives_the_kv_cache_what_the_weights_leave(caplog):
+    """At one total budget, the GGUF's own 4-bit blocks leave more KV blocks than float32 weights; both
+    are reported at start-up."""
+    budget = 640 * 2**20
+    block_bytes = 2 * 30 * 3 * 64 * 4 * 16  # SmolLM2, float32 KV, blocks of 16
+    blocks = {}
+    for quantization in ("gguf", None):
+        with caplog.at_level(logging.INFO, logger="pagedllm"):
+            llm = LLM("smollm2-135m", memory_budget="640MiB", quantization=quantization, max_model_len=256)
+        engine = llm.engine
+        assert engine.num_kv_blocks == (budget - engine.weight_bytes) // block_bytes
+        assert (
+            f"weights {engine.weight_bytes / 2**20:.1f} MiB ({engine.loaded_model.linear_method})"
+            in caplog.text
+        )
+        assert f"{engine.num_kv_blocks} blocks of 16 tokens" in caplog.text
+        out = llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0))[0]
+        assert out.outputs[0].text.startswith(" Paris")
+        assert_all_blocks_free(llm)
+        blocks[quantization] = engine.num_kv_blocks
+    assert blocks["gguf"] > blocks[None] + 500  # ~420 MiB of float32 weights not held: ~570 more blocks
+
+
+def test_memory_budget_smaller_than_the_weights_is_refused():
+    with pytest.raises(ValueError, match=r"memory_budget='256MiB' .* the weights take 513\.\d MiB"):
+        LLM("smollm2-135m", memory_budget="256MiB", quantization=None)
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM("smollm2-135m", quantization="int3")
+    with pytest.raises(ValueError, match="memory_budget must be a size"):
+        LLM("smollm2-135m", memory_budget="lots")

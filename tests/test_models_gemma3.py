@@ -22,9 +22,10 @@ LONG_TEXT = (
 )
 
 
-@pytest.fixture(scope="module")
-def gemma3():
-    return load_model("gemma3-270m")
+@pytest.fixture(scope="module", params=["gguf", None], ids=["gguf-blocks", "float32"])
+def gemma3(request):
+    """The built-in file's own blocks (the default: Q5_0 / Q8_0 / Q4_K / Q6_K kept), and float32."""
+    return load_model("gemma3-270m", quantization=request.param)
 
 
 @pytest.fixture(scope="module")

@@ -26,9 +26,10 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_model("smollm2-135m")
+@pytest.fixture(scope="module", params=["gguf", None], ids=["gguf-blocks", "float32"])
+def smollm2(request):
+    """The built-in file's own Q4_1 / Q8_0 blocks (the default), and float32: both must match HF."""
+    return load_model("smollm2-135m", quantization=request.param)
 
 
 @pytest.fixture(scope="module")

@@ -224,7 +224,7 @@ def test_chat_without_messages_is_a_bad_request(client):
 
 
 def test_metrics(client, server):
-    base, _ = server
+    base, engine = server
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
     text = urllib.request.urlopen(f"{base}/metrics").read().decode()
     for name in (
@@ -240,3 +240,14 @@ def test_metrics(client, server):
         line for line in text.splitlines() if line.startswith("pagedllm:generation_tokens_total")
     )
     assert float(generated.split()[-1]) >= 3
+    gauges = {
+        line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("pagedllm:")
+    }
+    assert gauges["pagedllm:weight_memory_bytes"] == engine.weight_bytes  # the model's GGUF blocks: < 100 MiB
+    assert 50 * 2**20 < engine.weight_bytes < 100 * 2**20
+    assert (
+        gauges["pagedllm:kv_cache_memory_bytes"]
+        == engine.kv_cache_bytes
+        == 64 * 2**20 // (46080 * 16) * 46080 * 16
+    )
+    assert gauges["pagedllm:kv_cache_blocks"] == engine.num_kv_blocks

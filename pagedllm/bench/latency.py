@@ -66,7 +66,7 @@ def run_pagedllm(args, quantization: str, prompts: list[list[int]], warmup: list
         dtype=args.dtype,
         quantization=quantization,
         kv_cache_memory=args.kv_cache_memory,
-        max_model_len=max(len(p) for p in prompts) + args.output_len,
+        max_model_len=max(len(p) for p in [*prompts, warmup]) + args.output_len,
         max_num_seqs=1,
     )
     engine = llm.engine
@@ -127,7 +127,7 @@ def run_llama_cpp(args, gguf: Path, gguf_type: str, prompts: list[list[int]], wa
         "mode": "generate",
         "model": str(path),
         "threads": torch.get_num_threads(),
-        "n_ctx": max(len(p) for p in prompts) + args.output_len,
+        "n_ctx": max(len(p) for p in [*prompts, warmup]) + args.output_len,
         "prompts": prompts,
         "warmup": warmup,
         "output_len": args.output_len,

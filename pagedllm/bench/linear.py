@@ -161,10 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--layers", type=int, default=None, help="decoder layers at M = 1 (default: the model's)"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     layer_shapes, num_layers, head = model_shapes(args.model)
+    num_layers = args.layers or num_layers
     print(
         f"model {args.model}: {num_layers} layers of {layer_shapes}, LM head {head}; "
         f"{torch.get_num_threads()} threads"

@@ -1,0 +1,86 @@
+"""`pagedllm bench latency`, `bench quality` and `bench linear` on the real model: what they print, the
+quality they measure (int8 within 2% of float32's perplexity), and llama.cpp as a peer where installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from pagedllm.bench import latency, linear, quality
+
+
+def test_latency_reports_ttft_decode_rate_and_itl_per_system(capsys):
+    argv = ["--prompt-lens", "9", "40", "--output-len", "5", "--quantization", "none", "auto", "--json"]
+    assert latency.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    systems = {s["name"]: s for s in report["systems"]}
+    assert list(systems) == ["pagedllm kernel", "pagedllm gguf"]  # auto: the GGUF's own blocks
+    assert systems["pagedllm gguf"]["weight_mib"] < systems["pagedllm kernel"]["weight_mib"] / 4
+    for system in systems.values():
+        assert [run["prompt_len"] for run in system["runs"]] == [9, 40]
+        for run in system["runs"]:
+            assert len(run["tokens"]) == 5 and len(run["itl_s"]) == 4  # EOS ignored: every token comes
+            assert run["ttft_s"] > 0 and all(gap > 0 for gap in run["itl_s"])
+    # The same weights, fp32 arithmetic either way: the same greedy tokens.
+    assert [r["tokens"] for r in systems["pagedllm gguf"]["runs"]] == [
+        r["tokens"] for r in systems["pagedllm kernel"]["runs"]
+    ]
+
+
+def test_latency_table_and_errors(capsys):
+    assert latency.main(["--prompt-lens", "12", "--output-len", "4", "--quantization", "int4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:4] == ["system", "weights", "MiB", "prompt"]
+    cells = lines[2].split()
+    assert cells[:2] == ["pagedllm", "int4"] and cells[3] == "12" and cells[-1] == "4"  # same as itself
+    with pytest.raises(SystemExit):
+        latency.main(["--output-len", "2"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is not None, reason="llama-cpp-python is installed")
+def test_llama_cpp_peer_needs_llama_cpp_python(capsys):
+    with pytest.raises(SystemExit):
+        latency.main(["--llama-cpp"])
+    assert "--llama-cpp needs llama-cpp-python" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+def test_llama_cpp_runs_the_same_file_and_its_f32_copy(capsys):
+    argv = ["--prompt-lens", "20", "--output-len", "8", "--quantization", "none", "--llama-cpp", "--json"]
+    assert latency.main(argv) == 0
+    systems = {s["name"]: s for s in json.loads(capsys.readouterr().out)["systems"]}
+    assert set(systems) == {"pagedllm kernel", "llama.cpp F32", "llama.cpp Q4_1"}
+    ours, f32 = systems["pagedllm kernel"]["runs"][0], systems["llama.cpp F32"]["runs"][0]
+    assert ours["tokens"][:4] == f32["tokens"][:4]  # the same float32 weights, greedy
+
+
+def test_quality_int8_stays_within_two_percent_of_float32():
+    """Perplexity of the first 512 tokens of the shipped text, and greedy agreement on 2 prompts: int8
+    within 2% of fp32; the GGUF's own blocks are fp32's weights exactly (only sums are ordered
+    differently)."""
+    text = quality.TEXT.read_text()
+    results = {r.config: r for r in quality.run("smollm2-135m", ["fp32", "int8", "gguf"], text, 512, 8)}
+    fp32 = results["fp32"].perplexity
+    assert 5 < fp32 < 50
+    assert abs(results["int8"].perplexity / fp32 - 1) < 0.02
+    assert results["gguf"].perplexity == pytest.approx(fp32, rel=1e-4)
+    assert results["gguf"].greedy_same == len(quality.EQUIVALENCE_PROMPTS)
+    assert results["int8"].weight_mib < results["fp32"].weight_mib / 3
+
+
+def test_linear_bench_prints_a_decode_pass_and_gflops(capsys):
+    argv = ["--rows", "1", "3", "--layers", "1", "--reps", "1", "--methods", "kernel int4", "int8pack bf16"]
+    assert linear.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("M = 1, every layer")
+    assert out[2].split()[:2] == ["kernel", "int4"] and out[2].endswith("G weights/s")
+    assert out[4].startswith("M = 3, GFLOP/s per shape") and out[4].split()[-5:] == [
+        "qkv",
+        "o",
+        "gate_up",
+        "down",
+        "lm_head",
+    ]
+    assert len(out[5].split()) == 2 + 5
