@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class GuidedDecodingParams:
+    """vLLM's name: `json` is a JSON schema (a dict or its text); `json_object` allows any JSON object."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.json is None) == (not self.json_object):
+            raise ValueError("guided decoding needs exactly one of json (a schema) or json_object=True")
+
+    @property
+    def schema_text(self) -> str | None:
+        if self.json is None:
+            return None
+        return self.json if isinstance(self.json, str) else json.dumps(self.json)  # key order matters
 
 
 @dataclass
@@ -23,6 +42,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    guided_decoding: GuidedDecodingParams | None = None  # output constrained to a JSON grammar
     stop_strings: list[str] = field(init=False)
 
     def __post_init__(self) -> None:

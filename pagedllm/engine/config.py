@@ -46,8 +46,16 @@ class EngineConfig:
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     watermark: float = 0.01  # share of KV blocks an admission must leave free (vLLM's 1%)
     seed: int = 0
+    generation_config: str = "auto"  # sampling defaults: auto (the model folder's), vllm (none) or a folder
 
     def __post_init__(self) -> None:
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            why = (
+                f"this torch ({torch.__version__}) is built without CUDA"
+                if torch.version.cuda is None
+                else ("no CUDA GPU is visible")
+            )
+            raise ValueError(f"device={self.device!r}: {why}; use device='cpu'")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.kv_layout not in ("paged", "contiguous"):

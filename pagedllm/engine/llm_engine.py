@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -12,6 +13,8 @@ import torch
 from pagedllm._runtime import apply_thread_count, keep_large_allocations
 from pagedllm.engine import detokenizer
 from pagedllm.engine.config import EngineConfig, parse_bytes
+from pagedllm.engine.generation_config import sampling_defaults
+from pagedllm.engine.guided import GrammarCompiler
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.sampler import SampleRow, sample
 from pagedllm.engine.scheduler import Scheduler
@@ -66,7 +69,11 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = set(loaded.eos_token_ids)
         model_cfg = self.model.config
-        self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
+        self.max_model_len = self._check_max_model_len(
+            config.max_model_len, model_cfg.max_position_embeddings
+        )
+        self.default_sampling = sampling_defaults(config.generation_config, loaded.path)
+        self.grammars = GrammarCompiler(self.tokenizer, model_cfg.vocab_size, sorted(self.eos_token_ids))
         num_blocks = config.num_kv_blocks or self._blocks_that_fit(parse_bytes(config.kv_cache_memory))
         if config.kv_layout == "paged":
             self.allocator = PagedAllocator(
@@ -105,6 +112,19 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
 
+    @staticmethod
+    def _check_max_model_len(requested: int | None, context: int) -> int:
+        """The model's context unless asked for less; more is refused, as vLLM does, unless allowed."""
+        if requested is None:
+            return context
+        if requested > context and os.environ.get("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1":
+            raise ValueError(
+                f"max_model_len={requested} is longer than the model's context of {context} tokens "
+                "(max_position_embeddings): positions past it were never trained and give poor output. "
+                "Set PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it anyway"
+            )
+        return requested
+
     def _blocks_that_fit(self, num_bytes: int) -> int:
         cfg = self.model.config
         bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
@@ -131,15 +151,20 @@ class LLMEngine:
             text, token_ids = None, list(prompt)
         vocab = self.model.config.vocab_size
         if not token_ids:
-            raise ValueError(f"prompt of request {request_id!r} is empty")
+            raise ValueError(f"prompt is empty (request {request_id!r})")
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids holds {bad[0]!r}, out of the vocabulary's range [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} leaves no room "
                 "to generate"
             )
+        if params.guided_decoding is not None:
+            self.grammars.compile(params.guided_decoding)  # a bad schema fails here; cached for its guides
         request = Request(request_id, text, token_ids, params)
         if params.seed is not None:
             request.generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
@@ -157,6 +182,8 @@ class LLMEngine:
             request.params,
         )
         detokenizer.start(seq)
+        if request.params.guided_decoding is not None:
+            seq.guide = self.grammars.guide(request.params.guided_decoding)
         request.seqs.append(seq)
         return seq
 
@@ -214,7 +241,7 @@ class LLMEngine:
         banned: tuple[int, ...] = ()
         if len(seq.output_token_ids) < params.min_tokens:
             banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_token_ids))
-        return SampleRow(params, self.requests[seq.request_id].generator, banned)
+        return SampleRow(params, self.requests[seq.request_id].generator, banned, seq.guide)
 
     def _append_token(self, seq: Sequence, smp) -> None:
         seq.num_cached_tokens = seq.num_tokens
@@ -224,12 +251,17 @@ class LLMEngine:
             seq.output_logprobs.append(smp.top_logprobs)
         new_text = detokenizer.decode_new_text(self.tokenizer, seq) if self.tokenizer is not None else ""
         params, token = seq.params, smp.token_id
-        if not params.ignore_eos and token in self.eos_token_ids:
+        if seq.guide is not None and not seq.guide.accept(token):
+            logger.error("guided decoding: %s sampled token %d its grammar forbids", seq.seq_id, token)
+            seq.finish_reason = "abort"
+        elif not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
         elif token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif (stop := detokenizer.find_stop_string(seq, new_text)) is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop
+        elif seq.guide is not None and seq.guide.finished:  # the grammar ended (its end token came)
+            seq.finish_reason = "stop"
         elif seq.max_new_tokens(self.max_model_len) == 0:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:

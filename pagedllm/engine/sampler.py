@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.engine.guided import Guide
 
 
 @dataclass
@@ -16,6 +20,7 @@ class SampleRow:
     params: SamplingParams
     generator: torch.Generator | None = None  # seeded requests sample reproducibly
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS before min_tokens is reached
+    guide: Guide | None = None  # guided decoding: only tokens its grammar allows next
 
 
 @dataclass
@@ -51,6 +56,9 @@ def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
     """logits [num_seqs, vocab] (float32) -> one Sample per row."""
     logits = logits.float()
+    for i, row in enumerate(rows):  # grammar masks first: logprobs then describe what can be sampled
+        if row.guide is not None:
+            row.guide.mask(logits[i : i + 1])
     for i, row in enumerate(rows):
         if row.banned_token_ids:
             logits[i, list(row.banned_token_ids)] = float("-inf")

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.engine.guided import Guide
 
 
 class SequenceStatus(enum.Enum):
@@ -37,6 +41,7 @@ class Sequence:
     # Incremental detokenizer state: tokens before prefix_offset are already in `text`.
     prefix_offset: int = 0
     read_offset: int = 0
+    guide: Guide | None = None  # its place in the request's grammar (guided decoding)
 
     @property
     def token_ids(self) -> list[int]:

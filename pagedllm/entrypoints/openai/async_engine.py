@@ -1,11 +1,16 @@
-"""AsyncEngine: one thread owns the LLMEngine and steps it; asyncio callers get each request's outputs."""
+"""AsyncEngine: one thread owns the LLMEngine and steps it; asyncio callers get each request's outputs.
+
+The engine thread is where the compute happens, so the event loop's share of the machine is kept small:
+after each step, all of that step's outputs cross to the event loop in one call (one wake-up per step,
+not one per request).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedllm.engine.llm_engine import LLMEngine
@@ -24,8 +29,32 @@ class _Stream:
     queue: asyncio.Queue
     num_generated: int = 0
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+class RequestStream:
+    """A request's outputs, in order, until it finishes. `aclose()` aborts it if it is still running, so
+    its KV blocks go back to the pool; every caller closes its streams when done or gone."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream):
+        self.engine, self.request_id, self._stream = engine, request_id, stream
+        self._finished = self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished:
+            raise StopAsyncIteration
+        item = await self._stream.queue.get()
+        if isinstance(item, BaseException):
+            self._finished = True
+            raise item
+        self._finished = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.engine.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -44,6 +73,7 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self) -> None:
+        """Abort whatever still runs, stop the thread; afterwards every KV block is free."""
         with self._wakeup:
             self._stopped = True
             self._wakeup.notify()
@@ -70,11 +100,8 @@ class AsyncEngine:
         self._submit(call)
         return await future
 
-    async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its outputs until finished; closing or cancelling the iterator aborts
-        it, so its KV blocks go back to the pool. A bad prompt raises ValueError before any output."""
+    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+        """Add a request; a bad prompt or parameter raises ValueError here, before any output."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
 
         def add(engine: LLMEngine) -> None:
@@ -84,15 +111,14 @@ class AsyncEngine:
 
         try:
             await self.run(add)
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
-        finally:  # queued after `add`, so it also catches a request added after its caller gave up
-            self._submit(lambda: self._abort(request_id))
+        except asyncio.CancelledError:  # the caller gave up: `add` may still run, so abort after it
+            self.abort(request_id)
+            raise
+        return RequestStream(self, request_id, stream)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (queued after anything submitted before, so after its own `add`)."""
+        self._submit(lambda: self._abort(request_id))
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
@@ -104,13 +130,25 @@ class AsyncEngine:
             with self._wakeup:
                 while not (self._calls or self._stopped or self.engine.has_unfinished_requests()):
                     self._wakeup.wait()
-                if self._stopped:
-                    return
                 calls, self._calls = self._calls, []
+                stopped = self._stopped
             for call in calls:
                 call()
+            if stopped:
+                self._shutdown()
+                return
             if self.engine.has_unfinished_requests():
                 self._step()
+
+    def _shutdown(self) -> None:
+        running = list(self.engine.requests)
+        if running:
+            logger.warning("shutting down: aborting %d unfinished requests", len(running))
+        for request_id in running:
+            stream = self._streams.get(request_id)
+            self._abort(request_id)
+            if stream is not None:
+                _deliver(stream.loop, [(stream, RuntimeError("the server is shutting down"))])
 
     def _step(self) -> None:
         try:
@@ -121,8 +159,9 @@ class AsyncEngine:
                 stream = self._streams.get(request_id)
                 self._abort(request_id)
                 if stream is not None:
-                    stream.put(error)
+                    _deliver(stream.loop, [(stream, error)])
             return
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -132,8 +171,23 @@ class AsyncEngine:
             stream.num_generated = num_generated
             if output.finished:
                 del self._streams[output.request_id]
-            stream.put(output)
+            batches.setdefault(stream.loop, []).append((stream, output))
+        for loop, batch in batches.items():
+            _deliver(loop, batch)
         self.metrics.observe(self.engine)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, batch: list[tuple[_Stream, object]]) -> None:
+    """Hand outputs (or an error) to their streams on the event loop: one thread-safe call per batch."""
+
+    def put_all() -> None:
+        for stream, item in batch:
+            stream.queue.put_nowait(item)
+
+    try:
+        loop.call_soon_threadsafe(put_all)
+    except RuntimeError:  # the loop has closed: nobody is listening any more
+        pass
 
 
 def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
