@@ -35,3 +35,11 @@ def smollm2_llm():
     from pagedllm import LLM
 
     return LLM("smollm2-135m", kv_cache_memory="64MiB", max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template, for server and soak tests."""
+    from serving import write_tiny_chat_model
+
+    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))

@@ -73,10 +73,9 @@ class GrammarCompiler:
     def compile(self, params: GuidedDecodingParams):
         """The compiled grammar; a schema xgrammar cannot use is a ValueError saying why."""
         compiler = self._get_compiler()
-        if params.json_object:
-            return compiler.compile_builtin_json_grammar()
+        schema = '{"type": "object"}' if params.json_object else params.schema_text  # vLLM's json_object
         try:
-            return compiler.compile_json_schema(params.schema_text)
+            return compiler.compile_json_schema(schema)
         except (RuntimeError, ValueError) as error:  # xgrammar's message starts with a C++ source location
             reason = str(error).strip().splitlines()[-1].split(": ", 1)[-1]
             raise ValueError(f"JSON schema not usable for guided decoding: {reason}") from None
