@@ -74,17 +74,17 @@ def build_app(
 
     def checked_max_tokens(requested: int | None, num_prompt_tokens: int) -> int | None:
         """vLLM's rule: prompt + max_tokens must fit max_model_len; unset, it is what is left."""
+        room = max_model_len - num_prompt_tokens
+        if room < 1:
+            raise APIError(
+                f"the prompt has {num_prompt_tokens} tokens: this model's maximum context length "
+                f"(max_model_len={max_model_len}) leaves no room to generate",
+                param="prompt",
+            )
         if requested is None:
             default = engine.engine.default_sampling.get("max_tokens")
-            room = max_model_len - num_prompt_tokens
-            if room < 1:
-                raise APIError(
-                    f"the prompt has {num_prompt_tokens} tokens: this model's maximum context length "
-                    f"(max_model_len={max_model_len}) leaves no room to generate",
-                    param="prompt",
-                )
             return min(room, default) if default else room
-        if num_prompt_tokens + requested > max_model_len:
+        if requested > room:
             raise APIError(
                 f"this model's maximum context length is {max_model_len} tokens (max_model_len="
                 f"{max_model_len}), but the request asks for {num_prompt_tokens + requested}: "
