@@ -33,6 +33,7 @@ from pathlib import Path
 
 from pagedllm.bench.trace import WORKLOADS, Request, make_trace
 from pagedllm.kv import ContiguousAllocator, KVAllocator, KVUsage, NoFreeBlocks, PagedAllocator, SlotState
+from pagedllm.viz import require_matplotlib
 
 LAYOUTS = [("paged", None), ("contiguous", "max"), ("contiguous", "pow2"), ("contiguous", "oracle")]
 
@@ -312,8 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.plot:
+            require_matplotlib()  # before the replay, not after it
         info, rows, snapshots = run(args)
-    except ValueError as error:
+    except (ImportError, ValueError) as error:
         parser.exit(2, f"pagedllm bench memory: error: {error}\n")
     if args.json:
         print(json.dumps({"config": info, "rows": [asdict(r) for r in rows]}, indent=2))

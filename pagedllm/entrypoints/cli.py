@@ -1,4 +1,4 @@
-"""The `pagedllm` command: generate text, or run a benchmark."""
+"""The `pagedllm` command: generate text, serve a model, or run a benchmark."""
 
 from __future__ import annotations
 
@@ -7,15 +7,53 @@ import importlib
 import logging
 import sys
 
-BENCHMARKS = {
-    "memory": "pagedllm.bench.memory",  # paged vs contiguous KV waste, no model needed
-    "kernel": "pagedllm.bench.kernel",  # paged vs contiguous attention kernels
-    "throughput": "pagedllm.bench.throughput",  # paged vs contiguous (vs HF) on a real model
+BENCHMARKS = {  # name: (module, what it measures)
+    "memory": ("pagedllm.bench.memory", "KV slots holding live tokens, paged vs contiguous (no model)"),
+    "kernel": ("pagedllm.bench.kernel", "paged decode attention vs in-order blocks vs dense SDPA"),
+    "throughput": (
+        "pagedllm.bench.throughput",
+        "the engine offline: paged vs contiguous slabs (vs HF, vLLM)",
+    ),
+    "serve": ("pagedllm.bench.serve", "load generator and soak test for any OpenAI-compatible server"),
 }
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, unless the help already says it (or there is none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False) or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _defaults(cls) -> dict:
+    """A dataclass's field defaults: the CLI shows the same ones the Python API uses."""
+    import dataclasses
+
+    return {f.name: f.default for f in dataclasses.fields(cls)}
+
+
+def _sampling_params(args: argparse.Namespace):
+    """SamplingParams from the flags, a bad value named as the user typed it (before the model loads)."""
+    from pagedllm import SamplingParams
+
+    try:
+        return SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+        )
+    except ValueError as error:  # "max_tokens must be ..." -> "--max-tokens must be ..."
+        name, _, rest = str(error).partition(" ")
+        raise ValueError(f"--{name.replace('_', '-')} {rest}") from None
+
+
 def _generate(args: argparse.Namespace) -> int:
-    from pagedllm import LLM, SamplingParams
+    for i, prompt in enumerate(args.prompt, 1):
+        if not prompt.strip():
+            where = f"prompt {i} " if len(args.prompt) > 1 else "the prompt "
+            raise ValueError(f"{where}is empty (got {prompt!r})")
+    params = _sampling_params(args)
+    from pagedllm import LLM
 
     llm = LLM(
         args.model,
@@ -23,9 +61,6 @@ def _generate(args: argparse.Namespace) -> int:
         device=args.device,
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
-    )
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
     if args.chat:
         outputs = llm.chat([{"role": "user", "content": p} for p in args.prompt], params)
@@ -39,53 +74,126 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.limits import ServerLimits
     from pagedllm.entrypoints.openai.server import main as serve
 
+    limits = ServerLimits(
+        api_key=args.api_key,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_n=args.max_n,
+        max_logprobs=args.max_logprobs,
+    )
     return serve(
         args.model,
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
+        limits=limits,
+        shutdown_timeout=args.shutdown_timeout,
         dtype=args.dtype,
         device=args.device,
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        generation_config=args.generation_config,
+    )
+
+
+def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf file")
+    parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32, bfloat16 or float16")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--kv-cache-memory", default=defaults["kv_cache_memory"], help="KV cache size, e.g. 512MiB"
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pagedllm.engine.config import EngineConfig
+    from pagedllm.entrypoints.openai.limits import ServerLimits
+
+    formatter = _HelpFormatter
+    defaults = _defaults(EngineConfig)  # the CLI's engine defaults are EngineConfig's, as in the README
+    limits = _defaults(ServerLimits)
     parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="complete one or more prompts and print the text")
+    gen = sub.add_parser(
+        "generate", help="complete one or more prompts and print the text", formatter_class=formatter
+    )
     gen.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
-    gen.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf file")
     gen.add_argument("--chat", action="store_true", help="send each prompt as a user chat message")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    gen.add_argument("--device", default="cpu")
-    gen.add_argument("--kv-cache-memory", default="256MiB")
-    gen.add_argument("--max-model-len", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    _add_engine_args(gen, defaults)
     gen.set_defaults(func=_generate)
 
-    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    serve.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf file")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve = sub.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible HTTP API", formatter_class=formatter
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port")
     serve.add_argument(
         "--served-model-name", default=None, help="the model name clients use (default: --model)"
     )
-    serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    serve.add_argument("--device", default="cpu")
-    serve.add_argument("--kv-cache-memory", default="1GiB")
-    serve.add_argument("--max-model-len", type=int, default=None)
+    _add_engine_args(serve, defaults)
+    serve.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=defaults["max_num_seqs"],
+        help="sequences per step at most",
+    )
+    serve.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults for unset request fields: auto (the model's generation_config.json), "
+        "vllm (none), or a folder holding one",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1/* (default: $PAGEDLLM_API_KEY, else none)",
+    )
+    serve.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=limits["max_request_body_bytes"],
+        help="larger bodies get 413",
+    )
+    serve.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=1024,
+        help="/v1 requests in flight at once; more get 429",
+    )
+    serve.add_argument(
+        "--max-n", type=int, default=limits["max_n"], help="completions per prompt (n) at most"
+    )
+    serve.add_argument(
+        "--max-logprobs", type=int, default=limits["max_logprobs"], help="logprobs / top_logprobs at most"
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: seconds running requests may take to finish before they are aborted",
+    )
     serve.set_defaults(func=_serve)
 
-    bench = sub.add_parser("bench", help="run a benchmark (options after the name go to it)")
-    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    lines = "\n".join(f"  {name:<11} {line}" for name, (_, line) in BENCHMARKS.items())
+    bench = sub.add_parser(
+        "bench",
+        help=f"run a benchmark: {', '.join(BENCHMARKS)} (options after the name go to it)",
+        description=f"benchmarks (`pagedllm bench NAME --help` for each one's options):\n{lines}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("name", choices=list(BENCHMARKS), help="which benchmark")
     return parser
 
 
@@ -95,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("pagedllm").setLevel(logging.INFO)  # e.g. how many KV blocks fit
     parser = build_parser()
     if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHMARKS:
-        return importlib.import_module(BENCHMARKS[argv[1]]).main(argv[2:])
+        return importlib.import_module(BENCHMARKS[argv[1]][0]).main(argv[2:])
     args = parser.parse_args(argv)
     try:
         return args.func(args)
