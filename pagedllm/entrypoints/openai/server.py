@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import signal
+import threading
+from collections.abc import AsyncIterator, Iterator
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -394,6 +396,20 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, admission: Admission):
         super().__init__(config)
         self.admission = admission
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """SIGINT/SIGTERM start the graceful shutdown; unlike uvicorn's own, the signal is not raised
+        again once it is done, so a server that drained cleanly exits 0."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
 
     def handle_exit(self, sig, frame) -> None:
         if not self.admission.draining:
