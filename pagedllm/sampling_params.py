@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+SAMPLING_EPS = 1e-5  # temperatures below this sample greedily
+
 
 @dataclass(frozen=True)
 class GuidedDecodingParams:
@@ -72,4 +74,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """temperature 0, or so close to it that dividing the logits by it would overflow (vLLM's 1e-5)."""
+        return self.temperature < SAMPLING_EPS

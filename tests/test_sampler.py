@@ -73,3 +73,12 @@ def test_banned_tokens_are_never_chosen_and_logprobs_are_a_log_softmax():
     expected = torch.tensor(LOGITS).log_softmax(dim=-1)
     assert free.logprob == pytest.approx(expected[3].item())
     assert free.top_logprobs == pytest.approx({3: expected[3].item(), 6: expected[6].item()})
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=5e-324), dict(temperature=1e-6), dict(top_p=5e-324)])
+def test_extreme_values_sample_the_likeliest_token(kwargs):
+    """Found by fuzzing the server: a temperature below 1e-5 is greedy (vLLM's rule; dividing by it
+    overflows), and a top_p that rounds to 0 in float32 still keeps the likeliest token."""
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
+    rows = [SampleRow(SamplingParams(**kwargs), torch.Generator().manual_seed(i)) for i in range(3)]
+    assert [s.token_id for s in sample(logits.clone(), rows)] == logits.argmax(dim=-1).tolist()

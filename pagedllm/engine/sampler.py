@@ -49,6 +49,7 @@ def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
         sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         # Keep the smallest head of the distribution whose mass reaches top_p (always the first token).
         drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+        drop[:, 0] = False  # even a top_p too small for float32 (it rounds to 0) keeps the likeliest token
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return logits.softmax(dim=-1)
 
@@ -61,7 +62,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
             row.guide.mask(logits[i : i + 1])
     for i, row in enumerate(rows):
         if row.banned_token_ids:
-            logits[i, list(row.banned_token_ids)] = float("-inf")
+            banned = list(row.banned_token_ids)
+            allowed = logits[i, banned].clone()
+            logits[i, banned] = float("-inf")
+            if row.guide is not None and torch.isneginf(logits[i]).all():
+                logits[i, banned] = allowed  # the grammar allows only what min_tokens bans: the grammar wins
     chosen = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:

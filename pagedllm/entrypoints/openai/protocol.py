@@ -64,16 +64,16 @@ class SamplingRequest(RequestModel):
     """Fields both endpoints share, with vLLM's extra sampling fields (top_k, min_p, ignore_eos, ...)."""
 
     model: str | None = None
-    n: Int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: Int | None = None
-    min_p: float | None = None
+    n: Annotated[Int, Field(ge=1)] = 1
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[Int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     seed: Int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Int] | None = None
+    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
-    min_tokens: Int = 0
+    min_tokens: Annotated[Int, Field(ge=0)] = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
@@ -86,8 +86,8 @@ class SamplingRequest(RequestModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[Int] | list[str] | list[list[Int]]  # one prompt, or several (choices prompt-major)
-    max_tokens: Int | None = 16
-    logprobs: Int | None = None
+    max_tokens: Annotated[Int, Field(ge=1)] | None = 16
+    logprobs: Annotated[Int, Field(ge=0)] | None = None
     echo: bool = False
 
 
@@ -113,10 +113,10 @@ class ChatMessage(RequestModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Int | None = None
-    max_completion_tokens: Int | None = None
+    max_tokens: Annotated[Int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Int | None = None
+    top_logprobs: Annotated[Int, Field(ge=0)] | None = None
     add_generation_prompt: bool = True
 
 

@@ -211,8 +211,6 @@ def build_app(
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         limits.check_logprobs("top_logprobs", request.top_logprobs)
-        if request.top_logprobs is not None and request.top_logprobs < 0:
-            raise APIError(f"top_logprobs must be >= 0, got {request.top_logprobs}", param="top_logprobs")
         num_top = (request.top_logprobs or 0) if request.logprobs else None
         guided = await guided_params(request)
         messages = [m.model_dump() for m in request.messages]
@@ -352,6 +350,8 @@ def chat_prompt(engine: LLMEngine, messages: list[dict], add_generation_prompt: 
     for message in messages:
         if isinstance(message["content"], list):  # OpenAI content parts (text only: see protocol.py)
             message["content"] = "".join(part["text"] for part in message["content"])
+        elif message["content"] is None:  # e.g. an assistant turn without text
+            message["content"] = ""
     try:
         ids = tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
