@@ -100,21 +100,38 @@ class AsyncEngine:
         self._submit(call)
         return await future
 
-    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
-        """Add a request; a bad prompt or parameter raises ValueError here, before any output."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+    async def add(
+        self,
+        request_ids: list[str],
+        prepare: Callable[[LLMEngine], list[tuple[str | list[int], SamplingParams]]],
+    ) -> list[RequestStream]:
+        """prepare(engine) -> one (prompt, params) per request id, then add them all: one call on the
+        engine thread, so tokenizing, checking and admission cost no extra step. An exception from
+        `prepare` or a refused prompt (ValueError) is raised here, and then no request was added."""
+        loop = asyncio.get_running_loop()
+        streams = [_Stream(loop, asyncio.Queue()) for _ in request_ids]
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt, params)
-            self._streams[request_id] = stream
-            self.metrics.prompt_tokens.inc(len(engine.requests[request_id].prompt_token_ids))
+            items = prepare(engine)
+            added = []
+            try:
+                for request_id, (prompt, params), stream in zip(request_ids, items, streams, strict=True):
+                    engine.add_request(request_id, prompt, params)
+                    added.append(request_id)
+                    self._streams[request_id] = stream
+                    self.metrics.prompt_tokens.inc(len(engine.requests[request_id].prompt_token_ids))
+            except BaseException:
+                for request_id in added:
+                    self._abort(request_id)
+                raise
 
         try:
             await self.run(add)
         except asyncio.CancelledError:  # the caller gave up: `add` may still run, so abort after it
-            self.abort(request_id)
+            for request_id in request_ids:
+                self.abort(request_id)
             raise
-        return RequestStream(self, request_id, stream)
+        return [RequestStream(self, rid, stream) for rid, stream in zip(request_ids, streams, strict=True)]
 
     def abort(self, request_id: str) -> None:
         """Stop a request (queued after anything submitted before, so after its own `add`)."""

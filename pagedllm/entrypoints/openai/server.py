@@ -7,7 +7,7 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -145,21 +145,28 @@ def build_app(
             raise APIError(str(error), param=str(error).split(" ", 1)[0]) from error
 
     async def add_all(
-        prefix: str, prompts: list[list[int]], max_tokens: int | None, request, logprobs, guided
+        prefix: str,
+        count: int,
+        prompts: Callable[[LLMEngine], list[list[int]]],
+        max_tokens,
+        request,
+        logprobs,
+        guided,
     ) -> list[RequestStream]:
-        """One engine request per prompt; a refusal of any closes those already added."""
-        streams: list[RequestStream] = []
+        """Tokenize, check and add one engine request per prompt in one call on the engine thread, so a
+        request joins the very next step; a refusal of any prompt adds none."""
+
+        def prepare(e: LLMEngine) -> list[tuple[list[int], SamplingParams]]:
+            items = []
+            for ids in prompts(e):
+                limit = checked_max_tokens(max_tokens, len(ids))
+                items.append((ids, sampling_params(request, limit, logprobs, guided)))
+            return items
+
         try:
-            for i, ids in enumerate(prompts):
-                params = sampling_params(request, checked_max_tokens(max_tokens, len(ids)), logprobs, guided)
-                streams.append(await engine.add(f"{prefix}-{i}", ids, params))
-        except BaseException as error:
-            for stream in streams:
-                await stream.aclose()
-            if isinstance(error, ValueError):
-                raise APIError(str(error), param=_param_of(str(error))) from error
-            raise
-        return streams
+            return await engine.add([f"{prefix}-{i}" for i in range(count)], prepare)
+        except ValueError as error:
+            raise APIError(str(error), param=_param_of(str(error))) from error
 
     @app.post("/v1/completions")
     async def completions(request: p.CompletionRequest, raw: Request):
@@ -175,14 +182,22 @@ def build_app(
         texts = (
             [request.prompt] if isinstance(request.prompt, str) or _is_ids(request.prompt) else request.prompt
         )
-        prompts, echoes = await engine.run(lambda e: _tokenized(e, texts, request.echo))
         response_id = p.random_id("cmpl")
-        streams = await add_all(response_id, prompts, request.max_tokens, request, request.logprobs, guided)
+        streams = await add_all(
+            response_id,
+            len(texts),
+            lambda e: _tokenized(e, texts),
+            request.max_tokens,
+            request,
+            request.logprobs,
+            guided,
+        )
+        echoes = [_echo_text(engine.engine, t) for t in texts] if request.echo else []
         outputs = merge(streams)
         if request.stream:
             return sse(completion_chunks(request, response_id, outputs, streams, echoes))
         try:
-            final = await until_disconnected(raw, finals(outputs, len(prompts)))
+            final = await until_disconnected(raw, finals(outputs, len(texts)))
         finally:
             await _close(outputs, streams)
         tokenizer = engine.engine.tokenizer
@@ -214,10 +229,10 @@ def build_app(
         num_top = (request.top_logprobs or 0) if request.logprobs else None
         guided = await guided_params(request)
         messages = [m.model_dump() for m in request.messages]
-        prompt = await engine.run(lambda e: chat_prompt(e, messages, request.add_generation_prompt))
         response_id = p.random_id("chatcmpl")
         max_tokens = request.max_completion_tokens or request.max_tokens
-        streams = await add_all(response_id, [prompt], max_tokens, request, num_top, guided)
+        prompt = lambda e: [chat_prompt(e, messages, request.add_generation_prompt)]  # noqa: E731
+        streams = await add_all(response_id, 1, prompt, max_tokens, request, num_top, guided)
         outputs = merge(streams)
         if request.stream:
             return sse(chat_chunks(request, response_id, outputs, streams, num_top))
@@ -324,22 +339,19 @@ def _param_of(message: str) -> str:
     return first if first in p.CompletionRequest.model_fields else "prompt"
 
 
-def _tokenized(engine: LLMEngine, prompts: list, echo: bool) -> tuple[list[list[int]], list[str]]:
-    """Token ids of each prompt (text through the tokenizer, as the engine would) and, for echo, its text."""
-    tokenizer = engine.tokenizer
-    ids, texts = [], []
-    for prompt in prompts:
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise APIError(
-                    f"model {engine.config.model!r} has no tokenizer: send token ids", param="prompt"
-                )
-            ids.append(tokenizer.encode(prompt))
-            texts.append(prompt)
-        else:
-            ids.append(list(prompt))
-            texts.append(tokenizer.decode(prompt) if echo and tokenizer is not None else "")
-    return ids, texts
+def _tokenized(engine: LLMEngine, prompts: list) -> list[list[int]]:
+    """Token ids of each prompt: text through the tokenizer (with its special tokens, as the engine does)."""
+    if engine.tokenizer is None and any(isinstance(prompt, str) for prompt in prompts):
+        raise APIError(f"model {engine.config.model!r} has no tokenizer: send token ids", param="prompt")
+    return [
+        engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt) for prompt in prompts
+    ]
+
+
+def _echo_text(engine: LLMEngine, prompt: str | list[int]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return engine.tokenizer.decode(prompt) if engine.tokenizer is not None else ""
 
 
 def chat_prompt(engine: LLMEngine, messages: list[dict], add_generation_prompt: bool) -> list[int]:
