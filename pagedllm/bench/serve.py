@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import os
@@ -405,7 +406,7 @@ def _tokenizer(args):
 
 
 async def _serve_load(args, base_url: str, model: str, requests: list[Request]):
-    import httpx2
+    import httpx2  # checked in main()
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
@@ -426,6 +427,8 @@ async def _serve_load(args, base_url: str, model: str, requests: list[Request]):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("httpx2") is None:
+        parser.error("the load generator needs httpx2: pip install 'pagedllm[bench]'")
     if args.compare_offline and (args.base_url or args.endpoint != "completions"):
         parser.error("--compare-offline needs the server this bench starts and --endpoint completions")
     if args.soak:
