@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import socket
 import threading
 import time
 import urllib.request
@@ -15,11 +14,7 @@ from pathlib import Path
 import torch
 import uvicorn
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from pagedllm.bench.serve import free_port
 
 
 def write_tiny_chat_model(folder: Path, generation_config: dict | None = None) -> Path:

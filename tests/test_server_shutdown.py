@@ -3,45 +3,24 @@ finish (or aborts them after --shutdown-timeout), frees every KV block and exits
 
 from __future__ import annotations
 
+import argparse
 import json
 import signal
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 
 import pytest
-from serving import free_port, wait_for_health
+
+from pagedllm.bench.serve import ServerProcess
 
 
-def _serve(model, shutdown_timeout: float, log_path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "pagedllm.entrypoints.cli",
-        "serve",
-        "--model",
-        str(model),
-        "--port",
-        str(port),
-    ]
-    argv += [
-        "--kv-cache-memory",
-        "16MiB",
-        "--max-model-len",
-        "4096",
-        "--shutdown-timeout",
-        str(shutdown_timeout),
-    ]
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(log_path, "w"))
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_health(base, timeout=120)
-    except AssertionError:
-        process.kill()
-        raise AssertionError(log_path.read_text()) from None
-    return process, base
+def _serve(model, shutdown_timeout: float) -> ServerProcess:
+    """`pagedllm serve` as `bench serve` starts it: a subprocess on a free loopback port."""
+    args = argparse.Namespace(model=str(model), kv_cache_memory="16MiB", max_num_seqs=8, max_model_len=4096)
+    args.api_key, args.serve_arg = None, ["--shutdown-timeout", str(shutdown_timeout)]
+    server = ServerProcess(args)
+    server.wait_ready(timeout=120)
+    return server
 
 
 def _stream(base: str, max_tokens: int):
@@ -81,26 +60,28 @@ def _new_request_refused(base: str) -> bool:
     [(300, 60.0, True), (4000, 0.5, False)],
     ids=["running-request-finishes", "past-the-timeout-it-is-aborted"],
 )
-def test_sigterm_drains_then_exits_zero(tiny_chat_model, tmp_path, max_tokens, timeout, finishes):
-    log = tmp_path / "server.log"
-    process, base = _serve(tiny_chat_model, timeout, log)
+def test_sigterm_drains_then_exits_zero(tiny_chat_model, max_tokens, timeout, finishes):
+    server = _serve(tiny_chat_model, timeout)
+    base = server.base_url
     try:
         response = _stream(base, max_tokens)
         first = _events_until_first(response)
-        process.send_signal(signal.SIGTERM)
+        server.process.send_signal(signal.SIGTERM)
         assert _new_request_refused(base)
         events = [first, *_events(response)]
-        assert process.wait(timeout=120) == 0, log.read_text()
+        assert server.process.wait(timeout=120) == 0, server.log_text()
     finally:
-        process.kill()
+        server.stop()
+    log = server.log_text(tail=None)
     text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
     reasons = [e["choices"][0]["finish_reason"] for e in events if e.get("choices")]
     if finishes:
         assert reasons[-1] == "length" and events[-1]["usage"]["completion_tokens"] == max_tokens
-    else:
-        assert "length" not in reasons and len(text) > 0  # cut off mid-stream
-        assert "timeout graceful shutdown exceeded" in log.read_text()
-    assert "all " in log.read_text() and "KV blocks are free" in log.read_text()
+    else:  # cut off mid-stream, with an error event saying why, then [DONE]
+        assert "length" not in reasons and len(text) > 0
+        assert events[-1]["error"]["code"] == 503 and "shut down" in events[-1]["error"]["message"]
+        assert "aborting 1 requests: the server shut down" in log
+    assert "all " in log and "KV blocks are free" in log
 
 
 def _events_until_first(response) -> dict:

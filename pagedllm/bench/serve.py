@@ -266,6 +266,7 @@ class ServerProcess:
         argv += args.serve_arg
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-serve-", suffix=".log", delete=False)
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        self._log_text: str | None = None
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -282,17 +283,23 @@ class ServerProcess:
             time.sleep(0.2)
 
     def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM, then the exit code (0: drained, every KV block free)."""
+        """SIGTERM, then the exit code (0: drained, every KV block free); the log file is then removed."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:
-            return self.process.wait(timeout)
+            code = self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            return self.process.wait()
+            code = self.process.wait()
+        if self._log_text is None:
+            self._log_text = Path(self.log.name).read_text()
+            self.log.close()
+            os.unlink(self.log.name)
+        return code
 
-    def log_text(self) -> str:
-        return Path(self.log.name).read_text()[-3000:]
+    def log_text(self, tail: int | None = 3000) -> str:
+        text = self._log_text if self._log_text is not None else Path(self.log.name).read_text()
+        return text if tail is None else text[-tail:]
 
 
 def get_json(base_url: str, path: str, api_key: str | None) -> dict:
@@ -456,7 +463,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.soak:
         from pagedllm.bench import soak
 
-        return soak.report(report, args, exit_code)
+        code = soak.report(report, args, exit_code)
+        if code != 0 and server is not None:
+            print(f"--- the server's log (tail):\n{server.log_text()}", file=sys.stderr)
+        return code
     results, seconds, cpu = report
     summary = summarize(results, seconds, cpu)
     offline = run_offline(args, requests) if args.compare_offline else None

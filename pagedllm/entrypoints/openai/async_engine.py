@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai.errors import ShuttingDown
 from pagedllm.entrypoints.openai.metrics import EngineMetrics
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -158,25 +159,27 @@ class AsyncEngine:
                 self._step()
 
     def _shutdown(self) -> None:
-        running = list(self.engine.requests)
-        if running:
-            logger.warning("shutting down: aborting %d unfinished requests", len(running))
-        for request_id in running:
+        self._fail_all(ShuttingDown("the server shut down: the request was aborted"))
+
+    def abort_all(self, error: Exception) -> None:
+        """Abort every request now; each caller's stream raises `error` (e.g. at the shutdown timeout)."""
+        self._submit(lambda: self._fail_all(error))
+
+    def _fail_all(self, error: Exception) -> None:
+        if self.engine.requests:
+            logger.warning("aborting %d requests: %s", len(self.engine.requests), error)
+        for request_id in list(self.engine.requests):
             stream = self._streams.get(request_id)
             self._abort(request_id)
             if stream is not None:
-                _deliver(stream.loop, [(stream, RuntimeError("the server is shutting down"))])
+                _deliver(stream.loop, [(stream, error)])
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
         except Exception as error:  # fail the running requests, keep serving the next ones
             logger.exception("engine step failed; aborting %d requests", len(self.engine.requests))
-            for request_id in list(self.engine.requests):
-                stream = self._streams.get(request_id)
-                self._abort(request_id)
-                if stream is not None:
-                    _deliver(stream.loop, [(stream, error)])
+            self._fail_all(error)
             return
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:

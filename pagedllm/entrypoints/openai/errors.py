@@ -34,6 +34,13 @@ class APIError(Exception):
         self.status, self.param = status, param
 
 
+class ShuttingDown(APIError):
+    """A request aborted because the server is stopping (503)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, 503)
+
+
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     kind = KINDS.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
     return p.ErrorResponse(

@@ -17,7 +17,7 @@ from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai import protocol as p
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine, RequestStream
-from pagedllm.entrypoints.openai.errors import APIError, install_error_handlers
+from pagedllm.entrypoints.openai.errors import APIError, ShuttingDown, install_error_handlers
 from pagedllm.entrypoints.openai.limits import Admission, LimitsMiddleware, ServerLimits
 from pagedllm.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from pagedllm.entrypoints.openai.streams import deltas, finals, merge, sse, until_disconnected
@@ -395,19 +395,24 @@ def main(
     """Serve `model` with uvicorn until SIGINT/SIGTERM: then admit nothing new, let running requests
     finish for up to `shutdown_timeout` seconds, abort the rest, free every KV block and return 0."""
     app = build_app(model, served_model_name, limits, **engine_kwargs)
+    # uvicorn's own timeout is the backstop: at shutdown_timeout the engine aborts what still runs, so
+    # each stream ends with an error event and each connection closes cleanly before uvicorn would cut it.
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_timeout
+        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_timeout + 10
     )
-    DrainingServer(config, app.state.admission).run()
+    DrainingServer(config, app.state.admission, app.state.engine, shutdown_timeout).run()
     return 0 if app.state.engine.engine.allocator.all_free() else 1
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's Server, but a shutdown signal first makes the app refuse new /v1 requests (503)."""
+    """uvicorn's Server, but a shutdown signal first makes the app refuse new /v1 requests (503), and
+    `shutdown_timeout` seconds later the engine aborts the requests still running."""
 
-    def __init__(self, config: uvicorn.Config, admission: Admission):
+    def __init__(
+        self, config: uvicorn.Config, admission: Admission, engine: AsyncEngine, shutdown_timeout: float
+    ):
         super().__init__(config)
-        self.admission = admission
+        self.admission, self.engine, self.shutdown_timeout = admission, engine, shutdown_timeout
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -425,6 +430,19 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         if not self.admission.draining:
-            logger.info("shutting down: finishing running requests, admitting no new ones")
+            logger.info(
+                "shutting down: admitting no new requests, giving running ones %gs to finish",
+                self.shutdown_timeout,
+            )
+            timer = threading.Timer(self.shutdown_timeout, self._abort_running)
+            timer.daemon = True
+            timer.start()
         self.admission.draining = True
         super().handle_exit(sig, frame)
+
+    def _abort_running(self) -> None:
+        if self.engine.engine.has_unfinished_requests():
+            logger.warning(
+                "shutdown timeout (%gs) reached: aborting the running requests", self.shutdown_timeout
+            )
+        self.engine.abort_all(ShuttingDown(f"the server shut down: aborted after {self.shutdown_timeout:g}s"))

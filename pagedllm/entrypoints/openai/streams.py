@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from pagedllm.entrypoints.openai.errors import error_body
+from pagedllm.entrypoints.openai.errors import APIError, error_body
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 _DONE = object()
@@ -121,6 +121,8 @@ def sse(chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
         try:
             async for chunk in chunks:
                 yield f"data: {chunk.model_dump_json(exclude_unset=False)}\n\n"
+        except APIError as error:  # e.g. aborted by a shutdown (503)
+            yield f"data: {json.dumps(error_body(str(error), error.status, error.param))}\n\n"
         except Exception as error:
             yield f"data: {json.dumps(error_body(str(error), 500))}\n\n"
         finally:
