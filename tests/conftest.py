@@ -40,6 +40,6 @@ def smollm2_llm():
 @pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory) -> Path:
     """A tiny random Llama with SmolLM2's tokenizer and chat template, for server and soak tests."""
-    from serving import write_tiny_chat_model
+    from helpers import write_tiny_chat_model
 
     return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))

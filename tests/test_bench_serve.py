@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from serving import running_server, wait_until_idle
+from helpers import running_server, wait_until_idle
 
 from pagedllm.bench import serve, soak
 from pagedllm.entrypoints.openai.limits import ServerLimits

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
+
+import pytest
+import torch
 
 from pagedllm.bench import throughput
 
@@ -59,3 +63,35 @@ def test_throughput_table_prints_the_workload_and_dashes_for_unreported_values(c
     assert lines[4].startswith("paged w=0 / paged w=0.2: ")
     row = throughput.Row("hf batch 2", 1.0, 6, 6.0, None, None, None, None, None)
     assert throughput.format_row(row).split()[-5:] == ["-"] * 5
+
+
+def test_profile_reports_phases_gemm_floor_and_top_ops(capsys):
+    assert throughput.main(["--num-prompts", "3", "--input-len", "4-20", "--output-len", "6",
+                            "--kv-cache-memory", "8MiB", "--max-model-len", "64", "--layouts", "paged",
+                            "--profile"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    profile = out[out.index("profile (paged):") :].splitlines()
+    assert profile[1].startswith("  steps with a prefill: 1 steps")
+    assert profile[2].startswith("  decode-only steps: 5 steps")
+    for line in profile[1:3]:  # every phase's share of the steps, and host work = all but the forward
+        shares = {name: float(value) for name, value in re.findall(r"(\w+) ([\d.]+)%", line)}
+        assert list(shares)[:5] == ["schedule", "inputs", "forward", "sample", "rest"]
+        assert sum(list(shares.values())[:5]) == pytest.approx(100, abs=0.5)
+        assert shares["work"] == pytest.approx(100 - shares["forward"], abs=0.2)
+    assert profile[3].startswith("  decode step at batch ~3: median") and "step / GEMMs = " in profile[3]
+    assert "prefill: " in profile[4] and "whole run: " in profile[5]
+    assert profile[6] == "  top ops over decode steps (self CPU time):"
+    assert any("linear" in line or "mm" in line for line in profile[7:])  # the matmuls show up
+
+
+def test_gemm_floor_counts_every_linear_layer_once():
+    from pagedllm.bench.profile import gemm_floor, linear_layers
+    from pagedllm.engine.llm_engine import load_shared_model
+
+    model = load_shared_model("smollm2-135m", torch.float32, "cpu").model
+    layers = linear_layers(model)
+    assert len(layers) == 4 * model.config.num_layers + 1 and layers[-1] is model.lm_head
+    floor = gemm_floor(model, rows=2, head_rows=1, dtype=torch.float32, reps=1)
+    params = sum(m.in_features * m.out_features for m in layers[:-1])
+    assert floor.flops == 2 * 2 * params + 2 * 1 * 576 * 49152
+    assert floor.seconds > 0 and floor.hot_seconds > 0

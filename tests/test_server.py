@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from serving import running_server, wait_until_idle
+from helpers import openai_client, running_server
 
 from pagedllm import SamplingParams
 from pagedllm.entrypoints.openai.server import build_app
@@ -27,9 +27,8 @@ def server():
 
 @pytest.fixture
 def client(server):
-    base, engine = server
-    yield openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-    wait_until_idle(engine)
+    with openai_client(*server) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import json
 import openai
 import pytest
 import schemathesis
+from helpers import running_server, wait_until_idle
 from hypothesis import HealthCheck, settings
-from serving import running_server, wait_until_idle
 
 from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.entrypoints.openai.server import build_app

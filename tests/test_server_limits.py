@@ -12,8 +12,7 @@ import urllib.request
 
 import openai
 import pytest
-from helpers import assert_all_blocks_free
-from serving import running_server, wait_until_idle, write_tiny_chat_model
+from helpers import assert_all_blocks_free, running_server, wait_until_idle, write_tiny_chat_model
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.openai.limits import ServerLimits

@@ -40,7 +40,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pagedllm.bench.throughput import make_prompts
+from pagedllm.bench.throughput import make_prompts, parse_range
 from pagedllm.bench.trace import WORKLOADS, make_trace
 
 
@@ -340,12 +340,9 @@ def run_offline(args, requests: list[Request]) -> tuple[float, int]:
 
 def _range(text: str) -> tuple[int, int]:
     try:
-        lo, hi = (int(x) for x in text.split("-"))
+        return parse_range(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be LO-HI, got {text!r}") from None
-    if not 1 <= lo <= hi:
-        raise argparse.ArgumentTypeError(f"must be LO-HI with 1 <= LO <= HI, got {text!r}")
-    return lo, hi
+        raise argparse.ArgumentTypeError(f"must be LO-HI with 1 <= LO <= HI, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ generating exactly `--output-len` tokens greedily (EOS ignored), all submitted a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -22,6 +23,9 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from pagedllm.bench.profile import record_phases, top_ops
+from pagedllm.bench.profile import report as profile_report
 
 LAYOUTS = {
     "paged": ("paged", "max"),
@@ -52,17 +56,29 @@ class Workload:
     output_tokens: int  # requested: output_len per prompt, EOS ignored
 
 
+def parse_range(text: str) -> tuple[int, int]:
+    """'LO-HI' -> (LO, HI) with 1 <= LO <= HI; ValueError otherwise."""
+    lo, hi = (int(x) for x in text.split("-"))
+    if not 1 <= lo <= hi:
+        raise ValueError(text)
+    return lo, hi
+
+
 def make_prompts(num: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(num)]
 
 
-def run_engine(args, layout: str, watermark: float, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
+def run_engine(
+    args, layout: str, watermark: float, prompts: list[list[int]]
+) -> tuple[Row, list[list[int]], list[str]]:
+    """One pagedllm run; returns its row, each request's tokens, and the --profile report (if asked)."""
     from pagedllm import LLM, SamplingParams
 
     kv_layout, reserve = LAYOUTS[layout]
     llm = LLM(
         args.model,
+        dtype=args.dtype,
         kv_layout=kv_layout,
         contiguous_reserve=reserve,
         kv_cache_memory=args.kv_cache_memory,
@@ -74,23 +90,30 @@ def run_engine(args, layout: str, watermark: float, prompts: list[list[int]]) ->
     engine = llm.engine
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"bench-{i}", ids, params)
-    seconds = time.perf_counter() - start
-    batch_sizes, live, outputs = [], [], {}
-    while engine.has_unfinished_requests():
+    profiling = args.profile and layout == "paged" and watermark == args.watermark[0]
+    with record_phases(engine) if profiling else contextlib.nullcontext() as phases:
         start = time.perf_counter()
-        step_outputs = engine.step()
-        seconds += time.perf_counter() - start
-        # Readings between steps, off the clock:
-        for out in step_outputs:
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0].token_ids
-        batch_sizes.append(len(engine.scheduler.running))
-        usage = engine.allocator.usage()
-        live.append(usage.live_slots / usage.total_slots)
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"bench-{i}", ids, params)
+        seconds = time.perf_counter() - start
+        batch_sizes, live, outputs = [], [], {}
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            step_outputs = engine.step()
+            seconds += time.perf_counter() - start
+            # Readings between steps, off the clock:
+            for out in step_outputs:
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0].token_ids
+            batch_sizes.append(len(engine.scheduler.running))
+            usage = engine.allocator.usage()
+            live.append(usage.live_slots / usage.total_slots)
     assert engine.allocator.all_free(), "KV blocks leaked"
+    profile_lines = []
+    if profiling:
+        ops = top_ops(engine, prompts)
+        profile_lines = profile_report(engine, phases, ops, engine.config.torch_dtype)
+        assert engine.allocator.all_free(), "KV blocks leaked"
     tokens = [outputs[f"bench-{i}"] for i in range(len(prompts))]
     total = sum(len(t) for t in tokens)
     row = Row(
@@ -104,7 +127,7 @@ def run_engine(args, layout: str, watermark: float, prompts: list[list[int]]) ->
         engine.scheduler.num_preemptions,
         None,
     )
-    return row, tokens
+    return row, tokens, profile_lines
 
 
 def run_hf(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
@@ -114,7 +137,8 @@ def run_hf(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
     from pagedllm.engine.llm_engine import load_shared_model
 
     path = load_shared_model(args.model, torch.float32, "cpu").path
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     tokens: list[list[int]] = []
     start = time.perf_counter()
     for lo in range(0, len(prompts), args.hf_batch_size):
@@ -152,7 +176,8 @@ def run_vllm(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
     from pagedllm.engine.llm_engine import load_shared_model
 
     path = load_shared_model(args.model, torch.float32, "cpu").path
-    llm = vllm.LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=args.max_model_len)
+    dtype = "float32" if args.dtype == "auto" else args.dtype
+    llm = vllm.LLM(str(path), dtype=dtype, enforce_eager=True, max_model_len=args.max_model_len)
     params = vllm.SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     inputs = [{"prompt_token_ids": ids} for ids in prompts]
     llm.generate(inputs[:2], vllm.SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
@@ -192,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument(
+        "--dtype", default="auto", help="pagedllm's and the peers' (auto: float32 on the CPU)"
+    )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", default="17-255", help="LO-HI prompt tokens (uniform)")
     parser.add_argument("--output-len", type=int, default=128)
@@ -212,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vllm", action="store_true", help="also run vLLM's offline LLM (the peer)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print where paged's time went: phases per step, host work, top ops, GEMM floor",
+    )
     parser.add_argument("--json", action="store_true")
     return parser
 
@@ -220,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        lo, hi = (int(x) for x in args.input_len.split("-"))
+        lo, hi = parse_range(args.input_len)
     except ValueError:
         parser.exit(
             2, f"pagedllm bench throughput: error: --input-len must be LO-HI, got {args.input_len!r}\n"
@@ -232,10 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_shared_model(args.model, torch.float32, "cpu")  # held for the whole run
     vocab = loaded.config.vocab_size
     prompts = make_prompts(args.num_prompts, lo, hi, vocab, args.seed)
-    rows, base, paged_tokens = [], None, None
+    rows, base, paged_tokens, profile_lines = [], None, None, []
     for layout in args.layouts:
         for watermark in args.watermark:
-            row, tokens = run_engine(args, layout, watermark, prompts)
+            row, tokens, lines = run_engine(args, layout, watermark, prompts)
+            profile_lines += lines
             if layout == "paged" and base is None:
                 base, paged_tokens = row, tokens
             rows.append((row, tokens))
@@ -269,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"{base.system} / {r.system}: {base.output_tok_s / r.output_tok_s:.2f}x output tokens/s"
                 )
+    for line in profile_lines:
+        print(line)
     return 0
 
 

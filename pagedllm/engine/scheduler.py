@@ -68,6 +68,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
+        # Prompt tokens looked up in the prefix cache at first admission, and how many of them it held.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self.num_blocks_swapped_out = 0  # device -> host block copies, over the scheduler's life
         self.num_blocks_swapped_in = 0  # host -> device
         self._fork_copies: list[tuple[int, int]] = []  # to perform before the next forward
@@ -164,6 +167,9 @@ class Scheduler:
             seq.num_cached_tokens = cached
             if not seq.output_token_ids:
                 seq.num_prefix_hits = cached
+                if self.allocator.enable_prefix_caching:
+                    self.prefix_cache_queries += seq.num_tokens
+                    self.prefix_cache_hits += cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.prefills.append(seq)

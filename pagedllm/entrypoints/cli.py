@@ -1,4 +1,4 @@
-"""The `pagedllm` command: generate text, serve a model, or run a benchmark."""
+"""The `pagedllm` command: generate text, serve a model, run a benchmark, or draw the KV cache."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ BENCHMARKS = {  # name: (module, what it measures)
         "pagedllm.bench.throughput",
         "the engine offline: paged vs contiguous slabs (vs HF, vLLM)",
     ),
+    "snapshot": ("pagedllm.bench.snapshot", "what the dashboard's GET /v1/kv costs next to an engine step"),
     "serve": ("pagedllm.bench.serve", "load generator and soak test for any OpenAI-compatible server"),
 }
 
@@ -95,9 +96,28 @@ def _serve(args: argparse.Namespace) -> int:
         device=args.device,
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
         generation_config=args.generation_config,
+        **{name: getattr(args, name) for name in KV_ARGS},
     )
+
+
+KV_ARGS = ("block_size", "max_num_seqs", "kv_layout", "contiguous_reserve", "enable_prefix_caching")
+
+
+def _add_kv_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
+    """The KV cache's shape and batch limit (EngineConfig names): what the dashboard helps to tune."""
+    parser.add_argument("--block-size", type=int, default=defaults["block_size"], help="tokens per KV block")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=defaults["max_num_seqs"], help="sequences per step at most"
+    )
+    parser.add_argument("--kv-layout", default=defaults["kv_layout"], choices=["paged", "contiguous"])
+    parser.add_argument(
+        "--contiguous-reserve",
+        default=defaults["contiguous_reserve"],
+        choices=["max", "pow2"],
+        help="slab size",
+    )
+    parser.add_argument("--enable-prefix-caching", action="store_true", help="reuse cached prompt blocks")
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
@@ -143,12 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--served-model-name", default=None, help="the model name clients use (default: --model)"
     )
     _add_engine_args(serve, defaults)
-    serve.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=defaults["max_num_seqs"],
-        help="sequences per step at most",
-    )
+    _add_kv_args(serve, defaults)
     serve.add_argument(
         "--generation-config",
         default="auto",
@@ -169,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-concurrent-requests",
         type=int,
-        default=1024,
+        default=limits["max_concurrent_requests"],
         help="/v1 requests in flight at once; more get 429",
     )
     serve.add_argument(
@@ -194,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument("name", choices=list(BENCHMARKS), help="which benchmark")
+    sub.add_parser("viz", help="draw the KV cache of a real run, paged vs contiguous (pagedllm viz --help)")
     return parser
 
 
@@ -204,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHMARKS:
         return importlib.import_module(BENCHMARKS[argv[1]][0]).main(argv[2:])
+    if argv[:1] == ["viz"]:
+        return importlib.import_module("pagedllm.viz.report").main(argv[1:])
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.errors import ShuttingDown
-from pagedllm.entrypoints.openai.metrics import EngineMetrics
+from pagedllm.entrypoints.openai.metrics import EngineMetrics, RequestTimes
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -28,6 +29,7 @@ class _Stream:
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    times: RequestTimes
     num_generated: int = 0
 
 
@@ -109,8 +111,8 @@ class AsyncEngine:
         """prepare(engine) -> one (prompt, params) per request id, then add them all: one call on the
         engine thread, so tokenizing, checking and admission cost no extra step. An exception from
         `prepare` or a refused prompt (ValueError) is raised here, and then no request was added."""
-        loop = asyncio.get_running_loop()
-        streams = [_Stream(loop, asyncio.Queue()) for _ in request_ids]
+        loop, arrival = asyncio.get_running_loop(), time.monotonic()
+        streams = [_Stream(loop, asyncio.Queue(), RequestTimes(arrival)) for _ in request_ids]
 
         def add(engine: LLMEngine) -> None:
             items = prepare(engine)
@@ -181,13 +183,16 @@ class AsyncEngine:
             logger.exception("engine step failed; aborting %d requests", len(self.engine.requests))
             self._fail_all(error)
             return
+        now = time.monotonic()
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
             num_generated = self.metrics.num_generated(output)
-            self.metrics.generation_tokens.inc(num_generated - stream.num_generated)
+            new_tokens = num_generated - stream.num_generated
+            self.metrics.generation_tokens.inc(new_tokens)
+            self.metrics.observe_output(stream.times, now, new_tokens, output.finished)
             stream.num_generated = num_generated
             if output.finished:
                 del self._streams[output.request_id]

@@ -15,6 +15,7 @@ from fastapi.responses import Response
 
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai import dashboard
 from pagedllm.entrypoints.openai import protocol as p
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine, RequestStream
 from pagedllm.entrypoints.openai.errors import APIError, ShuttingDown, install_error_handlers
@@ -57,6 +58,7 @@ def build_app(
     app.state.admission = Admission()
     app.add_middleware(LimitsMiddleware, limits=limits, admission=app.state.admission)
     install_error_handlers(app)
+    app.include_router(dashboard.router(engine))  # GET /dashboard and GET /v1/kv
 
     @app.get("/health")
     async def health() -> Response:

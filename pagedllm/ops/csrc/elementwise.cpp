@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "ops.h"
@@ -30,6 +31,11 @@ struct Rows {
 template <typename T>
 constexpr bool kIsBF16 = std::is_same_v<T, c10::BFloat16>;
 
+// Rows per parallel task such that each task has about `elements` elements of work: waking the thread
+// pool costs tens of microseconds with passive OpenMP threads, more than a decode batch's norm or rotary
+// takes on one core, so small work runs inline on the calling thread.
+inline int64_t grain(int64_t row_elements, int64_t elements) { return std::max<int64_t>(1, elements / row_elements); }
+
 // v rounded to bf16 and back when T is bf16 (PyTorch stores a bf16 op's result before the next op).
 template <typename T>
 inline VecF round_as(VecF v) {
@@ -49,7 +55,7 @@ void rms_norm_kernel(at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
   const T* in = x.data_ptr<T>();
   T* dst = out.data_ptr<T>();
   const T* w = weight.data_ptr<T>();
-  at::parallel_for(0, in_rows.count, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, in_rows.count, grain(d, 1 << 18), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* src = in + in_rows.offset(r);
       T* y = dst + out_rows.offset(r);
@@ -84,7 +90,7 @@ void act_and_mul_kernel(at::Tensor& out, const at::Tensor& x, int64_t activation
   const int64_t rows = x.size(0), d = out.size(1), x_stride = x.stride(0), out_stride = out.stride(0);
   const T* in = x.data_ptr<T>();
   T* dst = out.data_ptr<T>();
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(d, 1 << 17), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = in + r * x_stride;
       const T* up = gate + d;
@@ -111,7 +117,7 @@ void rotary_kernel(at::Tensor& x, const at::Tensor& positions, const at::Tensor&
                 " is outside the rotary table (", max_pos, " positions)");
   }
   T* base = x.data_ptr<T>();
-  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, grain(heads * half * 2, 1 << 17), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* cos = table + pos[t] * 2 * half;
       const float* sin = cos + half;
