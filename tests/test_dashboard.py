@@ -347,7 +347,8 @@ def test_serve_flags_shape_the_kv_cache_the_dashboard_shows(monkeypatch):
     monkeypatch.setattr(server_module, "main", lambda model, **kwargs: seen.update(kwargs, model=model) or 0)
     argv = ["serve", "--kv-layout", "contiguous", "--contiguous-reserve", "pow2", "--block-size", "32"]
     assert cli.main([*argv, "--max-num-seqs", "8", "--enable-prefix-caching"]) == 0
-    engine_kwargs = {k: v for k, v in seen.items() if k not in ("model", "host", "port", "served_model_name")}
+    server_only = ("model", "host", "port", "served_model_name", "limits", "shutdown_timeout")
+    engine_kwargs = {k: v for k, v in seen.items() if k not in server_only}
     config = EngineConfig(model=seen["model"], **engine_kwargs)
     assert (config.kv_layout, config.contiguous_reserve, config.block_size) == ("contiguous", "pow2", 32)
     assert (config.max_num_seqs, config.enable_prefix_caching) == (8, True)
