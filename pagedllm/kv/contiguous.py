@@ -41,6 +41,7 @@ class ContiguousAllocator:
     """First-fit slabs over `num_slots` slots; `gaps` is the sorted list of free (start, size) runs."""
 
     block_size = 1
+    enable_prefix_caching = False  # slabs are never shared
 
     def __init__(self, num_slots: int, max_model_len: int, reserve: str = "max"):
         check_positive("num_slots", num_slots)
@@ -115,6 +116,7 @@ class ContiguousAllocator:
         *,
         true_output_len: int | None = None,
         extra_key: str | None = None,
+        num_computed: int | None = None,
     ) -> int:
         """Reserve the request's slab first fit and place the prompt at its start; returns 0 (no cache).
 
@@ -128,6 +130,10 @@ class ContiguousAllocator:
         self._live += len(prompt_token_ids)
         self._refused = 0
         return 0
+
+    def cache_blocks(self, seq_id: Hashable, num_tokens: int) -> None:
+        """No prefix cache: nothing to do."""
+        self._slab(seq_id)
 
     def can_append(self, seq_id: Hashable) -> bool:
         slab = self._slab(seq_id)
