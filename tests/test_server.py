@@ -211,3 +211,23 @@ def test_metrics(client, server):
         line for line in text.splitlines() if line.startswith("pagedllm:generation_tokens_total")
     )
     assert float(generated.split()[-1]) >= 3
+
+
+def test_prefix_cache_metrics_count_a_repeated_prompt(client, server, llm):
+    base, _ = server
+    names = ("pagedllm:prefix_cache_queries_total", "pagedllm:prefix_cache_hits_total")
+
+    def counters() -> list[float]:
+        lines = urllib.request.urlopen(f"{base}/metrics").read().decode().splitlines()
+        return [float(next(x for x in lines if x.startswith(name + " ")).split()[-1]) for name in names]
+
+    prompt = "A prefix-cache test: the quick brown fox jumps over the lazy dog, twice. " * 6
+    num_tokens = len(llm.get_tokenizer().encode(prompt))
+    before = counters()
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    expected = [before[0] + 2 * num_tokens, before[1] + (num_tokens - 1) // 16 * 16]
+    deadline = time.monotonic() + 5  # the engine thread updates /metrics right after the step
+    while counters() != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert counters() == expected

@@ -96,6 +96,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             preemption_mode=config.preemption_mode,
+            enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -182,20 +183,21 @@ class LLMEngine:
         if out.scheduled:
             block_tables = [self.allocator.block_table(seq.seq_id) for seq in out.scheduled]
             logits = self.runner.execute(out, block_tables)
-            seqs, rows = self._fork_parallel_samples(list(out.scheduled))
+            rows = self.scheduler.update_after_step(out)
+            seqs, rows = self._fork_parallel_samples([out.scheduled[row] for row in rows], rows)
             samples = sample(logits[rows], [self._sample_row(seq) for seq in seqs])
             for seq, smp in zip(seqs, samples, strict=True):
                 self._append_token(seq, smp)
                 touched[seq.request_id] = self.requests[seq.request_id]
         return [self._request_output(r) for r in touched.values()]
 
-    def _fork_parallel_samples(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+    def _fork_parallel_samples(
+        self, seqs: list[Sequence], rows: list[int]
+    ) -> tuple[list[Sequence], list[int]]:
         """After a request's first prefill, fork its other n-1 sequences sharing the prompt's blocks."""
-        rows = list(range(len(seqs)))
-        for row, seq in enumerate(list(seqs)):
+        for row, seq in zip(list(rows), list(seqs), strict=True):
             request = self.requests[seq.request_id]
             if len(request.seqs) < request.params.n and seq.index == 0:
-                seq.num_cached_tokens = seq.num_tokens
                 for index in range(1, request.params.n):
                     child = self._new_sequence(request, index)
                     child.num_prefix_hits = seq.num_prefix_hits
@@ -212,7 +214,6 @@ class LLMEngine:
         return SampleRow(params, self.requests[seq.request_id].generator, banned)
 
     def _append_token(self, seq: Sequence, smp) -> None:
-        seq.num_cached_tokens = seq.num_tokens
         seq.output_token_ids.append(smp.token_id)
         if smp.logprob is not None:
             seq.cumulative_logprob += smp.logprob

@@ -51,19 +51,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> torch.Tensor:
-        """Compute every scheduled sequence's new tokens; return float32 logits of each one's last token."""
+        """Compute every scheduled sequence's new tokens; return float32 logits of each one's last
+        computed token (the engine ignores those of a prompt whose prefill is not complete yet)."""
         self.move_blocks(out)
         seqs = out.scheduled
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        context_lens: list[int] = []
         query_start_loc = [0]
         bs = self.block_size
         for seq, table in zip(seqs, block_tables, strict=True):
-            start, end = seq.num_cached_tokens, seq.num_tokens
+            start = seq.num_cached_tokens
+            end = start + out.num_new_tokens[seq.seq_id]  # a prefill may be one chunk of the prompt
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             slots += [table[t // bs] * bs + t % bs for t in range(start, end)]
+            context_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + end - start)
         max_blocks = max(len(t) for t in block_tables)
         padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
@@ -74,9 +78,9 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=tensor(slots, torch.int64),
             block_tables=tensor(padded, torch.int32),
-            context_lens=tensor([seq.num_tokens for seq in seqs], torch.int32),
+            context_lens=tensor(context_lens, torch.int32),
             query_start_loc=tensor(query_start_loc, torch.int32),
-            max_query_len=max(seq.num_new_tokens for seq in seqs),
+            max_query_len=max(out.num_new_tokens.values()),
             kv_caches=self.kv_caches,
         )
         hidden = self.model(tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta)

@@ -17,13 +17,7 @@ BENCHMARKS = {
 def _generate(args: argparse.Namespace) -> int:
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len,
-    )
+    llm = LLM(args.model, **_engine_kwargs(args))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
@@ -46,10 +40,45 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
-        dtype=args.dtype,
-        device=args.device,
-        kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len,
+        **_engine_kwargs(args),
+    )
+
+
+ENGINE_ARGS = (
+    "dtype",
+    "device",
+    "kv_cache_memory",
+    "max_model_len",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name in ENGINE_ARGS}
+
+
+def _add_engine_args(parser: argparse.ArgumentParser, kv_cache_memory: str) -> None:
+    """EngineConfig settings, spelled as vLLM's CLI spells them."""
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--kv-cache-memory", default=kv_cache_memory)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, help="tokens per step (prefill chunk budget)"
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of prompt prefixes seen before (default: on)",
+    )
+    parser.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="prefill long prompts in chunks alongside the running decodes (default: on)",
     )
 
 
@@ -65,10 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    gen.add_argument("--device", default="cpu")
-    gen.add_argument("--kv-cache-memory", default="256MiB")
-    gen.add_argument("--max-model-len", type=int, default=None)
+    _add_engine_args(gen, kv_cache_memory="256MiB")
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
@@ -78,10 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--served-model-name", default=None, help="the model name clients use (default: --model)"
     )
-    serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    serve.add_argument("--device", default="cpu")
-    serve.add_argument("--kv-cache-memory", default="1GiB")
-    serve.add_argument("--max-model-len", type=int, default=None)
+    _add_engine_args(serve, kv_cache_memory="1GiB")
     serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="run a benchmark (options after the name go to it)")

@@ -18,17 +18,29 @@ class EngineMetrics:
         self.prompt_tokens = Counter("pagedllm:prompt_tokens", "Prompt tokens", registry=reg)
         self.generation_tokens = Counter("pagedllm:generation_tokens", "Generated tokens", registry=reg)
         self.preemptions = Counter("pagedllm:num_preemptions", "Preemptions", registry=reg)
-        self._preemptions_seen = 0
+        self.prefix_queries = Counter(
+            "pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=reg
+        )
+        self.prefix_hits = Counter(
+            "pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=reg
+        )
+        self._seen = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
 
     def observe(self, engine: LLMEngine) -> None:
-        """Read the scheduler's queues, the KV pool and the preemption count (engine thread only)."""
+        """Read the scheduler's queues and counters and the KV pool (engine thread only)."""
         scheduler = engine.scheduler
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting) + len(scheduler.swapped))
         usage = engine.allocator.usage()
         self.kv_usage.set(1.0 - usage.fraction(usage.free_slots))
-        self.preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)
-        self._preemptions_seen = scheduler.num_preemptions
+        for name, counter in (
+            ("num_preemptions", self.preemptions),
+            ("prefix_cache_queries", self.prefix_queries),
+            ("prefix_cache_hits", self.prefix_hits),
+        ):
+            total = getattr(scheduler, name)
+            counter.inc(total - self._seen[name])
+            self._seen[name] = total
 
     @staticmethod
     def num_generated(output: RequestOutput) -> int:
