@@ -120,6 +120,23 @@ def test_n_with_seed_is_reproducible(client):
     assert first.usage.completion_tokens == 16
 
 
+def test_penalties_reach_the_sampler(client, llm):
+    prompt = "List the days of the week: Monday, Tuesday,"
+    params = dict(presence_penalty=0.5, frequency_penalty=1.5, repetition_penalty=1.2)
+    response = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0,
+        presence_penalty=params["presence_penalty"],
+        frequency_penalty=params["frequency_penalty"],
+        extra_body={"repetition_penalty": params["repetition_penalty"]},
+    )
+    expected = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0, **params))[0].outputs[0]
+    plain = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0))[0].outputs[0]
+    assert response.choices[0].text == expected.text != plain.text
+
+
 def test_chat_completion_and_stream(client, llm):
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     response = client.chat.completions.create(
@@ -177,6 +194,8 @@ def test_abandoned_stream_is_aborted(client, server):
         (dict(prompt="hello " * 1100), openai.BadRequestError, "max_model_len=1024"),
         (dict(stream=True, prompt="hello " * 1100), openai.BadRequestError, "max_model_len=1024"),
         (dict(n="two"), openai.BadRequestError, "two"),
+        (dict(presence_penalty=2.5), openai.BadRequestError, "presence_penalty"),
+        (dict(extra_body={"repetition_penalty": 0}), openai.BadRequestError, "repetition_penalty"),
     ],
 )
 def test_bad_completion_requests(client, kwargs, error, names):

@@ -211,7 +211,8 @@ class LLMEngine:
         banned: tuple[int, ...] = ()
         if len(seq.output_token_ids) < params.min_tokens:
             banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_token_ids))
-        return SampleRow(params, self.requests[seq.request_id].generator, banned)
+        generator = self.requests[seq.request_id].generator
+        return SampleRow(params, generator, banned, seq.prompt_token_ids, seq.output_token_ids)
 
     def _append_token(self, seq: Sequence, smp) -> None:
         seq.output_token_ids.append(smp.token_id)

@@ -19,7 +19,13 @@ def _generate(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, **_engine_kwargs(args))
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
     )
     if args.chat:
         outputs = llm.chat([{"role": "user", "content": p} for p in args.prompt], params)
@@ -94,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
     _add_engine_args(gen, kv_cache_memory="256MiB")
     gen.set_defaults(func=_generate)
 

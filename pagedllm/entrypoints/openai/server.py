@@ -147,9 +147,6 @@ def sampling_params(
     request: p.SamplingRequest, max_tokens: int | None, logprobs: int | None
 ) -> SamplingParams:
     """The request's SamplingParams; an unsupported or out-of-range value is an APIError naming it."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(request, name):
-            raise APIError(f"{name} is not supported, got {getattr(request, name)!r}", param=name)
     given = {
         name: getattr(request, name)
         for name in ("temperature", "top_p", "top_k", "min_p")
@@ -167,6 +164,9 @@ def sampling_params(
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
             logprobs=logprobs,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
             **given,
         )
     except ValueError as error:
