@@ -64,3 +64,35 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search settings, shaped like vLLM's; the search itself is Hugging Face's (do_sample=False).
+
+    `length_penalty` and `early_stopping` mean what they mean in Hugging Face `generate`: a finished
+    sequence scores cumulative_logprob / generated_len ** length_penalty, and the search stops once
+    beam_width sequences are finished and (early_stopping=True) at once, (False, the default) when the
+    best running beam can no longer beat them at its current length, ("never") when it cannot at any
+    length. `temperature` is accepted for vLLM compatibility and, as in vLLM, does not change the
+    search: beams are ranked by the model's log-probabilities.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        checks = [
+            (isinstance(self.beam_width, int) and self.beam_width >= 1, "beam_width", "an integer >= 1"),
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
+            (self.temperature >= 0, "temperature", ">= 0"),
+            (self.early_stopping in (True, False, "never"), "early_stopping", "True, False or 'never'"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")

@@ -10,8 +10,9 @@ prefilled whole, in a step of its own if it exceeds the budget.
 The scheduler asks the KV allocator for room and never reaches inside it. When a running sequence
 needs a block and none is free, the most recently admitted sequence is preempted: by recompute (its
 blocks are freed; it re-enters the waiting queue and is prefilled again later) or by swap (its blocks
-move to the host pool and come back when room frees up). A running sequence with nothing to compute
-(a beam waiting for its siblings) holds its blocks; when nothing else can run it is preempted too.
+move to the host pool and come back when room frees up). A beam whose next token waits on a sibling's
+(`Sequence.awaiting`) has nothing to compute: running, it holds its blocks, and when nothing else can
+run it is freed to make room; waiting, it is not admitted until its search has chosen its next token.
 """
 
 from __future__ import annotations
@@ -94,11 +95,10 @@ class Scheduler:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Start `child` as a copy of `parent` (parallel sampling, beam search). A running parent's
         paged blocks are shared copy-on-write (a contiguous slab is copied slot by slot at the start of
-        the next step); the child of a preempted parent waits, right behind the queue's head, to be
-        prefilled."""
+        the next step); the child of a preempted parent waits beside it to be prefilled."""
         if parent.status is not SequenceStatus.RUNNING:
             child.status = SequenceStatus.WAITING
-            self.waiting.insert(min(1, len(self.waiting)), child)
+            self.waiting.appendleft(child)
             return
         self._fork_copies += self.allocator.fork(parent.seq_id, child.seq_id)
         child.num_cached_tokens = parent.num_cached_tokens
@@ -126,7 +126,16 @@ class Scheduler:
         budget = self._schedule_prefill_chunks(prefilling, out, self.max_num_batched_tokens - out.num_tokens)
         if not out.preempted and not self.swapped:
             self._schedule_prefills(out, budget)
+        while not out.scheduled and self.running and self._has_work_waiting():
+            # Every running sequence is a beam waiting for a sibling that is not in the cache: make room.
+            self._preempt(self.running[-1], out, swap=False)
+            self._schedule_swap_ins(out)
+            if not self.swapped:
+                self._schedule_prefills(out, budget)
         return out
+
+    def _has_work_waiting(self) -> bool:
+        return bool(self.swapped) or any(not seq.awaiting for seq in self.waiting)
 
     def update_after_step(self, out: SchedulerOutput) -> list[int]:
         """After the forward pass: count each scheduled sequence's new tokens as cached; returns the
@@ -194,28 +203,29 @@ class Scheduler:
         return budget
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if budget <= 0 or (not self.enable_chunked_prefill and seq.num_tokens > budget and out.scheduled):
+        """Admit waiting sequences first come first served while they fit. A beam awaiting its search's
+        choice of its next token has nothing to compute yet: it is passed over."""
+        for seq in [seq for seq in self.waiting if not seq.awaiting]:
+            if (
+                len(self.running) >= self.max_num_seqs
+                or budget <= 0
+                or (not self.enable_chunked_prefill and seq.num_tokens > budget and out.scheduled)
+            ):
                 return
             max_new = seq.max_new_tokens(self.max_model_len)
             if not self.allocator.can_allocate(seq.token_ids, max_new) or (
                 self.running and not self._leaves_headroom(seq)
             ):
-                if not out.scheduled and self.running:
-                    # Every running sequence waits for something (beams for a sibling): make room.
-                    self._preempt(self.running[-1], out, behind_head=True)
-                    continue
-                if not self.running and not self.swapped:
-                    # Nothing will ever free up room: this request cannot fit the cache at all.
-                    logger.warning(
-                        "request %s (%d tokens) cannot fit the KV cache", seq.request_id, seq.num_tokens
-                    )
-                    self.waiting.popleft()
-                    out.ignored.append(seq)
-                    continue
-                return
-            self.waiting.popleft()
+                if self.running or self.swapped:
+                    return
+                # Nothing will ever free up room: this request cannot fit the cache at all.
+                logger.warning(
+                    "request %s (%d tokens) cannot fit the KV cache", seq.request_id, seq.num_tokens
+                )
+                self.waiting.remove(seq)
+                out.ignored.append(seq)
+                continue
+            self.waiting.remove(seq)
             cached = self.allocator.allocate(seq.seq_id, seq.token_ids, max_new, num_computed=0)
             seq.num_cached_tokens = cached
             if not seq.output_token_ids:
@@ -237,14 +247,13 @@ class Scheduler:
         needed = -(-seq.num_tokens // self.allocator.block_size)
         return self.allocator.num_free_blocks - needed >= self.watermark * self.allocator.num_total_blocks
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput, behind_head: bool = False) -> None:
-        """Swap the sequence out, or free it to be prefilled again: at the head of the waiting queue, or
-        (`behind_head`, to let the head in) right behind it."""
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, swap: bool | None = None) -> None:
+        """Swap the sequence out (by default in swap mode), or free it to be prefilled again first."""
         self.num_preemptions += 1
         out.preempted.append(seq)
         if seq in self.running:
             self.running.remove(seq)
-        if self.preemption_mode == "swap" and not behind_head:
+        if self.preemption_mode == "swap" if swap is None else swap:
             try:
                 out.swap_out += self.allocator.swap_out(seq.seq_id)
             except NoFreeBlocks:  # the host pool is full too: fall back to recompute
@@ -256,4 +265,4 @@ class Scheduler:
         self.allocator.free(seq.seq_id)
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.insert(1 if behind_head else 0, seq)
+        self.waiting.appendleft(seq)

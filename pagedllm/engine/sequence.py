@@ -29,6 +29,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     status: SequenceStatus = SequenceStatus.WAITING
     num_cached_tokens: int = 0  # tokens whose K/V are in the cache (computed in an earlier step)
+    awaiting: bool = False  # a computed beam whose next token its beam search has not chosen yet
     num_prefix_hits: int = 0  # prompt tokens served by the prefix cache at first admission
     arrival_step: int = 0
     finish_reason: str | None = None
