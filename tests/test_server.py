@@ -12,7 +12,7 @@ import openai
 import pytest
 import uvicorn
 
-from pagedllm import SamplingParams
+from pagedllm import BeamSearchParams, SamplingParams
 from pagedllm.entrypoints.openai.server import build_app
 
 MODEL = "smollm2-135m"
@@ -135,6 +135,42 @@ def test_penalties_reach_the_sampler(client, llm):
     expected = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0, **params))[0].outputs[0]
     plain = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0))[0].outputs[0]
     assert response.choices[0].text == expected.text != plain.text
+
+
+def test_beam_search_returns_every_beam_as_a_choice(client, llm):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=10, n=3, extra_body={"use_beam_search": True})
+    response = client.completions.create(**kwargs)
+    beams = llm.beam_search(PROMPT, BeamSearchParams(beam_width=3, max_tokens=10))[0].sequences
+    prompt_len = len(llm.get_tokenizer().encode(PROMPT))
+    tok = llm.get_tokenizer()
+    expected = [tok.decode(b.tokens[prompt_len:], skip_special_tokens=True) for b in beams]
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert [c.text for c in response.choices] == expected
+    assert response.usage.completion_tokens == sum(len(b.tokens) - prompt_len for b in beams)
+    streamed = {}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(3)] == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "name"),
+    [
+        ({"stop": ["."]}, "stop"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"n": 0}, "n"),
+        ({"presence_penalty": 1.0}, "presence_penalty"),
+    ],
+)
+def test_beam_search_refuses_what_it_cannot_honour(client, body, name):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.post(
+            "/completions",
+            body={"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "use_beam_search": True} | body,
+            cast_to=object,
+        )
+    assert info.value.body["param"] == name
 
 
 def test_chat_completion_and_stream(client, llm):

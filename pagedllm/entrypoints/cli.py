@@ -15,9 +15,19 @@ BENCHMARKS = {
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import LLM, BeamSearchParams, SamplingParams
 
+    if args.beam_width and args.chat:
+        raise ValueError("--beam-width does not combine with --chat")
     llm = LLM(args.model, **_engine_kwargs(args))
+    if args.beam_width:
+        params = BeamSearchParams(args.beam_width, args.max_tokens, length_penalty=args.length_penalty)
+        for prompt, output in zip(args.prompt, llm.beam_search(args.prompt, params), strict=True):
+            if len(args.prompt) > 1:
+                print(f"--- {prompt}")
+            for i, beam in enumerate(output.sequences):
+                print(f"[beam {i}, cumulative logprob {beam.cum_logprob:.3f}] {beam.text}")
+        return 0
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -28,12 +38,12 @@ def _generate(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty,
     )
     if args.chat:
-        outputs = llm.chat([{"role": "user", "content": p} for p in args.prompt], params)
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
     else:
         outputs = llm.generate(args.prompt, params)
-    for output in outputs:
+    for prompt, output in zip(args.prompt, outputs, strict=True):
         if len(outputs) > 1:
-            print(f"--- {output.prompt if output.prompt is not None else '(chat)'}")
+            print(f"--- {prompt}")
         print(output.outputs[0].text if args.chat else output.prompt + output.outputs[0].text)
     return 0
 
@@ -103,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--presence-penalty", type=float, default=0.0)
     gen.add_argument("--frequency-penalty", type=float, default=0.0)
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--beam-width", type=int, default=0, help="beam search with this many beams (0: off)")
+    gen.add_argument("--length-penalty", type=float, default=1.0, help="beam search length penalty")
     _add_engine_args(gen, kv_cache_memory="256MiB")
     gen.set_defaults(func=_generate)
 
