@@ -7,6 +7,9 @@ mean share of KV slots holding live tokens, preemptions, and the ratios measured
 
 Workload: `--num-prompts` prompts of random token ids, lengths uniform in `--input-len LO-HI`, each
 generating exactly `--output-len` tokens greedily (EOS ignored), all submitted at once (offline batch).
+`--shared-prefix-len N` puts the same N random tokens (a system prompt) before every prompt and
+compares the paged layout with and without prefix caching: mean time to first token, output tokens/s
+and the share of prompt tokens the prefix cache served.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-LAYOUTS = {
-    "paged": ("paged", "max"),
-    "contiguous-max": ("contiguous", "max"),
-    "contiguous-pow2": ("contiguous", "pow2"),
+LAYOUTS = {  # name -> LLM settings
+    "paged": dict(kv_layout="paged"),
+    "paged-no-prefix-cache": dict(kv_layout="paged", enable_prefix_caching=False),
+    "contiguous-max": dict(kv_layout="contiguous", contiguous_reserve="max"),
+    "contiguous-pow2": dict(kv_layout="contiguous", contiguous_reserve="pow2"),
 }
 
 
@@ -38,35 +42,43 @@ class Row:
     live_fraction: float | None  # mean over steps of live KV slots / all KV slots
     preemptions: int
     same_tokens_as_paged: float | None  # share of requests whose greedy output equals paged's
+    mean_ttft_s: float | None = None  # submission (all at once) to first output token
+    prefix_hit_rate: float | None = None  # prompt tokens served by the prefix cache / prompt tokens
 
 
-def make_prompts(num: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+def make_prompts(
+    num: int, lo: int, hi: int, vocab: int, seed: int, shared_prefix_len: int = 0
+) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(num)]
+    prefix = [rng.randrange(vocab) for _ in range(shared_prefix_len)]
+    return [prefix + [rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(num)]
 
 
 def run_engine(args, layout: str, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
     from pagedllm import LLM, SamplingParams
 
-    kv_layout, reserve = LAYOUTS[layout]
     llm = LLM(
         args.model,
-        kv_layout=kv_layout,
-        contiguous_reserve=reserve,
+        **LAYOUTS[layout],
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
     )
     engine = llm.engine
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    warm_up = make_prompts(2, 8, 16, engine.model.config.vocab_size, args.seed + 1)  # shares no prefix
+    llm.generate(warm_up, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    scheduler = engine.scheduler
+    queries, hits = scheduler.prefix_cache_queries, scheduler.prefix_cache_hits
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     for i, ids in enumerate(prompts):
         engine.add_request(f"bench-{i}", ids, params)
-    batch_sizes, live, outputs = [], [], {}
+    batch_sizes, live, outputs, first_token = [], [], {}, {}
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step():
+            if out.request_id not in first_token and out.outputs[0].token_ids:
+                first_token[out.request_id] = time.perf_counter() - start
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
         batch_sizes.append(len(engine.scheduler.running))
@@ -86,6 +98,10 @@ def run_engine(args, layout: str, prompts: list[list[int]]) -> tuple[Row, list[l
         sum(live) / len(live),
         engine.scheduler.num_preemptions,
         None,
+        sum(first_token.values()) / len(first_token),
+        (scheduler.prefix_cache_hits - hits) / queried
+        if (queried := scheduler.prefix_cache_queries - queries)
+        else None,
     )
     return row, tokens
 
@@ -174,7 +190,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=list(LAYOUTS),
+        help="default: paged and the contiguous ones; with --shared-prefix-len, paged with and without "
+        "prefix caching",
+    )
+    parser.add_argument(
+        "--shared-prefix-len", type=int, default=0, help="tokens of one prefix every prompt starts with"
+    )
     parser.add_argument("--hf", action="store_true", help="also run HF transformers generate (the peer)")
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--vllm", action="store_true", help="also run vLLM's offline LLM (the peer)")
@@ -199,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
 
     loaded = load_shared_model(args.model, torch.float32, "cpu")  # held for the whole run
     vocab = loaded.config.vocab_size
-    prompts = make_prompts(args.num_prompts, lo, hi, vocab, args.seed)
+    prompts = make_prompts(args.num_prompts, lo, hi, vocab, args.seed, args.shared_prefix_len)
+    if args.layouts is None:
+        no_cache = ["paged", "paged-no-prefix-cache"]
+        args.layouts = no_cache if args.shared_prefix_len else ["paged", "contiguous-max", "contiguous-pow2"]
     rows, paged_tokens = [], None
     for layout in args.layouts:
         row, tokens = run_engine(args, layout, prompts)
@@ -219,25 +247,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"config": vars(args), "rows": [asdict(r) for r in rows]}, indent=2))
         return 0
+    prefix = f" after a shared prefix of {args.shared_prefix_len}" if args.shared_prefix_len else ""
     print(
-        f"{args.num_prompts} prompts of {args.input_len} tokens -> {args.output_len} tokens each, "
+        f"{args.num_prompts} prompts of {args.input_len} tokens{prefix} -> {args.output_len} tokens each, "
         f"model {args.model}, KV {args.kv_cache_memory}, max_model_len {args.max_model_len}"
     )
     print(
-        f"{'system':<18}{'seconds':>9}{'out tok/s':>11}{'mean batch':>12}{'max batch':>11}{'live KV':>9}"
-        f"{'preempt':>9}{'= paged':>9}"
+        f"{'system':<22}{'seconds':>9}{'out tok/s':>11}{'mean batch':>12}{'max batch':>11}{'live KV':>9}"
+        f"{'preempt':>9}{'= paged':>9}{'TTFT s':>9}{'prefix hits':>13}"
     )
     for r in rows:
         batch = f"{_opt(r.mean_batch, '.1f'):>12}{_opt(r.max_batch, 'd'):>11}"
         live, same = _opt(r.live_fraction, ".1%"), _opt(r.same_tokens_as_paged, ".0%")
+        ttft, hits = _opt(r.mean_ttft_s, ".2f"), _opt(r.prefix_hit_rate, ".1%")
         print(
-            f"{r.system:<18}{r.seconds:>9.1f}{r.output_tok_s:>11.1f}{batch}{live:>9}{r.preemptions:>9}{same:>9}"
+            f"{r.system:<22}{r.seconds:>9.1f}{r.output_tok_s:>11.1f}{batch}{live:>9}{r.preemptions:>9}{same:>9}"
+            f"{ttft:>9}{hits:>13}"
         )
     base = next((r for r in rows if r.system == "paged"), None)
     if base:
         for r in rows:
             if r is not base:
-                print(f"paged / {r.system}: {base.output_tok_s / r.output_tok_s:.2f}x output tokens/s")
+                print(
+                    f"paged / {r.system}: {base.output_tok_s / r.output_tok_s:.2f}x output tokens/s", end=""
+                )
+                if base.mean_ttft_s and r.mean_ttft_s:
+                    print(
+                        f", {r.mean_ttft_s / base.mean_ttft_s:.2f}x shorter mean time to first token", end=""
+                    )
+                print()
     return 0
 
 

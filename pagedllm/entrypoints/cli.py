@@ -11,6 +11,7 @@ BENCHMARKS = {
     "memory": "pagedllm.bench.memory",  # paged vs contiguous KV waste, no model needed
     "kernel": "pagedllm.bench.kernel",  # paged vs contiguous attention kernels
     "throughput": "pagedllm.bench.throughput",  # paged vs contiguous (vs HF) on a real model
+    "chunked-prefill": "pagedllm.bench.chunked_prefill",  # decode stalls when a long prompt arrives
     "sharing": "pagedllm.bench.sharing",  # KV memory saved by sharing blocks (parallel sampling, beams)
 }
 
