@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from pagedllm.bench.table import aligned
+
 
 @dataclass
 class Result:
@@ -141,9 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for r in results
     ]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for row in table:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
+    print("\n".join(aligned(table)))
     unchunked, chunked = results
     print(
         f"longest gap: unchunked / chunked = {unchunked.max_gap_after_s / chunked.max_gap_after_s:.2f}x; "

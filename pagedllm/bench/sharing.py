@@ -36,6 +36,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pagedllm.bench.table import aligned
 from pagedllm.bench.trace import WORKLOADS, Request, make_trace
 from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.kv import PagedAllocator
@@ -272,8 +273,7 @@ def format_table(info: dict, rows: list[Row]) -> str:
                 f"{paper[0]}-{paper[1]}%" if paper else "-",
             ]
         )
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in table]
+    lines += aligned(table)
     return "\n".join(lines)
 
 
