@@ -1,5 +1,9 @@
 """pagedllm: a readable Python LLM inference engine built on PagedAttention."""
 
+from pagedllm._runtime import set_openmp_defaults
+
+set_openmp_defaults()  # before torch starts its OpenMP threads
+
 __version__ = "0.1.0"
 __all__ = ["LLM", "BeamSearchParams", "SamplingParams"]
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
+
+import pytest
+import torch
 
 from pagedllm.bench import throughput
 
@@ -25,14 +29,72 @@ def test_throughput_bench_json(capsys):
         "--json",
     ]
     assert throughput.main(argv) == 0
-    rows = {r["system"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    report = json.loads(capsys.readouterr().out)
+    prompts = throughput.make_prompts(4, 5, 40, 49152, seed=0)  # the default seed, SmolLM2's vocabulary
+    assert report["workload"] == {
+        "num_prompts": 4,
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "output_tokens": 4 * 6,
+    }
+    rows = {r["system"]: r for r in report["rows"]}
     assert set(rows) == {"paged", "contiguous-max"}
     for row in rows.values():
         assert row["output_tokens"] == 4 * 6
         assert 0 < row["live_fraction"] <= 1
+        assert row["same_tokens_as_paged"] == 1.0  # same greedy tokens whatever the KV layout
+        assert row["preemptions"] == 0
     # 8 MiB of SmolLM2 KV holds ~180 tokens: two 64-slot slabs, but all four short paged requests.
     assert rows["contiguous-max"]["max_batch"] == 2
     assert rows["paged"]["max_batch"] == 4
+
+
+def test_throughput_table_prints_the_workload_and_dashes_for_unreported_values(capsys):
+    assert throughput.main(["--num-prompts", "2", "--input-len", "4-9", "--output-len", "3",
+                            "--kv-cache-memory", "4MiB", "--max-model-len", "32", "--layouts", "paged",
+                            "--watermark", "0", "0.2"]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    prompt_tokens = sum(len(p) for p in throughput.make_prompts(2, 4, 9, 49152, seed=0))
+    assert lines[0].startswith(f"workload: 2 prompts of 4-9 random tokens, {prompt_tokens} prompt tokens")
+    assert "3 output tokens each = 6;" in lines[0] and "watermark 0 / 0.2" in lines[0]
+    sweep = [line.split() for line in lines[2:4]]
+    assert [cells[:2] for cells in sweep] == [["paged", "w=0"], ["paged", "w=0.2"]]
+    assert all(cells[3] == "6" for cells in sweep)  # output tokens
+    assert all(cells[-3] == "100%" for cells in sweep)  # both watermarks, the same greedy tokens
+    assert lines[4].startswith("paged w=0 / paged w=0.2: ")
+    row = throughput.Row("hf batch 2", 1.0, 6, 6.0, None, None, None, None, None)
+    assert throughput.format_row(row).split()[-5:] == ["-"] * 5
+
+
+def test_profile_reports_phases_gemm_floor_and_top_ops(capsys):
+    assert throughput.main(["--num-prompts", "3", "--input-len", "4-20", "--output-len", "6",
+                            "--kv-cache-memory", "8MiB", "--max-model-len", "64", "--layouts", "paged",
+                            "--profile"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    profile = out[out.index("profile (paged):") :].splitlines()
+    assert profile[1].startswith("  steps with a prefill: 1 steps")
+    assert profile[2].startswith("  decode-only steps: 5 steps")
+    for line in profile[1:3]:  # every phase's share of the steps, and host work = all but the forward
+        shares = {name: float(value) for name, value in re.findall(r"(\w+) ([\d.]+)%", line)}
+        assert list(shares)[:5] == ["schedule", "inputs", "forward", "sample", "rest"]
+        assert sum(list(shares.values())[:5]) == pytest.approx(100, abs=0.5)
+        assert shares["work"] == pytest.approx(100 - shares["forward"], abs=0.2)
+    assert profile[3].startswith("  decode step at batch ~3: median") and "step / GEMMs = " in profile[3]
+    assert "prefill: " in profile[4] and "whole run: " in profile[5]
+    assert profile[6] == "  top ops over decode steps (self CPU time):"
+    assert any("linear" in line or "mm" in line for line in profile[7:])  # the matmuls show up
+
+
+def test_gemm_floor_counts_every_linear_layer_once():
+    from pagedllm.bench.profile import gemm_floor, linear_layers
+    from pagedllm.engine.llm_engine import load_shared_model
+
+    model = load_shared_model("smollm2-135m", torch.float32, "cpu").model
+    layers = linear_layers(model)
+    assert len(layers) == 4 * model.config.num_layers + 1 and layers[-1] is model.lm_head
+    floor = gemm_floor(model, rows=2, head_rows=1, dtype=torch.float32, reps=1)
+    params = sum(m.in_features * m.out_features for m in layers[:-1])
+    assert floor.flops == 2 * 2 * params + 2 * 1 * 576 * 49152
+    assert floor.seconds > 0 and floor.hot_seconds > 0
 
 
 def test_shared_prefix_workload_compares_prefix_caching_on_and_off(capsys):

@@ -6,6 +6,7 @@ import pytest
 from helpers import assert_all_blocks_free
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.config import EngineConfig
 
 PROMPTS = [
     f"Write a short story about a {thing}."
@@ -27,19 +28,28 @@ def test_preemption_gives_the_same_tokens_as_no_preemption(mode, reference_token
     # 8 sequences of ~50 tokens need ~32 blocks of 16; 12 blocks force preemption.
     llm = LLM("smollm2-135m", num_kv_blocks=12, max_model_len=512, preemption_mode=mode)
     outputs = llm.generate(PROMPTS, GREEDY)
-    assert llm.engine.scheduler.num_preemptions > 0
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == reference_tokens
+    if mode == "swap":  # blocks really went to the host pool and every one came back
+        assert scheduler.num_blocks_swapped_out > 0
+        assert scheduler.num_blocks_swapped_in == scheduler.num_blocks_swapped_out
+    else:
+        assert scheduler.num_blocks_swapped_out == scheduler.num_blocks_swapped_in == 0
     assert_all_blocks_free(llm)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_a_sequence_outgrowing_the_whole_cache_ends_with_length(mode):
-    """4 blocks hold 64 tokens: a lone 40-token prompt asking for 50 more stops at the cache's end."""
+    """4 blocks hold 64 tokens: a lone 40-token prompt asking for 50 more stops at the cache's end.
+
+    The KV of positions 0-63 fits; the token sampled from position 63's KV is the last one: 64 - 40 + 1.
+    """
     llm = LLM("smollm2-135m", num_kv_blocks=4, max_model_len=512, preemption_mode=mode)
     out = llm.generate([list(range(100, 140))], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
     completion = out[0].outputs[0]
     assert completion.finish_reason == "length"
-    assert 20 <= len(completion.token_ids) < 50
+    assert len(completion.token_ids) == 4 * 16 - 40 + 1
     assert_all_blocks_free(llm)
 
 
@@ -135,6 +145,32 @@ def test_stop_conditions(smollm2_llm):
     assert_all_blocks_free(smollm2_llm)
 
 
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached(smollm2_llm):
+    """Where the free greedy run ends with EOS (or would hit a stop token), a run with min_tokens picks
+    the best token that is not banned there, read from the free run's own logprobs."""
+    chat = [{"role": "user", "content": "Say hi."}]
+    free = smollm2_llm.chat(chat, SamplingParams(max_tokens=60, temperature=0, logprobs=5))[0].outputs[0]
+    eos = set(smollm2_llm.engine.eos_token_ids)
+    end = len(free.token_ids) - 1
+    assert free.finish_reason == "stop" and free.token_ids[end] in eos
+
+    def best_allowed(position: int, banned: set[int]) -> int:
+        return max((t for t in free.logprobs[position] if t not in banned), key=free.logprobs[position].get)
+
+    held = smollm2_llm.chat(chat, SamplingParams(max_tokens=60, temperature=0, min_tokens=end + 3))
+    tokens = held[0].outputs[0].token_ids
+    assert tokens[:end] == free.token_ids[:end]
+    assert tokens[end] == best_allowed(end, eos)
+    assert len(tokens) >= end + 3 and not eos & set(tokens[: end + 3])
+
+    stop_token = free.token_ids[1]
+    params = SamplingParams(max_tokens=4, temperature=0, min_tokens=3, stop_token_ids=[stop_token])
+    tokens = smollm2_llm.chat(chat, params)[0].outputs[0].token_ids
+    assert tokens[:2] == [free.token_ids[0], best_allowed(1, eos | {stop_token})]
+    assert stop_token not in tokens[:3]
+    assert_all_blocks_free(smollm2_llm)
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "message"),
     [
@@ -162,6 +198,27 @@ def test_bad_prompts_are_rejected_without_leaking(smollm2_llm, prompt, params, m
 def test_bad_sampling_params_name_the_value(kwargs, name):
     with pytest.raises(ValueError, match=f"{name} .*{list(kwargs.values())[0]}"):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(("watermark", "first_step"), [(0.0, ["a", "b"]), (0.4, ["a"])])
+def test_watermark_is_an_engine_setting(watermark, first_step):
+    """12 blocks, two 4-block prompts: after the first, 8 are free; admitting the second leaves 4, below
+    a 40% watermark (4.8 blocks), so it waits until the first finishes."""
+    llm = LLM("smollm2-135m", num_kv_blocks=12, max_model_len=512, watermark=watermark)
+    engine = llm.engine
+    assert engine.scheduler.watermark == watermark
+    for name in ("a", "b"):
+        engine.add_request(name, list(range(1, 60)), SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.running] == first_step
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_blocks_free(llm)
+
+
+def test_bad_watermark_is_rejected_by_value():
+    with pytest.raises(ValueError, match="watermark .*1.5"):
+        EngineConfig(watermark=1.5)
 
 
 def test_abort_frees_blocks(smollm2_llm):

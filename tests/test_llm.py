@@ -77,12 +77,56 @@ def test_block_boundaries_and_mixed_lengths(smollm2_llm, hf_smollm2):
     assert_all_blocks_free(smollm2_llm)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_dtypes_generate(dtype):
+GREEDY_LOGPROBS = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5)
+
+
+@pytest.fixture(scope="module")
+def fp32_greedy(smollm2_llm):
+    return [o.outputs[0] for o in smollm2_llm.generate(PROMPTS, GREEDY_LOGPROBS)]
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [("bfloat16", 0.3), ("float16", 0.1)])
+def test_half_precision_dtypes_track_fp32(dtype, tol, fp32_greedy, smollm2_llm):
+    """16 greedy tokens on 8 prompts against fp32: the same tokens with chosen-token logprobs within
+    `tol` nats, until a divergence that must be a near-tie in fp32 (both tokens within `tol` there)."""
     from pagedllm import LLM
 
     llm = LLM("smollm2-135m", dtype=dtype, kv_cache_memory="16MiB", max_model_len=256)
-    assert llm.engine.runner.k_cache.dtype == getattr(torch, dtype)
-    out = llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0))[0]
-    assert "Paris" in out.outputs[0].text
+    assert llm.engine.runner.kv_caches[0][0].dtype == getattr(torch, dtype)
+    agreed = 0
+    for ref, out in zip(fp32_greedy, llm.generate(PROMPTS, GREEDY_LOGPROBS), strict=True):
+        half = out.outputs[0]
+        for i, (want, got) in enumerate(zip(ref.token_ids, half.token_ids, strict=True)):
+            if want != got:
+                assert got in ref.logprobs[i], (out.prompt, i)  # among fp32's top 5
+                assert ref.logprobs[i][want] - ref.logprobs[i][got] < tol, (out.prompt, i)
+                break
+            agreed += 1
+            assert abs(half.logprobs[i][got] - ref.logprobs[i][want]) < tol, (out.prompt, i)
+    assert agreed >= len(PROMPTS) * 16 // 2, agreed
     assert_all_blocks_free(llm)
+    assert_all_blocks_free(smollm2_llm)
+
+
+def test_logprobs_are_the_models_log_softmax(smollm2_llm, hf_smollm2):
+    """Chosen and top logprobs (greedy and sampled) equal a log-softmax of HF's logits, before temperature."""
+    prompt = "The three primary colors are"
+    cases = [
+        SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.8, top_k=20, seed=3, logprobs=3, ignore_eos=True),
+    ]
+    for params in cases:
+        out = smollm2_llm.generate(prompt, params)[0]
+        completion, prompt_ids = out.outputs[0], out.prompt_token_ids
+        with torch.inference_mode():
+            logits = hf_smollm2(torch.tensor([prompt_ids + completion.token_ids])).logits[0].float()
+        expected = logits[len(prompt_ids) - 1 : -1].log_softmax(dim=-1)
+        assert len(completion.logprobs) == len(completion.token_ids) == 6
+        for row, token, top in zip(expected, completion.token_ids, completion.logprobs, strict=True):
+            ids = row.topk(3).indices
+            assert set(ids.tolist()) | {token} == set(top)
+            for t, lp in top.items():
+                assert lp == pytest.approx(row[t].item(), abs=2e-3)
+        chosen = expected[torch.arange(6), torch.tensor(completion.token_ids)]
+        assert completion.cumulative_logprob == pytest.approx(chosen.sum().item(), abs=1e-2)
+    assert_all_blocks_free(smollm2_llm)

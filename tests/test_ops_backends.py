@@ -1,7 +1,8 @@
 """Every attention backend against the torch reference on random paged inputs.
 
-Runs the sdpa and cpu backends; under TRITON_INTERPRET=1 (test_ops_triton.py starts that run in a
-subprocess) it runs the triton backend instead, on the same cases.
+Runs the sdpa backend and the cpu backend built for every instruction set this CPU runs; under
+TRITON_INTERPRET=1 (test_ops_triton.py starts that run in a subprocess) it runs the triton backend
+instead, on the same cases.
 """
 
 import importlib
@@ -12,11 +13,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pagedllm.ops import BACKENDS, reference
+from pagedllm.ops import BACKENDS, cpu, reference
 from pagedllm.ops.synthetic import random_paged_batch
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-BACKEND_NAMES = ["triton"] if INTERPRETED else ["sdpa", "cpu"]
+CPU_BUILDS = [f"cpu-{isa}" for isa in cpu.supported_isas()]  # each instruction set this machine runs
+BACKEND_NAMES = ["triton"] if INTERPRETED else ["sdpa", *CPU_BUILDS]
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class Case:
     query_lens: tuple[int, ...] | None = None  # None: decode, one query per sequence
     window: int | None = None
     dtype: torch.dtype = torch.float32
+    head_major: bool = False  # cache memory order as pagedllm allocates it on the CPU
 
 
 DECODE = {
@@ -40,6 +43,10 @@ DECODE = {
     "block-size-1": Case(6, 2, 16, 1, (1, 13, 40)),
     "bf16-gqa3": Case(6, 2, 32, 8, (9, 40, 17, 64), dtype=torch.bfloat16),
     "bf16-mqa-window": Case(4, 1, 64, 4, (70, 3, 22), window=16, dtype=torch.bfloat16),
+    "head-major-gqa3": Case(6, 2, 32, 8, (9, 40, 17, 64), head_major=True),
+    "head-major-bf16-window": Case(
+        4, 2, 64, 16, (70, 3, 33), window=16, dtype=torch.bfloat16, head_major=True
+    ),
 }
 PREFILL = {
     "prompt": Case(6, 2, 16, 8, (20, 5), (20, 5)),
@@ -50,6 +57,7 @@ PREFILL = {
     "mqa": Case(4, 1, 32, 8, (26, 18), (26, 5)),
     "bf16-mixed": Case(6, 2, 32, 8, (30, 40, 9), (1, 19, 9), dtype=torch.bfloat16),
     "bf16-window": Case(8, 2, 16, 4, (40, 24), (17, 24), window=8, dtype=torch.bfloat16),
+    "head-major-mixed": Case(9, 3, 16, 8, (30, 40, 9, 4, 21), (1, 19, 1, 4, 0), head_major=True),
 }
 
 
@@ -62,12 +70,35 @@ def _batch(case: Case):
     return random_paged_batch(
         list(case.context_lens), list(query_lens), case.num_heads, case.num_kv_heads, case.head_dim,
         case.block_size, case.dtype, seed=len(case.context_lens) + sum(case.context_lens),
+        head_major=case.head_major,
     )  # fmt: skip
 
 
+class _CountedLaunches:
+    """Wraps a Triton kernel: kernel[grid](...) launches are recorded, then run as usual."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
+
+
 @pytest.fixture(params=BACKEND_NAMES)
-def backend(request):
-    return importlib.import_module(f"pagedllm.ops.{BACKENDS[request.param]}")
+def backend(request, monkeypatch):
+    name, _, isa = request.param.partition("-")
+    if isa:  # the cpu backend, on the build for this instruction set
+        monkeypatch.setattr(cpu, "selected_isa", lambda: isa)
+    module = importlib.import_module(f"pagedllm.ops.{BACKENDS[name]}")
+    if request.param != "triton":
+        yield module
+        return
+    launches: list = []
+    for name in ("_paged_attention_kernel", "_write_kv_kernel"):
+        monkeypatch.setattr(module, name, _CountedLaunches(getattr(module, name), launches))
+    yield module
+    assert launches, "the test passed without launching a Triton kernel"
 
 
 @pytest.mark.parametrize("case", DECODE.values(), ids=DECODE.keys())
@@ -110,17 +141,20 @@ def test_contiguous_layout_is_block_size_one(backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_matches_reference(backend, dtype):
+@pytest.mark.parametrize("head_major", [False, True], ids=["slot-major", "head-major"])
+def test_write_kv_matches_reference(backend, dtype, head_major):
     gen = torch.Generator().manual_seed(1)
     shape = (5, 4, 2, 16)  # 20 slots
     caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(2)]
+    if head_major:
+        caches = [c.transpose(1, 2).contiguous().transpose(1, 2) for c in caches]
     expected = [c.clone() for c in caches]
     key, value = (torch.randn(6, 2, 16, generator=gen).to(dtype) for _ in range(2))
     slots = torch.tensor([3, -1, 19, 0, -1, 8])
     backend.write_kv(key, value, *caches, slots)
     reference.write_kv(key, value, *expected, slots)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
-    assert torch.equal(caches[0].view(20, 2, 16)[19], key[2])  # the reference itself put it there
+    assert torch.equal(caches[0][4, 3], key[2])  # slot 19 = block 4, row 3: the reference put it there
 
 
 def test_write_kv_of_one_token_split_from_a_fused_projection(backend):

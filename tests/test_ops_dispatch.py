@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from oracles import dense_batch_attention
 
 from pagedllm import ops
-from pagedllm.ops import cpu, reference
+from pagedllm.ops import cpu
 from pagedllm.ops.synthetic import random_paged_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,26 +25,26 @@ def fresh_choice(monkeypatch):
     ops.reset_backend_cache()
 
 
-def _check_public_ops_match_reference():
+def _check_public_ops_match_dense_attention():
     b = random_paged_batch([19, 40], [3, 1], 6, 2, 16, 8)
     args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.context_lens, 0.25)
-    torch.testing.assert_close(ops.paged_prefill_attention(*args), reference.paged_prefill_attention(*args))
+    torch.testing.assert_close(ops.paged_prefill_attention(*args), dense_batch_attention(b, 0.25))
     d = random_paged_batch([19, 40], [1, 1], 6, 2, 16, 8)
     args = (d.q, d.k_cache, d.v_cache, d.block_tables, d.context_lens, 0.25, 8)
-    torch.testing.assert_close(ops.paged_decode_attention(*args), reference.paged_decode_attention(*args))
+    torch.testing.assert_close(ops.paged_decode_attention(*args), dense_batch_attention(d, 0.25, window=8))
 
 
 def test_cpu_tensors_use_the_cpp_kernel_by_default():
     assert cpu.unavailable_reason() is None, cpu.unavailable_reason()
     assert ops.get_backend_name("cpu") == ops.get_backend_name(torch.device("cpu")) == "cpu"
-    _check_public_ops_match_reference()
+    _check_public_ops_match_dense_attention()
 
 
 @pytest.mark.parametrize("name", ["torch", "sdpa", "cpu"])
 def test_env_var_forces_backend(monkeypatch, name):
     monkeypatch.setenv(ops.ENV_VAR, name.upper())
     assert ops.get_backend_name("cpu") == name
-    _check_public_ops_match_reference()
+    _check_public_ops_match_dense_attention()
 
 
 def test_unknown_backend_is_rejected_by_name(monkeypatch):
@@ -63,7 +64,7 @@ def test_unbuildable_kernel_falls_back_to_sdpa_with_one_warning(monkeypatch, cap
     monkeypatch.setattr(cpu, "unavailable_reason", lambda: "no compiler")
     with caplog.at_level(logging.WARNING):
         assert ops.get_backend_name("cpu") == "sdpa"
-        _check_public_ops_match_reference()
+        _check_public_ops_match_dense_attention()
         caches = torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16)
         ops.write_kv(torch.ones(1, 2, 16), torch.ones(1, 2, 16), *caches, torch.tensor([5]))
         assert caches[0].view(8, 2, 16)[5].eq(1).all()
@@ -105,3 +106,14 @@ def test_fp16_on_cpu_uses_sdpa():
     """The C++ kernel covers fp32 and bf16; fp16 CPU tensors go to the pure PyTorch backend."""
     assert ops.get_backend_name("cpu", torch.float16) == "sdpa"
     assert ops.get_backend_name("cpu", torch.bfloat16) == ops.get_backend_name("cpu", torch.float32)
+
+
+def test_cpu_kv_cache_is_head_major_behind_slot_major_views():
+    """Each layer's K/V view is [num_blocks, block_size, Hkv, D]; on the CPU one head's rows of a block
+    are contiguous in memory, and the views start zero-filled and writable."""
+    (k, v), *_ = ops.allocate_kv_caches(2, 5, 16, 3, 64, torch.float32, "cpu")
+    assert k.shape == v.shape == (5, 16, 3, 64)
+    assert k.stride() == (3 * 16 * 64, 64, 16 * 64, 1)
+    assert k.count_nonzero() == 0
+    ops.write_kv(torch.ones(1, 3, 64), torch.ones(1, 3, 64), k, v, torch.tensor([17]))
+    assert k[1, 1].eq(1).all() and k.count_nonzero() == 3 * 64

@@ -4,24 +4,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
+from oracles import dense_batch_attention
 
 from pagedllm.ops import copy_blocks, reference, swap_blocks
 from pagedllm.ops.synthetic import random_paged_batch
-
-
-def _dense(q, k, v, scale, window):
-    """q [Q, H, D] = the last Q tokens of k/v [C, Hkv, D]; mask built with tril, unlike the reference."""
-    q_len, num_heads, _ = q.shape
-    context_len, num_kv_heads, _ = k.shape
-    ones = torch.ones(q_len, context_len, dtype=torch.bool)
-    mask = ones.tril(context_len - q_len)
-    if window is not None:
-        mask &= ~ones.tril(context_len - q_len - window)
-    group = num_heads // num_kv_heads
-    k, v = (x.repeat_interleave(group, dim=1).transpose(0, 1).float() for x in (k, v))
-    out = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k, v, attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
 
 
 @pytest.mark.parametrize(
@@ -40,16 +26,13 @@ def test_reference_matches_dense_attention(heads, kv_heads, block_size, context_
     out = reference.paged_prefill_attention(
         b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.context_lens, scale, window
     )
-    starts = b.query_start_loc.tolist()
-    for s in range(len(context_lens)):
-        rows = slice(starts[s], starts[s + 1])
-        expected = _dense(b.q[rows], b.keys[s], b.values[s], scale, window)
-        torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
+    expected = dense_batch_attention(b, scale, window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     if all(n == 1 for n in query_lens):
         decode = reference.paged_decode_attention(
             b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale, window
         )
-        torch.testing.assert_close(decode, out)
+        torch.testing.assert_close(decode, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_write_kv_skips_padding_slots():

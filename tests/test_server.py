@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-import uvicorn
+from helpers import openai_client, running_server
 
 from pagedllm import BeamSearchParams, SamplingParams
 from pagedllm.entrypoints.openai.server import build_app
@@ -22,39 +20,14 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def server():
     app = build_app(MODEL, kv_cache_memory="64MiB", max_model_len=1024)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if urllib.request.urlopen(f"{base}/health").status == 200:
-                break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "server did not come up"
-        time.sleep(0.1)
-    yield base, app.state.engine.engine
-    uv.should_exit = True
-    thread.join(timeout=30)
+    with running_server(app) as base:
+        yield base, app.state.engine.engine
 
 
 @pytest.fixture
 def client(server):
-    base, engine = server
-    yield openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-    # The engine thread finishes (or aborts) asynchronously: give it a moment, then nothing may be left.
-    deadline = time.monotonic() + 10
-    while (
-        engine.has_unfinished_requests() or not engine.allocator.all_free()
-    ) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not engine.has_unfinished_requests()
-    assert engine.allocator.all_free(), engine.allocator.usage()
+    with openai_client(*server) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +213,62 @@ def test_bad_completion_requests(client, kwargs, error, names):
         client.completions.create(**request)
     assert names in info.value.body["message"]
     assert info.value.body["code"] == info.value.status_code
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+@pytest.mark.parametrize(
+    "endpoint, kwargs, param",
+    [  # the README's list of refused fields, then fields the server does not know at all
+        ("completions", dict(echo=True), "echo"),
+        ("completions", dict(presence_penalty=0.5), "presence_penalty"),
+        ("completions", dict(frequency_penalty=-0.5), "frequency_penalty"),
+        ("completions", dict(prompt=["one prompt", "another"]), "prompt"),
+        ("completions", dict(prompt=[[1, 2], [3, 4]]), "prompt"),
+        ("chat", dict(logprobs=True), "logprobs"),
+        ("chat", dict(tools=[TOOL]), "tools"),
+        ("chat", dict(response_format={"type": "json_object"}), "response_format"),
+        ("chat", dict(presence_penalty=1.0), "presence_penalty"),
+        ("chat", dict(top_logprobs=2), "top_logprobs"),
+        ("chat", dict(messages=[{"role": "user", "content": [IMAGE]}]), "messages.0.content"),
+        ("chat", dict(messages=[{"role": "user", "content": "hi", "name": "bob"}]), "messages.0.name"),
+        ("completions", dict(suffix="!"), "suffix"),
+        ("completions", dict(best_of=2), "best_of"),
+        ("completions", dict(logit_bias={"1": 5}), "logit_bias"),
+        ("completions", dict(stream=True, stream_options={"continuous_usage_stats": True}), "stream_options"),
+    ],
+)
+def test_unsupported_fields_are_refused_by_name(client, endpoint, kwargs, param):
+    """A field pagedllm does not implement is a 400 naming it, never silently ignored."""
+    if endpoint == "chat":
+        create = client.chat.completions.create
+        request = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4) | kwargs
+    else:
+        create, request = client.completions.create, dict(model=MODEL, prompt=PROMPT, max_tokens=4) | kwargs
+    with pytest.raises(openai.BadRequestError) as info:
+        create(**request)
+    assert info.value.body["param"].startswith(param), info.value.body
+    assert param.split(".")[-1] in info.value.body["message"]
+
+
+def test_supported_request_shapes_still_pass(client, llm):
+    """Zero penalties, echo=false, text content parts and a reply passed back as a message are accepted."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is 2 + 2?"}]}]
+    first = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, presence_penalty=0, logprobs=False
+    )
+    plain = [{"role": "user", "content": "What is 2 + 2?"}]
+    expected = llm.chat(plain, SamplingParams(max_tokens=6, temperature=0))
+    assert first.choices[0].message.content == expected[0].outputs[0].text
+    follow_up = [*messages, first.choices[0].message, {"role": "user", "content": "And 3 + 3?"}]
+    second = client.chat.completions.create(model=MODEL, messages=follow_up, max_tokens=4, temperature=0)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, echo=False, frequency_penalty=0.0, user="u1"
+    )
+    assert response.usage.completion_tokens == 3
 
 
 def test_chat_without_messages_is_a_bad_request(client):

@@ -1,10 +1,18 @@
 """`pagedllm bench kernel`: paged decode attention vs contiguous attention on the same data.
 
-Each case builds one batch of sequences (random context lengths, blocks scattered at random), checks that
-the paged backend and the contiguous baseline agree, then times them in interleaved repetitions and
-reports the medians and their ratio. Contiguous baseline: per-sequence scaled_dot_product_attention over
-K/V stored densely ([Hkv, C, D] per sequence, GQA group folded into the query dim) on CPU; one padded,
-masked SDPA call over the whole batch on CUDA (a per-sequence loop there would time kernel launches).
+Each case builds one batch of sequences (random context lengths) and times, in interleaved repetitions,
+after checking that all three agree:
+  paged       the backend reading K/V through block tables whose blocks are scattered at random
+  in-order    the same backend on the same values laid out contiguously: each sequence's blocks
+              consecutive and in order, so paged / in-order is the cost of paging itself
+  contiguous  a dense baseline: per-sequence scaled_dot_product_attention over K/V stored as
+              [Hkv, C, D] (GQA group folded into the query dim) on CPU; one padded, masked SDPA call
+              over the whole batch on CUDA (a per-sequence loop there would time kernel launches)
+It reports the medians, the ratios paged / in-order and paged / contiguous, and the rate at which the
+paged kernel reads K/V (bytes of every sequence's K and V per second) against the read bandwidth the
+same process measures on this machine (a `sum` over a 512 MiB tensor, same threads): how close paged
+attention comes to the memory's limit. On the CPU the caches lie in memory as the engine allocates them
+(head-major, huge pages: ops/kv_cache.py).
 """
 
 from __future__ import annotations
@@ -41,8 +49,13 @@ class Row:
     num_seqs: int
     tokens: int
     paged_ms: float
+    in_order_ms: float  # the same backend, each sequence's blocks consecutive in memory
     contiguous_ms: float
-    ratio: float
+    paging_ratio: float  # paged / in-order: the cost of scattered blocks alone
+    ratio: float  # paged / contiguous baseline
+    kv_gb_s: float  # K/V bytes of all sequences / paged time
+    read_gb_s: float  # this machine's read bandwidth, measured in the same process
+    bandwidth_fraction: float  # kv_gb_s / read_gb_s
     contiguous_impl: str
     threads: int
     device: str
@@ -99,37 +112,65 @@ def _timed(fn: Callable[[], torch.Tensor], device: torch.device) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def median_ms(
+    variants: dict[str, Callable[[], torch.Tensor]], reps: int, warmup: int, device: torch.device
+) -> dict[str, float]:
+    """Median milliseconds of each variant, timed round-robin so all see the same machine load."""
+    for _ in range(warmup):
+        for fn in variants.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, fn in variants.items():
+            times[name].append(_timed(fn, device))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def run_case(shape: str, backend: str, dtype: str, context_lens: list[int], args: argparse.Namespace) -> Row:
     num_heads, num_kv_heads, head_dim = SHAPES[shape]
     device = torch.device(args.device)
-    batch = random_paged_batch(
-        context_lens, [1] * len(context_lens), num_heads, num_kv_heads, head_dim, args.block_size,
-        DTYPES[dtype], device, seed=args.seed,
-    )  # fmt: skip
+    sizes = (num_heads, num_kv_heads, head_dim, args.block_size, DTYPES[dtype], device)
+    paged, in_order = (
+        random_paged_batch(
+            context_lens, [1] * len(context_lens), *sizes, seed=args.seed, scattered=scattered,
+            head_major=device.type == "cpu",
+        )
+        for scattered in (True, False)
+    )  # the same values; only where the blocks lie differs  # fmt: skip
     scale = 1.0 / math.sqrt(head_dim)
     ops = _backend_module(backend)
-    paged = lambda: ops.paged_decode_attention(
-        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, scale
-    )
-    contiguous = (padded_batch_attention if device.type == "cuda" else per_sequence_attention)(batch, scale)
+
+    def through_tables(b: PagedBatch) -> Callable[[], torch.Tensor]:
+        inputs = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale)
+        return lambda: ops.paged_decode_attention(*inputs)
+
+    dense = padded_batch_attention if device.type == "cuda" else per_sequence_attention
+    variants = {
+        "paged": through_tables(paged),
+        "in_order": through_tables(in_order),
+        "contiguous": dense(paged, scale),
+    }
     tol = 2e-2 if dtype == "bf16" else 1e-4
-    torch.testing.assert_close(paged().float(), contiguous().float(), atol=tol, rtol=tol)
-    for _ in range(args.warmup):
-        paged(), contiguous()
-    paged_ms, contiguous_ms = [], []
-    for _ in range(args.reps):  # interleaved, so both see the same machine load
-        paged_ms.append(_timed(paged, device))
-        contiguous_ms.append(_timed(contiguous, device))
-    p, c = statistics.median(paged_ms), statistics.median(contiguous_ms)
+    expected = variants["contiguous"]().float()
+    for name in ("paged", "in_order"):
+        torch.testing.assert_close(variants[name]().float(), expected, atol=tol, rtol=tol)
+    ms = median_ms(variants, args.reps, args.warmup, device)
+    kv_bytes = 2 * sum(context_lens) * num_kv_heads * head_dim * paged.k_cache.element_size()
+    kv_gb_s = kv_bytes / ms["paged"] / 1e6
     return Row(
         shape=shape,
         backend=backend,
         dtype=dtype,
         num_seqs=len(context_lens),
         tokens=sum(context_lens),
-        paged_ms=round(p, 4),
-        contiguous_ms=round(c, 4),
-        ratio=round(p / c, 3),
+        paged_ms=round(ms["paged"], 4),
+        in_order_ms=round(ms["in_order"], 4),
+        contiguous_ms=round(ms["contiguous"], 4),
+        paging_ratio=round(ms["paged"] / ms["in_order"], 3),
+        ratio=round(ms["paged"] / ms["contiguous"], 3),
+        kv_gb_s=round(kv_gb_s, 4),
+        read_gb_s=round(args.read_gb_s, 2),
+        bandwidth_fraction=round(kv_gb_s / args.read_gb_s, 5),
         contiguous_impl="padded-batch-sdpa" if device.type == "cuda" else "per-sequence-sdpa",
         threads=torch.get_num_threads(),
         device=device.type,
@@ -162,12 +203,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def read_bandwidth_gb_s(device: torch.device, reps: int = 5) -> float:
+    """GB/s of a sum over a 512 MiB float32 tensor (best of reps): what reading memory costs here."""
+    x = torch.ones(128 * 2**20, device=device)
+    best = min(_timed(x.sum, device) for _ in range(reps))
+    return x.numel() * x.element_size() / best / 1e6
+
+
 def iter_rows(args: argparse.Namespace) -> Iterator[Row]:
     """Run every (shape, backend, dtype) case on one set of context lengths."""
     rng = random.Random(args.seed)
     context_lens = [rng.randint(args.min_context, args.max_context) for _ in range(args.num_seqs)]
     if "cpu" in args.backends and get_backend_name("cpu") != "cpu":
         raise RuntimeError("the cpu backend is unavailable here (see the warning above)")
+    args.read_gb_s = read_bandwidth_gb_s(torch.device(args.device))
     for shape in args.shapes:
         for backend in args.backends:
             for dtype in args.dtypes:
@@ -180,17 +229,24 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if not args.json:
         print(
-            f"paged decode vs contiguous attention: {args.num_seqs} seqs, context {args.min_context}-"
-            f"{args.max_context}, block {args.block_size}, {torch.get_num_threads()} threads, "
-            f"{args.device}, median of {args.reps} interleaved reps"
+            "paged decode (blocks scattered) vs the same backend on in-order blocks vs dense SDPA: "
+            f"{args.num_seqs} seqs, context {args.min_context}-{args.max_context}, block {args.block_size}, "
+            f"{torch.get_num_threads()} threads, {args.device}, median of {args.reps} interleaved reps"
         )
-        print(f"{'shape':8} {'backend':8} {'dtype':5} {'paged ms':>9} {'contig ms':>9} {'ratio':>6}")
+        print(
+            f"{'shape':8} {'backend':8} {'dtype':5} {'paged ms':>9} {'in-order ms':>11} {'contig ms':>9} "
+            f"{'paged/in-order':>14} {'paged/contig':>12} {'K/V GB/s':>9} {'of read bw':>10}"
+        )
     for row in iter_rows(args):
         if args.json:
             print(json.dumps(asdict(row)), flush=True)
         else:
-            cells = f"{row.paged_ms:9.3f} {row.contiguous_ms:9.3f} {row.ratio:6.2f}"
-            print(f"{row.shape:8} {row.backend:8} {row.dtype:5} {cells}", flush=True)
+            cells = f"{row.paged_ms:9.3f} {row.in_order_ms:11.3f} {row.contiguous_ms:9.3f}"
+            ratios = f"{row.paging_ratio:14.2f} {row.ratio:12.2f}"
+            bandwidth = f"{row.kv_gb_s:9.1f} {row.bandwidth_fraction:10.0%}"
+            print(f"{row.shape:8} {row.backend:8} {row.dtype:5} {cells} {ratios} {bandwidth}", flush=True)
+    if not args.json:
+        print(f"read bandwidth of this machine (sum over 512 MiB, same threads): {args.read_gb_s:.1f} GB/s")
     return 0
 
 

@@ -2,19 +2,23 @@
 
 The same requests run through the engine with the paged KV layout and with contiguous slabs
 (`max` and `pow2` reservation), all with the same KV memory, and optionally through Hugging Face
-transformers' `generate` on the same weights. Printed: output tokens/s, mean and max running batch,
-mean share of KV slots holding live tokens, preemptions, and the ratios measured in this one run.
+transformers' `generate` on the same weights. Printed: the workload's totals, then per system the
+output tokens and tokens/s, mean and max running batch, mean share of KV slots holding live tokens,
+preemptions ("-" where a system does not report it), and the ratios measured in this one run.
+pagedllm's time is the sum of its add_request and step calls only: the per-step readings (batch size,
+KV usage) are taken between steps, outside the clock.
 
 Workload: `--num-prompts` prompts of random token ids, lengths uniform in `--input-len LO-HI`, each
 generating exactly `--output-len` tokens greedily (EOS ignored), all submitted at once (offline batch).
 `--shared-prefix-len N` puts the same N random tokens (a system prompt) before every prompt and
-compares the paged layout with and without prefix caching: mean time to first token, output tokens/s
-and the share of prompt tokens the prefix cache served.
+compares the paged layout with and without prefix caching: mean time to first token (on pagedllm's
+clock), output tokens/s and the share of prompt tokens the prefix cache served.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -22,6 +26,9 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from pagedllm.bench.profile import record_phases, top_ops
+from pagedllm.bench.profile import report as profile_report
 
 LAYOUTS = {  # name -> LLM settings
     "paged": dict(kv_layout="paged"),
@@ -40,10 +47,27 @@ class Row:
     mean_batch: float | None  # None where the system does not report it
     max_batch: int | None
     live_fraction: float | None  # mean over steps of live KV slots / all KV slots
-    preemptions: int
+    preemptions: int | None
     same_tokens_as_paged: float | None  # share of requests whose greedy output equals paged's
     mean_ttft_s: float | None = None  # submission (all at once) to first output token
     prefix_hit_rate: float | None = None  # prompt tokens served by the prefix cache / prompt tokens
+
+
+@dataclass
+class Workload:
+    """What every system is asked to do, counted from the prompts themselves."""
+
+    num_prompts: int
+    prompt_tokens: int
+    output_tokens: int  # requested: output_len per prompt, EOS ignored
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """'LO-HI' -> (LO, HI) with 1 <= LO <= HI; ValueError otherwise."""
+    lo, hi = (int(x) for x in text.split("-"))
+    if not 1 <= lo <= hi:
+        raise ValueError(text)
+    return lo, hi
 
 
 def make_prompts(
@@ -54,16 +78,21 @@ def make_prompts(
     return [prefix + [rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(num)]
 
 
-def run_engine(args, layout: str, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
+def run_engine(
+    args, layout: str, watermark: float, prompts: list[list[int]]
+) -> tuple[Row, list[list[int]], list[str]]:
+    """One pagedllm run; returns its row, each request's tokens, and the --profile report (if asked)."""
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(
         args.model,
         **LAYOUTS[layout],
+        dtype=args.dtype,
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
+        watermark=watermark,
     )
     engine = llm.engine
     warm_up = make_prompts(2, 8, 16, engine.model.config.vocab_size, args.seed + 1)  # shares no prefix
@@ -71,25 +100,36 @@ def run_engine(args, layout: str, prompts: list[list[int]]) -> tuple[Row, list[l
     scheduler = engine.scheduler
     queries, hits = scheduler.prefix_cache_queries, scheduler.prefix_cache_hits
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"bench-{i}", ids, params)
-    batch_sizes, live, outputs, first_token = [], [], {}, {}
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.request_id not in first_token and out.outputs[0].token_ids:
-                first_token[out.request_id] = time.perf_counter() - start
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0].token_ids
-        batch_sizes.append(len(engine.scheduler.running))
-        usage = engine.allocator.usage()
-        live.append(usage.live_slots / usage.total_slots)
-    seconds = time.perf_counter() - start
+    profiling = args.profile and layout == "paged" and watermark == args.watermark[0]
+    with record_phases(engine) if profiling else contextlib.nullcontext() as phases:
+        start = time.perf_counter()
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"bench-{i}", ids, params)
+        seconds = time.perf_counter() - start
+        batch_sizes, live, outputs, first_token = [], [], {}, {}
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            step_outputs = engine.step()
+            seconds += time.perf_counter() - start
+            # Readings between steps, off the clock:
+            for out in step_outputs:
+                if out.request_id not in first_token and out.outputs[0].token_ids:
+                    first_token[out.request_id] = seconds
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0].token_ids
+            batch_sizes.append(len(engine.scheduler.running))
+            usage = engine.allocator.usage()
+            live.append(usage.live_slots / usage.total_slots)
     assert engine.allocator.all_free(), "KV blocks leaked"
+    profile_lines = []
+    if profiling:
+        ops = top_ops(engine, prompts)
+        profile_lines = profile_report(engine, phases, ops, engine.config.torch_dtype)
+        assert engine.allocator.all_free(), "KV blocks leaked"
     tokens = [outputs[f"bench-{i}"] for i in range(len(prompts))]
     total = sum(len(t) for t in tokens)
     row = Row(
-        layout,
+        layout if len(args.watermark) == 1 else f"{layout} w={watermark:g}",
         seconds,
         total,
         total / seconds,
@@ -103,7 +143,7 @@ def run_engine(args, layout: str, prompts: list[list[int]]) -> tuple[Row, list[l
         if (queried := scheduler.prefix_cache_queries - queries)
         else None,
     )
-    return row, tokens
+    return row, tokens, profile_lines
 
 
 def run_hf(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
@@ -113,7 +153,8 @@ def run_hf(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
     from pagedllm.engine.llm_engine import load_shared_model
 
     path = load_shared_model(args.model, torch.float32, "cpu").path
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     tokens: list[list[int]] = []
     start = time.perf_counter()
     for lo in range(0, len(prompts), args.hf_batch_size):
@@ -133,17 +174,8 @@ def run_hf(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
         tokens += out[:, width:].tolist()
     seconds = time.perf_counter() - start
     total = sum(len(t) for t in tokens)
-    return Row(
-        "hf-transformers",
-        seconds,
-        total,
-        total / seconds,
-        float(args.hf_batch_size),
-        args.hf_batch_size,
-        None,
-        0,
-        None,
-    ), tokens
+    name = f"hf batch {args.hf_batch_size}"
+    return Row(name, seconds, total, total / seconds, None, None, None, None, None), tokens
 
 
 def run_vllm(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
@@ -160,7 +192,8 @@ def run_vllm(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
     from pagedllm.engine.llm_engine import load_shared_model
 
     path = load_shared_model(args.model, torch.float32, "cpu").path
-    llm = vllm.LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=args.max_model_len)
+    dtype = "float32" if args.dtype == "auto" else args.dtype
+    llm = vllm.LLM(str(path), dtype=dtype, enforce_eager=True, max_model_len=args.max_model_len)
     params = vllm.SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     inputs = [{"prompt_token_ids": ids} for ids in prompts]
     llm.generate(inputs[:2], vllm.SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
@@ -169,11 +202,29 @@ def run_vllm(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
     seconds = time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     total = sum(len(t) for t in tokens)
-    return Row(f"vllm {vllm.__version__}", seconds, total, total / seconds, None, None, None, 0, None), tokens
+    return Row(
+        f"vllm {vllm.__version__}", seconds, total, total / seconds, None, None, None, None, None
+    ), tokens
 
 
 def _opt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+HEADER = (
+    f"{'system':<22}{'seconds':>9}{'out tokens':>12}{'out tok/s':>11}{'mean batch':>12}{'max batch':>11}"
+    f"{'live KV':>9}{'preempt':>9}{'= paged':>9}{'TTFT s':>9}{'prefix hits':>13}"
+)
+
+
+def format_row(r: Row) -> str:
+    """One table line under HEADER; "-" where the system does not report a value."""
+    return (
+        f"{r.system:<22}{r.seconds:>9.1f}{r.output_tokens:>12,}{r.output_tok_s:>11.1f}"
+        f"{_opt(r.mean_batch, '.1f'):>12}{_opt(r.max_batch, 'd'):>11}{_opt(r.live_fraction, '.1%'):>9}"
+        f"{_opt(r.preemptions, 'd'):>9}{_opt(r.same_tokens_as_paged, '.0%'):>9}"
+        f"{_opt(r.mean_ttft_s, '.2f'):>9}{_opt(r.prefix_hit_rate, '.1%'):>13}"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument(
+        "--dtype", default="auto", help="pagedllm's and the peers' (auto: float32 on the CPU)"
+    )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", default="17-255", help="LO-HI prompt tokens (uniform)")
     parser.add_argument("--output-len", type=int, default=128)
@@ -190,6 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--watermark",
+        type=float,
+        nargs="+",
+        default=[0.01],
+        help="share of KV blocks an admission leaves free; several values: each layout runs with each",
+    )
     parser.add_argument(
         "--layouts",
         nargs="+",
@@ -205,6 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vllm", action="store_true", help="also run vLLM's offline LLM (the peer)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print where paged's time went: phases per step, host work, top ops, GEMM floor",
+    )
     parser.add_argument("--json", action="store_true")
     return parser
 
@@ -213,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        lo, hi = (int(x) for x in args.input_len.split("-"))
+        lo, hi = parse_range(args.input_len)
     except ValueError:
         parser.exit(
             2, f"pagedllm bench throughput: error: --input-len must be LO-HI, got {args.input_len!r}\n"
@@ -228,12 +294,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.layouts is None:
         no_cache = ["paged", "paged-no-prefix-cache"]
         args.layouts = no_cache if args.shared_prefix_len else ["paged", "contiguous-max", "contiguous-pow2"]
-    rows, paged_tokens = [], None
+    rows, base, paged_tokens, profile_lines = [], None, None, []
     for layout in args.layouts:
-        row, tokens = run_engine(args, layout, prompts)
-        if layout == "paged":
-            paged_tokens = tokens
-        rows.append((row, tokens))
+        for watermark in args.watermark:
+            row, tokens, lines = run_engine(args, layout, watermark, prompts)
+            profile_lines += lines
+            if layout == "paged" and base is None:
+                base, paged_tokens = row, tokens
+            rows.append((row, tokens))
     if args.hf:
         rows.append(run_hf(args, prompts))
     if args.vllm:
@@ -244,38 +312,31 @@ def main(argv: list[str] | None = None) -> int:
                 tokens
             )
     rows = [row for row, _ in rows]
+    workload = Workload(len(prompts), sum(len(p) for p in prompts), len(prompts) * args.output_len)
     if args.json:
-        print(json.dumps({"config": vars(args), "rows": [asdict(r) for r in rows]}, indent=2))
+        report = {"config": vars(args), "workload": asdict(workload), "rows": [asdict(r) for r in rows]}
+        print(json.dumps(report, indent=2))
         return 0
     prefix = f" after a shared prefix of {args.shared_prefix_len}" if args.shared_prefix_len else ""
     print(
-        f"{args.num_prompts} prompts of {args.input_len} tokens{prefix} -> {args.output_len} tokens each, "
-        f"model {args.model}, KV {args.kv_cache_memory}, max_model_len {args.max_model_len}"
+        f"workload: {workload.num_prompts} prompts of {args.input_len} random tokens{prefix}, "
+        f"{workload.prompt_tokens:,} prompt tokens in all, {args.output_len} output tokens each = "
+        f"{workload.output_tokens:,}; model {args.model}, KV {args.kv_cache_memory}, "
+        f"max_model_len {args.max_model_len}, watermark {' / '.join(f'{w:g}' for w in args.watermark)}"
     )
-    print(
-        f"{'system':<22}{'seconds':>9}{'out tok/s':>11}{'mean batch':>12}{'max batch':>11}{'live KV':>9}"
-        f"{'preempt':>9}{'= paged':>9}{'TTFT s':>9}{'prefix hits':>13}"
-    )
+    print(HEADER)
     for r in rows:
-        batch = f"{_opt(r.mean_batch, '.1f'):>12}{_opt(r.max_batch, 'd'):>11}"
-        live, same = _opt(r.live_fraction, ".1%"), _opt(r.same_tokens_as_paged, ".0%")
-        ttft, hits = _opt(r.mean_ttft_s, ".2f"), _opt(r.prefix_hit_rate, ".1%")
-        print(
-            f"{r.system:<22}{r.seconds:>9.1f}{r.output_tok_s:>11.1f}{batch}{live:>9}{r.preemptions:>9}{same:>9}"
-            f"{ttft:>9}{hits:>13}"
-        )
-    base = next((r for r in rows if r.system == "paged"), None)
+        print(format_row(r))
     if base:
         for r in rows:
             if r is not base:
-                print(
-                    f"paged / {r.system}: {base.output_tok_s / r.output_tok_s:.2f}x output tokens/s", end=""
-                )
+                ttft = ""
                 if base.mean_ttft_s and r.mean_ttft_s:
-                    print(
-                        f", {r.mean_ttft_s / base.mean_ttft_s:.2f}x shorter mean time to first token", end=""
-                    )
-                print()
+                    ttft = f", {r.mean_ttft_s / base.mean_ttft_s:.2f}x shorter mean time to first token"
+                speed = base.output_tok_s / r.output_tok_s
+                print(f"{base.system} / {r.system}: {speed:.2f}x output tokens/s{ttft}")
+    for line in profile_lines:
+        print(line)
     return 0
 
 

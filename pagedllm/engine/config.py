@@ -45,6 +45,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # as vLLM v1; the contiguous layout has no cache and ignores it
     enable_chunked_prefill: bool = True  # as vLLM v1: long prompts are prefilled over several steps
     preemption_mode: Literal["recompute", "swap"] = "recompute"
+    watermark: float = 0.01  # share of KV blocks an admission must leave free (vLLM's 1%)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -64,6 +65,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
+        if not isinstance(self.watermark, (int, float)) or not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be a fraction in [0, 1), got {self.watermark!r}")
         parse_bytes(self.kv_cache_memory)
 
     @property

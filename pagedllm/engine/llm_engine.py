@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm._runtime import apply_thread_count, keep_large_allocations
 from pagedllm.engine import detokenizer
 from pagedllm.engine.beam_search import BeamSearch, Continuation
 from pagedllm.engine.config import EngineConfig, parse_bytes
@@ -64,6 +65,9 @@ class Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        apply_thread_count()
+        if torch.device(config.device).type == "cpu":
+            keep_large_allocations()
         loaded = load_shared_model(config.model, config.torch_dtype, config.device)
         self.loaded_model = loaded
         self.model = loaded.model
@@ -105,6 +109,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             preemption_mode=config.preemption_mode,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            watermark=config.watermark,
         )
         self.requests: dict[str, Request] = {}
         self.num_steps = 0

@@ -34,12 +34,17 @@ class Sample:
 
 
 def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p masks, applied to every row at once."""
+    """Temperature, then min-p, top-k and top-p masks (vLLM's order), applied to every row at once."""
     temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device)
     logits = logits / temps[:, None]
     top_k = torch.tensor([r.params.top_k or logits.shape[1] for r in rows], device=logits.device)
     top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype, device=logits.device)
     min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype, device=logits.device)
+    if (min_p > 0).any():
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(
+            probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf")
+        )
     if (top_k < logits.shape[1]).any() or (top_p < 1).any():
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(logits.shape[1], device=logits.device)
@@ -48,10 +53,7 @@ def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
         # Keep the smallest head of the distribution whose mass reaches top_p (always the first token).
         drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(dim=-1)
-    if (min_p > 0).any():
-        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-    return probs
+    return logits.softmax(dim=-1)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

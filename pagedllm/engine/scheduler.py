@@ -87,6 +87,8 @@ class Scheduler:
         # Prompt tokens looked up in the prefix cache at first admission, and how many of them it held.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.num_blocks_swapped_out = 0  # device -> host block copies, over the scheduler's life
+        self.num_blocks_swapped_in = 0  # host -> device
         self._fork_copies: list[tuple[int, int]] = []  # to perform before the next forward
 
     def add(self, seq: Sequence) -> None:
@@ -184,7 +186,9 @@ class Scheduler:
             seq = self.swapped[0]
             if not self.allocator.can_swap_in(seq.seq_id):
                 return
-            out.swap_in += self.allocator.swap_in(seq.seq_id)
+            copies = self.allocator.swap_in(seq.seq_id)
+            self.num_blocks_swapped_in += len(copies)
+            out.swap_in += copies
             self.swapped.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -255,10 +259,12 @@ class Scheduler:
             self.running.remove(seq)
         if self.preemption_mode == "swap" if swap is None else swap:
             try:
-                out.swap_out += self.allocator.swap_out(seq.seq_id)
+                copies = self.allocator.swap_out(seq.seq_id)
             except NoFreeBlocks:  # the host pool is full too: fall back to recompute
                 pass
             else:
+                self.num_blocks_swapped_out += len(copies)
+                out.swap_out += copies
                 seq.status = SequenceStatus.SWAPPED
                 self.swapped.append(seq)
                 return

@@ -1,4 +1,4 @@
-"""The `pagedllm` command: generate text, or run a benchmark."""
+"""The `pagedllm` command: generate text, serve, run a benchmark, or draw the KV cache."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ BENCHMARKS = {
     "throughput": "pagedllm.bench.throughput",  # paged vs contiguous (vs HF) on a real model
     "chunked-prefill": "pagedllm.bench.chunked_prefill",  # decode stalls when a long prompt arrives
     "sharing": "pagedllm.bench.sharing",  # KV memory saved by sharing blocks (parallel sampling, beams)
+    "snapshot": "pagedllm.bench.snapshot",  # what the dashboard's GET /v1/kv costs next to a step
 }
 
 
@@ -59,6 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         served_model_name=args.served_model_name,
         **_engine_kwargs(args),
+        **{name: getattr(args, name) for name in KV_ARGS},
     )
 
 
@@ -100,6 +102,17 @@ def _add_engine_args(parser: argparse.ArgumentParser, kv_cache_memory: str) -> N
     )
 
 
+KV_ARGS = ("block_size", "max_num_seqs", "kv_layout", "contiguous_reserve")
+
+
+def _add_kv_args(parser: argparse.ArgumentParser) -> None:
+    """The KV cache's shape and batch limit (EngineConfig names): what the dashboard helps to tune."""
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step at most")
+    parser.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
+    parser.add_argument("--contiguous-reserve", default="max", choices=["max", "pow2"], help="slab size")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,10 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--served-model-name", default=None, help="the model name clients use (default: --model)"
     )
     _add_engine_args(serve, kv_cache_memory="1GiB")
+    _add_kv_args(serve)
     serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="run a benchmark (options after the name go to it)")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
+    sub.add_parser("viz", help="draw the KV cache of a real run, paged vs contiguous (pagedllm viz --help)")
     return parser
 
 
@@ -142,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHMARKS:
         return importlib.import_module(BENCHMARKS[argv[1]]).main(argv[2:])
+    if argv[:1] == ["viz"]:
+        return importlib.import_module("pagedllm.viz.report").main(argv[1:])
     args = parser.parse_args(argv)
     try:
         return args.func(args)

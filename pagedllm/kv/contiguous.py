@@ -37,6 +37,17 @@ class Slab:
     num_tokens: int
 
 
+@dataclass(frozen=True)
+class SlotRun:
+    """A stretch of the slot address space: one sequence's slab, or a free gap."""
+
+    start: int
+    size: int
+    seq_id: Hashable | None  # None: a free gap
+    num_tokens: int  # live tokens at the start of a slab; 0 in a gap
+    external: bool  # a gap too small for the slab of the request can_allocate last refused
+
+
 class ContiguousAllocator:
     """First-fit slabs over `num_slots` slots; `gaps` is the sorted list of free (start, size) runs."""
 
@@ -231,6 +242,12 @@ class ContiguousAllocator:
             states[slab.start : end] = [SlotState.LIVE] * slab.num_tokens
             states[end : slab.start + slab.size] = [SlotState.RESERVED] * (slab.size - slab.num_tokens)
         return states
+
+    def runs(self) -> list[SlotRun]:
+        """Slabs and gaps in address order: the whole address space, each run once."""
+        slabs = [SlotRun(s.start, s.size, seq_id, s.num_tokens, False) for seq_id, s in self.slabs.items()]
+        gaps = [SlotRun(start, size, None, 0, size < self._refused) for start, size in self.gaps]
+        return sorted(slabs + gaps, key=lambda run: run.start)
 
     def _slab(self, seq_id: Hashable) -> Slab:
         slab = self.slabs.get(seq_id)

@@ -33,6 +33,20 @@ class KVUsage:
     def live_fraction(self) -> float:
         return self.fraction(self.live_slots)
 
+    def parts(self) -> dict[str, int]:
+        """Disjoint slot counts in USAGE_PARTS order, summing to total_slots: `external` is the free
+        space in gaps too small for the last refused request, `free` the rest of the free space."""
+        return {
+            "live": self.live_slots,
+            "tail": self.tail_slots,
+            "reserved": self.reserved_slots,
+            "external": self.external_frag_slots,
+            "free": self.free_slots - self.external_frag_slots,
+        }
+
+
+USAGE_PARTS = ("live", "tail", "reserved", "external", "free")  # where a KV slot can be, as KVUsage.parts()
+
 
 class SlotState(StrEnum):
     """What one KV slot holds, as `slot_states()` reports it; the names match KVUsage's counts."""

@@ -24,6 +24,15 @@ from pagedllm.kv.interface import (
 )
 
 
+@dataclass(frozen=True)
+class BlockStates:
+    """Every device block, indexed by block id (compact lists, for pictures of the cache)."""
+
+    ref_counts: list[int]  # block tables holding the block (0: free; > 1: shared)
+    num_tokens: list[int]  # tokens written in a held block (0 for a free one)
+    cached: list[bool]  # findable in the prefix cache (a free cached block can be taken back)
+
+
 @dataclass
 class _Seq:
     """One sequence: its tokens, its block table, and the hash of each of its full blocks."""
@@ -321,6 +330,14 @@ class PagedAllocator:
             largest_free_run=free,  # any free block serves any sequence: no contiguity needed
             external_frag_slots=0,
             shared_saved_slots=self._resident_tokens - live,
+        )
+
+    def block_states(self) -> BlockStates:
+        blocks = self.pool.blocks
+        return BlockStates(
+            [block.ref_cnt for block in blocks],
+            [block.num_tokens if block.ref_cnt else 0 for block in blocks],
+            [block.block_hash is not None for block in blocks],
         )
 
     def slot_states(self) -> list[SlotState]:

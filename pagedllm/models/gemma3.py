@@ -15,8 +15,6 @@ from pagedllm.models.attention import AttentionMetadata
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, RotaryEmbedding
 
-Rope = tuple[torch.Tensor, torch.Tensor]
-
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
@@ -30,9 +28,17 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.post_feedforward_layernorm = norm(config.hidden_size)
 
-    def forward(self, h: torch.Tensor, local_rope: Rope, global_rope: Rope, meta: AttentionMetadata):
-        rope = local_rope if self.is_sliding else global_rope
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope, meta))
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        local_rotary: RotaryEmbedding,
+        global_rotary: RotaryEmbedding,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        rotary = local_rotary if self.is_sliding else global_rotary
+        attn = self.self_attn(self.input_layernorm(h), positions, rotary, meta)
+        h = h + self.post_attention_layernorm(attn)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
@@ -52,8 +58,6 @@ class Gemma3ForCausalLM(CausalLM):
         """A flattened batch of [T] tokens from many sequences -> [T, hidden] final hidden states."""
         h = self.embed_tokens(input_ids)
         h = h * torch.tensor(self.embed_scale, dtype=h.dtype)  # rounded to the model dtype, as trained
-        local_rope = self.local_rotary(positions, h.dtype)
-        global_rope = self.global_rotary(positions, h.dtype)
         for layer in self.layers:
-            h = layer(h, local_rope, global_rope, meta)
+            h = layer(h, positions, self.local_rotary, self.global_rotary, meta)
         return self.norm(h)

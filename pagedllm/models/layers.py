@@ -1,4 +1,8 @@
-"""Building blocks shared by the model families: norm, rotary embedding, fused linears, MLP, attention."""
+"""Building blocks shared by the model families: norm, rotary embedding, MLP, attention, LM head.
+
+The elementwise work goes through pagedllm.ops (fused C++ kernels on the CPU, PyTorch elsewhere); the
+matmuls through Linear layers, whose LinearMethod decides how weights are stored and multiplied.
+"""
 
 from __future__ import annotations
 
@@ -10,25 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import ops
 from pagedllm.models.attention import AttentionMetadata, PagedAttention
 from pagedllm.models.config import ModelConfig
-
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
-
-
-class Linear(nn.Module):
-    """y = x W^T (+ b). Like every parameter here, W starts uninitialised: the loader fills it."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+from pagedllm.models.linear import Linear, MergedLinear
 
 
 class Embedding(nn.Module):
@@ -52,10 +41,7 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        if self.unit_offset:
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps, self.unit_offset)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -78,35 +64,19 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
-    """float32 cos/sin tables for every position, computed once; forward looks up a batch's positions."""
+    """A float32 table of every position's cos and sin, computed once; forward rotates q/k heads in place."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", angles.cos(), persistent=False)  # [max_positions, head_dim / 2]
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        # [max_positions, head_dim]: cos of each rotated pair's angle, then sin. A plain attribute rather
+        # than a buffer, so that casting the model to bf16 leaves it float32.
+        self.cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T] positions -> (cos, sin), each [T, 1, head_dim / 2] in dtype, broadcasting over heads."""
-        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [T, H, D] by position, pairing dim i with dim i + D/2 (Hugging Face's rotate_half layout)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-class MergedLinear(Linear):
-    """Several projections of the same input as one matmul (e.g. q, k, v); shards are stacked by rows.
-
-    `shards` maps each checkpoint projection name to its output size, in order; the loader fills the rows.
-    """
-
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool):
-        super().__init__(in_features, sum(shards.values()), bias=bias)
-        self.shards = shards
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> None:
+        """Rotate [T, H, D] in place (pairing dim i with i + D/2, Hugging Face's rotate_half layout)."""
+        ops.rotary_embedding_(x, positions, self.cos_sin)
 
 
 class GatedMLP(nn.Module):
@@ -117,11 +87,11 @@ class GatedMLP(nn.Module):
         shards = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
         self.gate_up_proj = MergedLinear(hidden_size, shards, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
-        self.act = ACTIVATIONS[act]
+        self.act = act
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP's output, plus `residual` if given (added inside the down projection)."""
+        return self.down_proj(ops.act_and_mul(self.gate_up_proj(x), self.act), residual)
 
 
 class Attention(nn.Module):
@@ -146,8 +116,14 @@ class Attention(nn.Module):
         self.attn = PagedAttention(layer_idx, scale, config.layer_sliding_window(layer_idx))
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        meta: AttentionMetadata,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The attention output, plus `residual` if given (added inside the output projection)."""
         num_tokens, num_heads, head_dim = x.shape[0], self.num_heads, self.head_dim
         qkv = self.qkv_proj(x)
         qk_size = (num_heads + self.num_kv_heads) * head_dim
@@ -155,24 +131,25 @@ class Attention(nn.Module):
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, head_dim)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :num_heads]), self.k_norm(qk[:, num_heads:])), dim=1)
-        qk = apply_rotary(qk, *rope)  # q and k heads together: one set of elementwise ops
+        rotary(qk, positions)  # q and k heads together, in place
         out = self.attn(qk[:, :num_heads], qk[:, num_heads:], v, meta)
-        return self.o_proj(out.reshape(num_tokens, num_heads * head_dim))
+        return self.o_proj(out.view(num_tokens, num_heads * head_dim), residual)
 
 
 class CausalLM(nn.Module):
-    """What every family shares: token embedding, (possibly tied) LM head, float32 logits."""
+    """What every family shares: token embedding, LM head (tied to the embedding or not), float32 logits."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # one parameter, loaded once
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] final hidden states -> [N, vocab] float32 logits."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        logits = self.lm_head(hidden).float()
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -24,10 +24,11 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
 
     def forward(
-        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+        self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # h + attn(norm(h)), then h + mlp(norm(h)): each residual add happens inside the projection.
+        h = self.self_attn(self.input_layernorm(h), positions, rotary, meta, residual=h)
+        return self.mlp(self.post_attention_layernorm(h), residual=h)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -44,7 +45,6 @@ class LlamaForCausalLM(CausalLM):
     ) -> torch.Tensor:
         """A flattened batch of [T] tokens from many sequences -> [T, hidden] final hidden states."""
         h = self.embed_tokens(input_ids)
-        rope = self.rotary(positions, h.dtype)
         for layer in self.layers:
-            h = layer(h, rope, meta)
+            h = layer(h, positions, self.rotary, meta)
         return self.norm(h)

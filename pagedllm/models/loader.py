@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.gguf_loader import cache_root, converted_folder
+from pagedllm.models.linear import LinearMethod, default_linear_method, process_linear_layers
 from pagedllm.models.registry import model_class
 from pagedllm.models.weights import load_weights
 
@@ -116,9 +117,13 @@ def _read_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    model: str = DEFAULT_MODEL,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    linear_method: LinearMethod | None = None,
 ) -> LoadedModel:
-    """Load weights, config and tokenizer; the model is in eval mode with gradients off."""
+    """Load weights, config and tokenizer, then let the linear method (default: the best for this device
+    and dtype) prepare every matmul weight; the model is in eval mode with gradients off."""
     folder = resolve_checkpoint(model)
     config = read_config(folder)
     cls = model_class(config.architecture)
@@ -127,6 +132,7 @@ def load_model(
     module.to(dtype)
     load_weights(module, _read_weights(weight_files(folder)))
     module.eval().requires_grad_(False)
+    process_linear_layers(module, linear_method or default_linear_method(device, dtype))
     return LoadedModel(module, _load_tokenizer(folder), config, model, folder)
 
 

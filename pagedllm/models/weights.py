@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagedllm.models.layers import MergedLinear
+from pagedllm.models.linear import MergedLinear
 
 # Prefixes of checkpoint names: the language model's own, and those of parts we do not run.
 _LM_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
@@ -31,9 +31,12 @@ def module_name(checkpoint_name: str) -> str | None:
 
 def _targets(model: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
     """Checkpoint-style name -> (parameter, first row, rows) it fills."""
-    targets = {}
+    targets, seen = {}, set()
     for prefix, module in model.named_modules():
         for pname, param in module.named_parameters(recurse=False):
+            if id(param) in seen:  # a tied parameter is filled under its first name
+                continue
+            seen.add(id(param))
             if isinstance(module, MergedLinear):  # layers.0.self_attn.qkv_proj -> layers.0.self_attn.q_proj
                 parent = prefix.rpartition(".")[0]
                 row = 0
@@ -48,12 +51,14 @@ def _targets(model: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Fill every parameter from (checkpoint name, tensor) pairs; errors name the tensor at fault."""
     targets = _targets(model)
-    tied = getattr(model, "lm_head", None) is None
+    tied = model.config.tie_word_embeddings
     loaded = set()
     for checkpoint_name, tensor in weights:
         name = module_name(checkpoint_name)
-        if name is None or (tied and name == "lm_head.weight"):
+        if name is None:
             continue
+        if tied and name == "lm_head.weight":  # some tied checkpoints store the shared matrix under this name
+            name = "embed_tokens.weight"
         if name not in targets:
             raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no place in {type(model).__name__}")
         param, row, rows = targets[name]

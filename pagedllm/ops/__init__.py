@@ -1,10 +1,12 @@
-"""Attention that reads K/V through block tables, and the store of new K/V into slots.
+"""Attention that reads K/V through block tables, the store of new K/V into slots, and the fused
+elementwise ops of a decoder layer (rms_norm, act_and_mul, rotary_embedding_).
 
-Tensors in, tensors out: no engine concepts here. Attention and write_kv dispatch to a backend:
+Tensors in, tensors out: no engine concepts here. Every op dispatches to a backend:
   torch   the reference (reference.py): gather + softmax in fp32, slow, trusted
   sdpa    pure PyTorch: per-sequence index_select + scaled_dot_product_attention
-  cpu     C++ kernel reading K/V in place (csrc/), built on first use
+  cpu     C++ kernels reading K/V in place (csrc/), built on first use for the CPU's instruction set
   triton  GPU kernels (triton_ops.py)
+A backend without its own elementwise kernels uses the reference ones.
 PAGEDLLM_ATTN_BACKEND picks one; otherwise CUDA tensors use triton (sdpa if Triton is missing), CPU
 tensors use cpu for fp32/bf16 (sdpa for fp16, and, with one warning line, if the kernel cannot
 be built), other devices sdpa.
@@ -22,6 +24,8 @@ from types import ModuleType
 
 import torch
 
+from pagedllm.ops import reference
+from pagedllm.ops.kv_cache import allocate_kv_caches
 from pagedllm.ops.reference import copy_blocks, swap_blocks
 
 BACKENDS = {"torch": "reference", "sdpa": "sdpa", "cpu": "cpu", "triton": "triton_ops"}
@@ -31,9 +35,13 @@ __all__ = [
     "BACKENDS",
     "copy_blocks",
     "get_backend_name",
+    "act_and_mul",
+    "allocate_kv_caches",
     "paged_decode_attention",
     "paged_prefill_attention",
     "reset_backend_cache",
+    "rms_norm",
+    "rotary_embedding_",
     "swap_blocks",
     "write_kv",
 ]
@@ -119,6 +127,26 @@ def paged_prefill_attention(
     return _backend(q.device.type, q.dtype).paged_prefill_attention(
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window
     )
+
+
+def _elementwise(x: torch.Tensor, name: str):
+    return getattr(_backend(x.device.type, x.dtype), name, getattr(reference, name))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """x / rms(x) * weight over the last dim (Gemma: * (1 + weight)); float32 math, x's dtype out."""
+    return _elementwise(x, "rms_norm")(x, weight, eps, unit_offset)
+
+
+def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up for x = [gate | up], [T, 2I] -> [T, I]; activation "silu" or "gelu_pytorch_tanh"."""
+    return _elementwise(x, "act_and_mul")(x, activation)
+
+
+def rotary_embedding_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """Rotate x [T, H, D] (e.g. the q and k heads of a fused projection) in place by each token's position;
+    cos_sin [max_positions, D] float32 holds each rotated pair's cos, then sin."""
+    _elementwise(x, "rotary_embedding_")(x, positions, cos_sin)
 
 
 def reset_backend_cache() -> None:

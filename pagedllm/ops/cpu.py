@@ -1,47 +1,99 @@
-"""`cpu` backend: the C++ kernel in csrc/paged_attention.cpp, built on first use and cached on disk.
+"""`cpu` backend: the C++ kernels in csrc/, built on first use for the CPU's instruction set, cached on disk.
 
-The build goes through torch.utils.cpp_extension (cache under TORCH_EXTENSIONS_DIR, default
-~/.cache/torch_extensions); it happens once per machine and is loaded once per process.
+The same sources are compiled once per instruction set (`avx512`: AVX-512 F/BW/VL/DQ, 16 float lanes;
+`avx2`: AVX2 + FMA, 8 lanes), each build registering its ops under its own namespace
+(torch.ops.pagedllm_avx512, ...), so that a binary never runs on a CPU that lacks its instructions and
+tests can load both builds side by side. The best build the CPU can run is chosen at run time (torch's
+CPU capability, which honours ATEN_CPU_CAPABILITY; PAGEDLLM_CPU_ISA names one explicitly). The build goes
+through torch.utils.cpp_extension (cache under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-# -fopenmp must also reach the linker, or at::parallel_for runs on one thread.
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ["attention.cpp", "elementwise.cpp", "register.cpp"]
+ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DPAGEDLLM_AVX512"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+}
+# -fopenmp must also reach the linker, or at::parallel_for runs on one thread. No FMA contraction: an
+# a * b + c written as two ops rounds twice, as PyTorch's ops do.
+_COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+ISA_ENV_VAR = "PAGEDLLM_CPU_ISA"
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
+
+
+def supported_isas() -> list[str]:
+    """The instruction sets of ISA_FLAGS this CPU runs, best first."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return {"AVX512": ["avx512", "avx2"], "AVX2": ["avx2"]}.get(capability, [])
 
 
 @functools.cache
-def unavailable_reason() -> str | None:
-    """Build and load the kernel once; None on success, else why it cannot be used."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return f"CPU lacks AVX2 (capability {torch.backends.cpu.get_cpu_capability()})"
+def selected_isa() -> str | None:
+    """The build to use: $PAGEDLLM_CPU_ISA if set (it must be supported), else the best supported."""
+    supported = supported_isas()
+    requested = os.environ.get(ISA_ENV_VAR, "").strip().lower()
+    if requested:
+        if requested not in ISA_FLAGS:
+            raise ValueError(f"{ISA_ENV_VAR}={requested!r} is not one of {sorted(ISA_FLAGS)}")
+        if requested not in supported:
+            raise ValueError(
+                f"{ISA_ENV_VAR}={requested!r}, but this CPU supports only {supported or 'neither'}"
+            )
+        return requested
+    return supported[0] if supported else None
+
+
+@functools.cache
+def _sources_digest() -> str:
+    """A short hash of the kernel sources: builds of different versions get different cache folders."""
+    digest = hashlib.sha256()
+    for path in sorted(_CSRC.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:10]
+
+
+@functools.cache
+def build_error(isa: str) -> str | None:
+    """Build and load the kernels for one instruction set, once; None on success, else why it failed."""
     try:
         from torch.utils import cpp_extension
 
         cpp_extension.load(
-            name="pagedllm_paged_attention",
-            sources=[str(_SOURCE)],
-            extra_cflags=_FLAGS,
+            name=f"pagedllm_cpu_{isa}_{_sources_digest()}",
+            sources=[str(_CSRC / name) for name in _SOURCES],
+            extra_cflags=_COMMON_FLAGS + ISA_FLAGS[isa] + [f"-DPAGEDLLM_NAMESPACE=pagedllm_{isa}"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )
     except Exception as exc:  # compiler missing, build error, load error: all mean "use the fallback"
-        return f"building {_SOURCE.name} failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1]}"
+        return f"building the {isa} kernels failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1]}"
     return None
 
 
-def _op(name: str):
-    """The registered operator, building the kernel first if this process has not yet."""
-    reason = unavailable_reason()
+def unavailable_reason() -> str | None:
+    """None when the kernels for this CPU are built and loaded, else why they cannot be used."""
+    isa = selected_isa()
+    if isa is None:
+        return f"CPU lacks AVX2 (capability {torch.backends.cpu.get_cpu_capability()})"
+    return build_error(isa)
+
+
+def kernels(isa: str | None = None):
+    """The op namespace of one build (default: the selected one), building it first if needed."""
+    isa = isa or selected_isa()
+    reason = unavailable_reason() if isa == selected_isa() else build_error(isa)
     if reason is not None:
-        raise RuntimeError(f"the cpu attention backend is unavailable: {reason}")
-    return getattr(torch.ops.pagedllm, name)
+        raise RuntimeError(f"the cpu kernels are unavailable: {reason}")
+    return getattr(torch.ops, f"pagedllm_{isa}")
 
 
 @functools.cache
@@ -61,14 +113,8 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter new tokens' K/V ([T, Hkv, D]) into cache slots; slot -1 means skip."""
-    _op("write_kv")(
-        key.to(k_cache.dtype).contiguous(),
-        value.to(v_cache.dtype).contiguous(),
-        k_cache,
-        v_cache,
-        slot_mapping.to(torch.int64).contiguous(),
-    )
+    """Scatter new tokens' K/V ([T, Hkv, D], rows may be strided) into cache slots; slot -1 means skip."""
+    kernels().write_kv(key, value, k_cache, v_cache, slot_mapping.to(torch.int64).contiguous())
 
 
 def paged_prefill_attention(
@@ -82,10 +128,12 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Query rows of sequence s are the last rows of its context; causal; see reference.py."""
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    _op("paged_attention")(
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype)
+    kernels().paged_attention(
         out,
-        q.contiguous(),
+        q,
         k_cache,
         v_cache,
         _as_int32(block_tables),
@@ -110,3 +158,22 @@ def paged_decode_attention(
     return paged_prefill_attention(
         q, k_cache, v_cache, block_tables, _one_row_each(q.shape[0]), context_lens, scale, sliding_window
     )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """x / rms(x) * weight over the last dim (Gemma: * (1 + weight)); x may be a strided 2-D or 3-D view."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    kernels().rms_norm(out, x, weight, eps, unit_offset)
+    return out
+
+
+def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up for x = [gate | up] ([T, 2I] -> [T, I])."""
+    out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+    kernels().act_and_mul(out, x, ACTIVATIONS[activation])
+    return out
+
+
+def rotary_embedding_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """Rotate x [T, H, D] (a strided view is fine) in place by position; cos_sin [max_pos, D] float32."""
+    kernels().rotary_embedding(x, positions, cos_sin)

@@ -1,9 +1,11 @@
-"""Torch reference for paged attention: gather through the block table, softmax in float32.
+"""Torch reference for paged attention (gather through the block table, softmax in float32) and for the
+fused elementwise ops of a decoder layer (RMSNorm, activation-and-multiply, rotary embedding).
 
-Simple enough to trust; every other backend is tested against it.
+Simple enough to trust; every other backend is tested against it. Backends without their own
+elementwise kernels (sdpa, triton) use these.
 
 Shapes (one layer):
-  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] views, any memory order (kv_cache.py)
   block_tables:     [num_seqs, max_blocks] int32, padded with any valid id
   context_lens:     [num_seqs] int32, tokens in the cache for each sequence, including this step's
 """
@@ -11,6 +13,12 @@ Shapes (one layer):
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 def write_kv(
@@ -23,12 +31,9 @@ def write_kv(
     """Scatter new tokens' K/V ([T, Hkv, D]) into cache slots; slot -1 means skip."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    block_size = k_cache.shape[1]
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    assert flat_k.shape[0] == k_cache.shape[0] * block_size
-    flat_k.index_copy_(0, slots, key[keep].to(k_cache.dtype))
-    flat_v.index_copy_(0, slots, value[keep].to(v_cache.dtype))
+    blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
 
 
 def gather_kv(
@@ -127,3 +132,26 @@ def swap_blocks(
     dst = torch.tensor([p[1] for p in pairs], device=dst_k.device)
     for s, d in ((src_k, dst_k), (src_v, dst_v)):
         d.index_copy_(0, dst, s.index_select(0, src).to(d.device))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """x / rms(x) * weight over the last dim, in float32 as Hugging Face computes it; Gemma scales by
+    (1 + weight) before rounding to x's dtype, Llama rounds first."""
+    normed = F.rms_norm(x.float(), weight.shape, eps=eps)
+    if unit_offset:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
+def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up for x = [gate | up] ([T, 2I] -> [T, I])."""
+    gate, up = x.chunk(2, dim=-1)
+    return ACTIVATIONS[activation](gate) * up
+
+
+def rotary_embedding_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """Rotate x [T, H, D] in place by position, pairing dim i with i + D/2 (Hugging Face's rotate_half
+    layout); cos_sin [max_positions, D] float32 holds cos of each pair's angle, then sin."""
+    cos, sin = cos_sin[positions, None].chunk(2, dim=-1)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))

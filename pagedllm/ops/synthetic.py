@@ -6,13 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.ops.kv_cache import allocate_kv_caches
+
 
 @dataclass
 class PagedBatch:
     q: torch.Tensor  # [T, H, D], rows of sequence s at query_start_loc[s]:[s+1]
     k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]; slots no sequence owns hold NaN
     v_cache: torch.Tensor
-    block_tables: torch.Tensor  # [S, max_blocks] int32, physical blocks shuffled, padded with block 0
+    block_tables: torch.Tensor  # [S, max_blocks] int32, physical blocks (shuffled or not), padded with 0
     query_start_loc: torch.Tensor  # [S + 1] int32
     context_lens: torch.Tensor  # [S] int32
     keys: list[torch.Tensor]  # per sequence [context_len, Hkv, D]: the same K, contiguous
@@ -30,8 +32,17 @@ def random_paged_batch(
     device: str | torch.device = "cpu",
     seed: int = 0,
     spare_blocks: int = 3,
+    head_major: bool = False,
+    scattered: bool = True,
 ) -> PagedBatch:
-    """Sequences whose blocks are scattered at random over a cache with spare (NaN-filled) blocks."""
+    """Sequences whose blocks are scattered at random over a cache with spare (NaN-filled) blocks.
+
+    scattered=False lays each sequence's blocks out consecutively, in order (sequence after sequence):
+    the same q, K and V values as scattered=True with the same seed, stored as contiguous K/V.
+    head_major=True stores the caches' memory head-major, as pagedllm allocates them on the CPU
+    (ops/kv_cache.py, on huge pages there too): the same [num_blocks, block_size, Hkv, D] views and
+    values, other strides.
+    """
     if len(context_lens) != len(query_lens) or any(
         q > c for q, c in zip(query_lens, context_lens, strict=True)
     ):
@@ -41,7 +52,9 @@ def random_paged_batch(
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-c // block_size) for c in context_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
-    physical = torch.randperm(num_blocks, generator=gen).tolist()
+    physical = torch.randperm(num_blocks, generator=gen).tolist()  # drawn either way: the same values
+    if not scattered:
+        physical = list(range(num_blocks - 1, -1, -1))  # popped from the end: 0, 1, 2, ...
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.full(shape, float("nan"), dtype=dtype)
     v_cache = torch.full(shape, float("nan"), dtype=dtype)
@@ -58,6 +71,13 @@ def random_paged_batch(
             v_cache[block, : chunk.stop - chunk.start] = v[chunk]
         keys.append(k.to(device))
         values.append(v.to(device))
+    if head_major and torch.device(device).type == "cpu":  # the engine's own memory: huge pages too
+        ((k_cache, v_cache),) = [
+            (k.copy_(k_cache), v.copy_(v_cache))
+            for k, v in allocate_kv_caches(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, "cpu")
+        ]
+    elif head_major:
+        k_cache, v_cache = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache))
     starts = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     q = torch.randn(int(starts[-1]), num_heads, head_dim, generator=gen).to(dtype)
     return PagedBatch(

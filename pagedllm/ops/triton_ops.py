@@ -19,16 +19,30 @@ _PREFILL_BLOCK_Q = 16  # query rows per program when a sequence may have several
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ROW: tl.constexpr, BLOCK: tl.constexpr
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
+    """Token t's [Hkv, D] K/V (contiguous in the source) to slot slot_mapping[t] of the strided caches."""
     token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
         offs = tl.arange(0, BLOCK)
         mask = offs < ROW
         src = token.to(tl.int64) * ROW + offs
-        tl.store(k_cache_ptr + slot * ROW + offs, tl.load(key_ptr + src, mask=mask), mask=mask)
-        tl.store(v_cache_ptr + slot * ROW + offs, tl.load(value_ptr + src, mask=mask), mask=mask)
+        dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks
+        dst += (offs // HEAD_DIM) * stride_kh + offs % HEAD_DIM
+        tl.store(k_cache_ptr + dst, tl.load(key_ptr + src, mask=mask), mask=mask)
+        tl.store(v_cache_ptr + dst, tl.load(value_ptr + src, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -144,7 +158,7 @@ def write_kv(
     """Scatter new tokens' K/V ([T, Hkv, D]) into cache slots; slot -1 means skip."""
     if key.shape[0] == 0:
         return
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "K/V caches must be contiguous"
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "K/V caches must share strides"
     row = key.shape[1] * key.shape[2]
     _write_kv_kernel[(key.shape[0],)](
         key.to(k_cache.dtype).contiguous(),
@@ -152,6 +166,11 @@ def write_kv(
         k_cache,
         v_cache,
         slot_mapping.to(torch.int64),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        BLOCK_SIZE=k_cache.shape[1],
+        HEAD_DIM=key.shape[2],
         ROW=row,
         BLOCK=triton.next_power_of_2(row),
     )

@@ -3,7 +3,8 @@
 Slots run in address order, left to right and then top to bottom, wrapped into a grid when there are
 many. Colours follow the seed lesson's figure: dark = a live token, medium = allocated but empty (a
 contiguous slab's reserve beyond its sequence, or the unused tail of a paged sequence's last block),
-light = free.
+light = free; orange = free but in a gap too small for the waiting request (external fragmentation),
+for callers that mark such slots "external".
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ GROUPS = [
     (("live",), "#08306b", "live token"),
     (("reserved", "tail"), "#4f9bd0", "allocated, empty (slab reserve / last-block tail)"),
     (("free",), "#c6dbef", "free"),
+    (("external",), "#f4a582", "free gap too small for the waiting request"),
 ]
 CODES = {state: code for code, (states, _, _) in enumerate(GROUPS) for state in states}
 
@@ -49,9 +51,12 @@ def wrap(codes: np.ndarray, columns: int) -> np.ma.MaskedArray:
 
 
 def describe(label: str, codes: np.ndarray) -> str:
-    """`label: 52.5% live, 34.4% allocated-empty, 13.1% free (65,536 slots)`."""
-    live, empty, free = (100 * c / len(codes) for c in np.bincount(codes, minlength=len(GROUPS)))
-    return f"{label}: {live:.1f}% live, {empty:.1f}% allocated-empty, {free:.1f}% free ({len(codes):,} slots)"
+    """`label: 52.5% live, 34.4% allocated-empty, 13.1% free (65,536 slots)`, and the external gaps'
+    share after the free one when there are any."""
+    live, empty, free, external = (100 * c / len(codes) for c in np.bincount(codes, minlength=len(GROUPS)))
+    gaps = f", {external:.1f}% in external gaps" if external else ""
+    shares = f"{live:.1f}% live, {empty:.1f}% allocated-empty, {free:.1f}% free{gaps}"
+    return f"{label}: {shares} ({len(codes):,} slots)"
 
 
 def plot_memory_map(
@@ -77,6 +82,11 @@ def plot_memory_map(
         ax.set_xticks([])
         ax.set_yticks([])
     fig.suptitle(title, fontsize=10)
-    handles = [Patch(facecolor=colour, edgecolor="0.5", label=text) for _, colour, text in GROUPS]
-    fig.legend(handles=handles, loc="outside lower center", ncol=len(GROUPS), fontsize=8, frameon=False)
+    shown = set(np.concatenate(codes).tolist()) | {0, 1, 2}  # external only where some slot is
+    handles = [
+        Patch(facecolor=colour, edgecolor="0.5", label=text)
+        for code, (_, colour, text) in enumerate(GROUPS)
+        if code in shown
+    ]
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8, frameon=False)
     fig.savefig(path, dpi=100)

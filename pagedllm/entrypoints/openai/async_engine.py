@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.openai.metrics import EngineMetrics
+from pagedllm.entrypoints.openai.metrics import EngineMetrics, RequestTimes
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -22,6 +23,7 @@ class _Stream:
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    times: RequestTimes
     num_generated: int = 0
 
     def put(self, item: RequestOutput | BaseException) -> None:
@@ -75,7 +77,7 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs until finished; closing or cancelling the iterator aborts
         it, so its KV blocks go back to the pool. A bad prompt raises ValueError before any output."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), RequestTimes(time.monotonic()))
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(request_id, prompt, params)
@@ -123,12 +125,15 @@ class AsyncEngine:
                 if stream is not None:
                     stream.put(error)
             return
+        now = time.monotonic()
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
             num_generated = self.metrics.num_generated(output)
-            self.metrics.generation_tokens.inc(num_generated - stream.num_generated)
+            new_tokens = num_generated - stream.num_generated
+            self.metrics.generation_tokens.inc(new_tokens)
+            self.metrics.observe_output(stream.times, now, new_tokens, output.finished)
             stream.num_generated = num_generated
             if output.finished:
                 del self._streams[output.request_id]

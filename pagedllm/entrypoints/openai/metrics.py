@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
+
+# Seconds; wider at the top than vLLM's GPU buckets, since a CPU step can take a second.
+TTFT_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+
+
+@dataclass
+class RequestTimes:
+    """time.monotonic() readings of one request: when it arrived, and when its last tokens came."""
+
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
 
 
 class EngineMetrics:
@@ -15,6 +31,18 @@ class EngineMetrics:
         self.running = Gauge("pagedllm:num_requests_running", "Sequences running", registry=reg)
         self.waiting = Gauge("pagedllm:num_requests_waiting", "Sequences waiting", registry=reg)
         self.kv_usage = Gauge("pagedllm:kv_cache_usage_perc", "KV cache usage (1 = full)", registry=reg)
+        self.kv_slots = Gauge(
+            "pagedllm:kv_cache_slots_perc",
+            "Share of KV token slots by state (they sum to 1): live tokens, unused tails of last blocks, "
+            "contiguous reserve beyond a sequence, free gaps too small for the waiting request, other free",
+            ["state"],
+            registry=reg,
+        )
+        self.prefix_hit_rate = Gauge(
+            "pagedllm:prefix_cache_hit_rate",
+            "Prompt tokens found in the prefix cache / prompt tokens looked up, since start",
+            registry=reg,
+        )
         self.prompt_tokens = Counter("pagedllm:prompt_tokens", "Prompt tokens", registry=reg)
         self.generation_tokens = Counter("pagedllm:generation_tokens", "Generated tokens", registry=reg)
         self.preemptions = Counter("pagedllm:num_preemptions", "Preemptions", registry=reg)
@@ -23,6 +51,24 @@ class EngineMetrics:
         )
         self.prefix_hits = Counter(
             "pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=reg
+        )
+        self.ttft = Histogram(
+            "pagedllm:time_to_first_token_seconds",
+            "Time to first token in seconds",
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            "pagedllm:inter_token_latency_seconds",
+            "Inter-token latency in seconds (between a request's successive steps)",
+            buckets=ITL_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "pagedllm:e2e_request_latency_seconds",
+            "End-to-end request latency in seconds (arrival to last token)",
+            buckets=E2E_BUCKETS,
+            registry=reg,
         )
         self._seen = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
 
@@ -33,6 +79,10 @@ class EngineMetrics:
         self.waiting.set(len(scheduler.waiting) + len(scheduler.swapped))
         usage = engine.allocator.usage()
         self.kv_usage.set(1.0 - usage.fraction(usage.free_slots))
+        for state, slots in usage.parts().items():
+            self.kv_slots.labels(state).set(usage.fraction(slots))
+        queries = scheduler.prefix_cache_queries
+        self.prefix_hit_rate.set(scheduler.prefix_cache_hits / queries if queries else 0.0)
         for name, counter in (
             ("num_preemptions", self.preemptions),
             ("prefix_cache_queries", self.prefix_queries),
@@ -41,6 +91,27 @@ class EngineMetrics:
             total = getattr(scheduler, name)
             counter.inc(total - self._seen[name])
             self._seen[name] = total
+
+    def observe_output(self, times: RequestTimes, now: float, new_tokens: int, finished: bool) -> None:
+        """A step's output for a request at `now`: with new tokens, its time to first token or its
+        inter-token latency; once finished, its end-to-end latency."""
+        if new_tokens:
+            if times.first_token is None:
+                times.first_token = now
+                self.ttft.observe(now - times.arrival)
+            else:
+                self.itl.observe(now - times.last_token)
+            times.last_token = now
+        if finished:
+            self.e2e.observe(now - times.arrival)
+
+    def token_totals(self) -> dict[str, float]:
+        """Prompt and generated tokens since start (the dashboard turns them into tokens/s)."""
+        get = self.registry.get_sample_value
+        return {
+            "prompt_tokens": get("pagedllm:prompt_tokens_total"),
+            "generation_tokens": get("pagedllm:generation_tokens_total"),
+        }
 
     @staticmethod
     def num_generated(output: RequestOutput) -> int:

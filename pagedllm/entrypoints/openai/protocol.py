@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 def random_id(prefix: str) -> str:
@@ -24,7 +24,13 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-class StreamOptions(BaseModel):
+class RequestModel(BaseModel):
+    """A request body: a field pagedllm does not implement is refused (HTTP 400 naming it), not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
@@ -34,7 +40,7 @@ class UsageInfo(BaseModel):
     total_tokens: int
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(RequestModel):
     """Fields both endpoints share, with vLLM's extra sampling fields (top_k, min_p, ignore_eos, ...)."""
 
     model: str | None = None
@@ -61,15 +67,30 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]  # several prompts: refused by the server
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
 
 
-class ChatMessage(BaseModel):
+class TextPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(RequestModel):
     role: str
-    content: str | list[dict] | None = None
+    content: str | list[TextPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content):
+        """An image or audio part is refused by its type (not dropped, not a wall of union errors)."""
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported, only 'text'")
+        return content
 
 
 class ChatCompletionRequest(SamplingRequest):

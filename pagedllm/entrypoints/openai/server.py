@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai import dashboard
 from pagedllm.entrypoints.openai import protocol as p
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -45,6 +46,7 @@ def build_app(model: str = "smollm2-135m", served_model_name: str | None = None,
 
     app = FastAPI(title="pagedllm", lifespan=lifespan)
     app.state.engine = engine
+    app.include_router(dashboard.router(engine))  # GET /dashboard and GET /v1/kv
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
@@ -53,13 +55,15 @@ def build_app(model: str = "smollm2-135m", served_model_name: str | None = None,
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0]
-        param = ".".join(str(part) for part in first["loc"] if part != "body")
+        errors = error.errors()
+        where = [".".join(str(part) for part in e["loc"] if part != "body") for e in errors]
         message = "; ".join(
-            f"{'.'.join(str(x) for x in e['loc'] if x != 'body')}: {e['msg']} (got {e.get('input')!r})"
-            for e in error.errors()
+            f"{name}: not supported by pagedllm"
+            if e["type"] == "extra_forbidden"
+            else f"{name}: {e['msg']} (got {e.get('input')!r})"
+            for name, e in zip(where, errors, strict=True)
         )
-        return JSONResponse(error_body(message, 400, "BadRequestError", param), status_code=400)
+        return JSONResponse(error_body(message, 400, "BadRequestError", where[0]), status_code=400)
 
     @app.get("/health")
     async def health() -> Response:
@@ -89,6 +93,11 @@ def build_app(model: str = "smollm2-135m", served_model_name: str | None = None,
         check_model(request)
         if request.echo:
             raise APIError("echo=true is not supported", param="echo")
+        if isinstance(request.prompt, list) and request.prompt and not isinstance(request.prompt[0], int):
+            raise APIError(
+                "several prompts in one completions request are not supported: send one request per prompt",
+                param="prompt",
+            )
         params = request_params(request, request.max_tokens, request.logprobs)
         outputs = engine.generate(p.random_id("cmpl"), request.prompt, params)
         response_id = p.random_id("cmpl")
@@ -221,8 +230,8 @@ def chat_prompt(engine: LLMEngine, messages: list[dict], add_generation_prompt: 
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"model {engine.config.model!r} has no chat template")
     for message in messages:
-        if isinstance(message["content"], list):  # OpenAI content parts: keep the text ones
-            message["content"] = "".join(part.get("text", "") for part in message["content"])
+        if isinstance(message["content"], list):  # OpenAI content parts (text only: see protocol.py)
+            message["content"] = "".join(part["text"] for part in message["content"])
     return list(
         tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False

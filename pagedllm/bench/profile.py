@@ -1,0 +1,245 @@
+"""Where an engine run's time goes (`pagedllm bench throughput --profile`).
+
+Three views of the same engine, all measured in the process that ran the benchmark:
+  phases  wall time of each engine phase per step (schedule, building the step's inputs, the model
+          forward, sampling, the rest: block tables, appending tokens, detokenizing, outputs), split
+          into steps that prefill and decode-only steps; host work = everything but the forward
+  ops     torch.profiler's top operators over a few decode steps at the workload's batch size
+  GEMMs   the model's own linear layers timed alone at the step's row counts: their sum is the floor
+          a step cannot go below, and model FLOPs / time is the rate to hold against their rate
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+import pagedllm.engine.llm_engine as llm_engine_module
+from pagedllm.models.linear import Linear
+
+PHASES = ("schedule", "inputs", "forward", "sample", "rest")
+
+
+@dataclass
+class StepRecord:
+    seconds: dict[str, float]  # per phase
+    prefill_tokens: int
+    decode_seqs: int
+
+
+@dataclass
+class PhaseProfile:
+    """Per-step phase times of one engine run."""
+
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def totals(self, prefill: bool) -> tuple[int, dict[str, float]]:
+        """Number of steps of one kind (with a prefill, or decode-only) and their summed phase seconds."""
+        chosen = [s for s in self.steps if (s.prefill_tokens > 0) == prefill]
+        summed = {p: sum(s.seconds[p] for s in chosen) for p in PHASES}
+        return len(chosen), summed
+
+
+@contextmanager
+def record_phases(engine) -> Iterator[PhaseProfile]:
+    """Time every engine.step() while the block runs, by wrapping the engine's components in place."""
+    profile = PhaseProfile()
+    current: dict[str, float] = defaultdict(float)
+    kind = {"prefill_tokens": 0, "decode_seqs": 0}
+
+    def timed(phase: str, fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                current[phase] += time.perf_counter() - start
+
+        return wrapper
+
+    original_schedule = engine.scheduler.schedule
+
+    def schedule():
+        out = original_schedule()
+        kind["prefill_tokens"] = sum(out.num_new_tokens[s.seq_id] for s in out.prefills)
+        kind["decode_seqs"] = len(out.decodes)
+        return out
+
+    original_step, original_sample = engine.step, llm_engine_module.sample
+    original_execute, original_prepare = engine.runner.execute, engine.runner.prepare_inputs
+
+    def step():
+        current.clear()
+        start = time.perf_counter()
+        outputs = original_step()
+        total = time.perf_counter() - start
+        seconds = {p: current[p] for p in ("schedule", "inputs", "sample")}
+        seconds["forward"] = current["execute"] - current["inputs"]
+        seconds["rest"] = total - current["schedule"] - current["execute"] - current["sample"]
+        profile.steps.append(StepRecord(seconds, kind["prefill_tokens"], kind["decode_seqs"]))
+        return outputs
+
+    engine.scheduler.schedule = timed("schedule", schedule)
+    engine.runner.execute = timed("execute", original_execute)
+    engine.runner.prepare_inputs = timed("inputs", original_prepare)
+    llm_engine_module.sample = timed("sample", original_sample)
+    engine.step = step
+    try:
+        yield profile
+    finally:  # drop the instance attributes that shadowed the classes' methods
+        for obj, name in (
+            (engine.scheduler, "schedule"),
+            (engine.runner, "execute"),
+            (engine.runner, "prepare_inputs"),
+            (engine, "step"),
+        ):
+            delattr(obj, name)
+        llm_engine_module.sample = original_sample
+
+
+def top_ops(engine, prompts: list[list[int]], decode_steps: int = 3, limit: int = 8) -> list[tuple]:
+    """(name, share of profiled CPU time, ms per step) of the top operators over a few decode steps of
+    the given prompts (their prefill runs first, unprofiled)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedllm.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=decode_steps + 2, temperature=0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"profile-{i}", ids, params)
+    while engine.scheduler.waiting:  # prefill every prompt first
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(decode_steps):
+            engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    return [
+        (e.key, e.self_cpu_time_total / total, e.self_cpu_time_total / 1e3 / decode_steps)
+        for e in events[:limit]
+    ]
+
+
+@dataclass
+class GemmFloor:
+    rows: int
+    seconds: float  # every linear layer of the model once, back to back, at `rows` rows
+    hot_seconds: float  # the same sum, each shape timed on one layer repeatedly (its weights in cache)
+    flops: float
+
+    @property
+    def gflop_s(self) -> float:
+        return self.flops / self.seconds / 1e9
+
+
+def linear_layers(model: torch.nn.Module) -> list[Linear]:
+    """The model's linear layers in order, LM head last."""
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+    return [*layers, model.lm_head]
+
+
+def gemm_floor(
+    model: torch.nn.Module, rows: int, head_rows: int, dtype: torch.dtype, reps: int = 5
+) -> GemmFloor:
+    """What a step's matmuls cost here: every linear layer of the model once at `rows` rows (the LM head at
+    `head_rows`), back to back with their own methods, as a step runs them: median of reps. Also the sum
+    of per-shape times with each weight hot in the cache, the floor's floor."""
+    layers = linear_layers(model)
+    inputs = {}
+    for layer in layers:
+        m = head_rows if layer is model.lm_head else rows
+        inputs.setdefault((m, layer.in_features), torch.randn(m, layer.in_features).to(dtype))
+    feed = [
+        (layer, inputs[(head_rows if layer is model.lm_head else rows, layer.in_features)])
+        for layer in layers
+    ]
+
+    def one_pass() -> float:
+        start = time.perf_counter()
+        for layer, x in feed:
+            layer(x)
+        return time.perf_counter() - start
+
+    def hot(layer: Linear, x: torch.Tensor) -> float:
+        layer(x)
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            layer(x)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    with torch.inference_mode():
+        one_pass()
+        seconds = statistics.median(one_pass() for _ in range(reps))
+        per_shape: dict[tuple, float] = {}
+        for layer, x in feed:
+            key = (x.shape[0], layer.in_features, layer.out_features)
+            if key not in per_shape:
+                per_shape[key] = hot(layer, x)
+        hot_seconds = sum(per_shape[(x.shape[0], layer.in_features, layer.out_features)] for layer, x in feed)
+    flops = sum(2.0 * x.shape[0] * layer.in_features * layer.out_features for layer, x in feed)
+    return GemmFloor(rows, seconds, hot_seconds, flops)
+
+
+def model_flops(model: torch.nn.Module, tokens: int, logit_rows: int) -> float:
+    """FLOPs of the model's matmuls for `tokens` tokens with logits for `logit_rows` of them."""
+    head = model.lm_head
+    per_token = sum(2.0 * m.in_features * m.out_features for m in linear_layers(model) if m is not head)
+    return per_token * tokens + 2.0 * head.in_features * head.out_features * logit_rows
+
+
+def report(engine, profile: PhaseProfile, ops: list[tuple], dtype: torch.dtype) -> list[str]:
+    """The --profile section of `bench throughput`, as printed lines."""
+    model = engine.model
+    lines = ["profile (paged):"]
+    for prefill, label in ((True, "steps with a prefill"), (False, "decode-only steps")):
+        count, phases = profile.totals(prefill)
+        if not count:
+            continue
+        total = sum(phases.values())
+        host = total - phases["forward"]
+        shares = ", ".join(f"{p} {phases[p] / total:.1%}" for p in PHASES)
+        lines.append(
+            f"  {label}: {count} steps, {total:.2f} s ({total / count * 1e3:.1f} ms/step): {shares}; "
+            f"host work {host / total:.1%}"
+        )
+    decode_steps = [s for s in profile.steps if s.prefill_tokens == 0 and s.decode_seqs]
+    if decode_steps:
+        batch = round(statistics.mean(s.decode_seqs for s in decode_steps))
+        step_s = statistics.median(sum(s.seconds.values()) for s in decode_steps)
+        floor = gemm_floor(model, batch, batch, dtype)
+        lines.append(
+            f"  decode step at batch ~{batch}: median {step_s * 1e3:.1f} ms; its GEMMs alone, back to back "
+            f"{floor.seconds * 1e3:.1f} ms ({floor.gflop_s:.0f} GFLOP/s; each with its weights hot in the "
+            f"cache {floor.hot_seconds * 1e3:.1f} ms): step / GEMMs = {step_s / floor.seconds:.2f}"
+        )
+    prefill_steps = [s for s in profile.steps if s.prefill_tokens > 0]
+    if prefill_steps:
+        tokens = sum(s.prefill_tokens for s in prefill_steps)
+        seconds = sum(sum(s.seconds.values()) for s in prefill_steps)
+        rows = max(s.prefill_tokens for s in prefill_steps)
+        floor = gemm_floor(model, rows, 1, dtype, reps=3)
+        rate = model_flops(model, tokens, 0) / seconds / 1e9
+        lines.append(
+            f"  prefill: {tokens:,} tokens in {seconds:.2f} s = {rate:.0f} GFLOP/s of matmuls; "
+            f"the same GEMMs alone at {rows} rows: {floor.gflop_s:.0f} GFLOP/s ({rate / floor.gflop_s:.0%})"
+        )
+    all_tokens = sum(s.prefill_tokens + s.decode_seqs for s in profile.steps)
+    logit_rows = sum(s.decode_seqs for s in profile.steps) + len(prefill_steps)
+    seconds = sum(sum(s.seconds.values()) for s in profile.steps)
+    lines.append(
+        f"  whole run: {model_flops(model, all_tokens, logit_rows) / 1e12:.2f} TFLOP of matmuls in "
+        f"{seconds:.1f} s = {model_flops(model, all_tokens, logit_rows) / seconds / 1e9:.0f} GFLOP/s"
+    )
+    lines.append("  top ops over decode steps (self CPU time):")
+    lines += [f"    {name:<40} {share:6.1%} {ms:8.2f} ms/step" for name, share, ms in ops]
+    return lines

@@ -1,0 +1,410 @@
+// Paged attention on the CPU: K/V are read in place through the block table (no gather copy).
+//
+// One kernel serves decode and prefill: sequence s owns query rows query_start_loc[s]..[s+1], the last
+// rows of its context_lens[s] tokens, causal. Work items are (sequence, kv head, tile of query rows)
+// and hold the whole GQA group, so each block of K/V is read from memory once for every head and query
+// row that uses it. Softmax is two-pass over a per-thread score buffer: scores, exp/normalise, sum of V.
+// Arithmetic is fp32; a bf16 cache is widened in registers. The query may be a strided view (e.g. the
+// q part of a fused qkv projection): only its last dimension must be contiguous.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+#include "ops.h"
+#include "simd.h"
+
+namespace pagedllm {
+namespace {
+
+constexpr int64_t kRowsPerTile = 16;  // query rows of one sequence handled by one work item
+constexpr int kRows = 4;              // query rows of a micro-kernel: they share every K/V load
+constexpr int64_t kBlocksAhead = 1;  // how far ahead blocks are prefetched
+
+// Calls fn(std::integral_constant<int, N>) for n in 1..kRows, so that N is a compile-time row count.
+template <typename F>
+inline void with_rows(int64_t n, const F& fn) {
+  switch (n) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    default: return fn(std::integral_constant<int, 4>{});
+  }
+}
+
+// Dot products of N fp32 query rows (d apart) with one key row; lane r of the result holds row r's.
+template <int N, typename T>
+inline __m128 dot_rows(const float* q, const T* k, int64_t d) {
+  VecF acc[kRows] = {VecF::zero(), VecF::zero(), VecF::zero(), VecF::zero()};
+  for_each_chunk(d, [&](int64_t i, int n) {
+    const VecF kv = load(k + i, n);
+    for (int r = 0; r < N; ++r) acc[r] = fmadd(load(q + r * d + i, n), kv, acc[r]);
+  });
+  return reduce_add4(acc[0], acc[1], acc[2], acc[3]);
+}
+
+// s_r[t] = q_r . k_t for N fp32 query rows q_r (d apart) and count key rows k_t (k_stride apart); score
+// rows are s_stride apart. C > 0: d is C whole vectors, and the queries are held in registers.
+template <int N, int C, typename T>
+inline void score_rows(float* s, int64_t s_stride, const float* q, const T* k, int64_t k_stride, int64_t count,
+                       int64_t d) {
+  if constexpr (C == 0) {
+    for (int64_t t = 0; t < count; ++t) {
+      alignas(16) float dots[kRows];
+      _mm_store_ps(dots, dot_rows<N>(q, k + t * k_stride, d));
+      for (int r = 0; r < N; ++r) s[r * s_stride + t] = dots[r];
+    }
+  } else {
+    VecF qv[N][C];
+    for (int r = 0; r < N; ++r)
+      for (int c = 0; c < C; ++c) qv[r][c] = VecF::load(q + r * d + c * VecF::kWidth);
+    int64_t t = 0;
+    if constexpr (VecF::kWidth == 16 && N * C <= 16) {
+      // Four keys at a time: each row's four dot products come out of one reduction, as one store.
+      for (; t + 4 <= count; t += 4) {
+        VecF acc[N][4];
+        for (int r = 0; r < N; ++r)
+          for (int j = 0; j < 4; ++j) acc[r][j] = VecF::zero();
+        for (int c = 0; c < C; ++c) {
+          VecF kv[4];
+          for (int j = 0; j < 4; ++j) kv[j] = VecF::load(k + (t + j) * k_stride + c * VecF::kWidth);
+          for (int r = 0; r < N; ++r)
+            for (int j = 0; j < 4; ++j) acc[r][j] = fmadd(qv[r][c], kv[j], acc[r][j]);
+        }
+        for (int r = 0; r < N; ++r) _mm_storeu_ps(s + r * s_stride + t, reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+      }
+    }
+    for (; t < count; ++t) {
+      const T* row = k + t * k_stride;
+      VecF acc[kRows] = {VecF::zero(), VecF::zero(), VecF::zero(), VecF::zero()};
+      for (int c = 0; c < C; ++c) {
+        const VecF kv = VecF::load(row + c * VecF::kWidth);
+        for (int r = 0; r < N; ++r) acc[r] = fmadd(qv[r][c], kv, acc[r]);
+      }
+      alignas(16) float dots[kRows];
+      _mm_store_ps(dots, reduce_add4(acc[0], acc[1], acc[2], acc[3]));
+      for (int r = 0; r < N; ++r) s[r * s_stride + t] = dots[r];
+    }
+  }
+}
+
+// y_r += sum_j w_r[j] * x_j for N accumulator rows y_r (d apart) and count value rows x_j (x_stride
+// apart); weight rows are w_stride apart. C > 0: d is C whole vectors, accumulated G at a time so that
+// N x G independent sums hide each fused multiply-add's latency; else one (possibly partial) vector at
+// a time.
+template <int N, int C, typename T>
+inline void accumulate_rows(float* y, const float* w, int64_t w_stride, const T* x, int64_t x_stride,
+                            int64_t count, int64_t d) {
+  if constexpr (C == 0) {
+    for_each_chunk(d, [&](int64_t i, int n) {
+      VecF acc[N];
+      for (int r = 0; r < N; ++r) acc[r] = load(y + r * d + i, n);
+      for (int64_t j = 0; j < count; ++j) {
+        const VecF xv = load(x + j * x_stride + i, n);
+        for (int r = 0; r < N; ++r) acc[r] = fmadd(VecF::set1(w[r * w_stride + j]), xv, acc[r]);
+      }
+      for (int r = 0; r < N; ++r) store(acc[r], y + r * d + i, n);
+    });
+  } else {
+    constexpr int G = std::min(C, VecF::kWidth == 16 ? 4 : 2);  // fits the register file with N <= 4
+    for (int c0 = 0; c0 < C; c0 += G) {
+      const int64_t i = c0 * VecF::kWidth;
+      VecF acc[N][G];
+      for (int r = 0; r < N; ++r)
+        for (int g = 0; g < G; ++g) acc[r][g] = VecF::load(y + r * d + i + g * VecF::kWidth);
+      for (int64_t j = 0; j < count; ++j) {
+        VecF xv[G];
+        for (int g = 0; g < G; ++g) xv[g] = VecF::load(x + j * x_stride + i + g * VecF::kWidth);
+        for (int r = 0; r < N; ++r) {
+          const VecF wv = VecF::set1(w[r * w_stride + j]);
+          for (int g = 0; g < G; ++g) acc[r][g] = fmadd(wv, xv[g], acc[r][g]);
+        }
+      }
+      for (int r = 0; r < N; ++r)
+        for (int g = 0; g < G; ++g) acc[r][g].store(y + r * d + i + g * VecF::kWidth);
+    }
+  }
+}
+
+// Calls fn(std::integral_constant<int, C>) with C = head_dim / kWidth for the common head sizes (up to
+// 8 whole vectors: 128 with AVX-512), else with C = 0 (the general, runtime-sized path).
+template <typename F>
+inline void with_head_vectors(int64_t head_dim, const F& fn) {
+  if (head_dim % VecF::kWidth == 0) {
+    switch (head_dim / VecF::kWidth) {
+      case 1: return fn(std::integral_constant<int, 1>{});
+      case 2: return fn(std::integral_constant<int, 2>{});
+      case 4: return fn(std::integral_constant<int, 4>{});
+      case 8: return fn(std::integral_constant<int, 8>{});
+      default: break;
+    }
+  }
+  fn(std::integral_constant<int, 0>{});
+}
+
+// x[i] = exp(x[i] - max) in place; returns the sum.
+inline float exp_shifted_sum(float* x, int64_t count, float max_value) {
+  VecF sum = VecF::zero();
+  const VecF shift = VecF::set1(max_value);
+  for_each_chunk(count, [&](int64_t i, int n) {
+    const VecF e = exp(load(x + i, n) - shift);
+    store(e, x + i, n);
+    sum = sum + (n == VecF::kWidth ? e : load(x + i, n));  // the reload zeroes the lanes past the end
+  });
+  return reduce_add(sum);
+}
+
+// Key/value rows of one sequence and one kv head, addressed through the sequence's block table.
+template <typename T>
+struct PagedRows {
+  const int32_t* table;
+  int64_t block_size, block_stride, slot_stride, head_offset, head_dim;
+
+  const T* block_start(const T* cache, int64_t b) const {
+    return cache + static_cast<int64_t>(table[b]) * block_stride + head_offset;
+  }
+
+  // Asks for block b's rows of [lo, hi) to be brought into the cache ahead of use.
+  void prefetch(const T* cache, int64_t b, int64_t hi) const {
+    const int64_t first = b * block_size;
+    if (first >= hi) return;
+    const char* start = reinterpret_cast<const char*>(block_start(cache, b));
+    const int64_t rows = std::min(block_size, hi - first), bytes = head_dim * sizeof(T);
+    for (int64_t j = 0; j < rows; ++j)
+      for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(start + j * slot_stride * sizeof(T) + off, _MM_HINT_T1);
+  }
+
+  // fn(t0, t1, row_t0) for each block's share [t0, t1) of [lo, hi); token rows are slot_stride apart.
+  // Blocks are scattered in memory, so the hardware cannot guess the next one: each is prefetched
+  // kBlocksAhead blocks before its turn.
+  template <typename F>
+  void for_each_block(const T* cache, int64_t lo, int64_t hi, const F& fn) const {
+    const int64_t first_block = lo / block_size;
+    for (int64_t b = first_block; b < first_block + kBlocksAhead; ++b) prefetch(cache, b, hi);
+    for (int64_t b = first_block; b * block_size < hi; ++b) {
+      prefetch(cache, b + kBlocksAhead, hi);
+      const int64_t first = b * block_size, next = first + block_size;
+      const int64_t t0 = std::max(lo, first);
+      fn(t0, std::min(hi, next), block_start(cache, b) + (t0 - first) * slot_stride);
+    }
+  }
+};
+
+// Runs fn(i) for i in [0, n) on the intra-op thread pool, handing out items one at a time so that
+// sequences of very different lengths still balance across threads.
+template <typename F>
+void parallel_dynamic(int64_t n, const F& fn) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < n; i = next++) fn(i);
+  });
+}
+
+struct WorkItem {
+  int64_t seq, kv_head, row_begin, row_end;  // rows relative to the sequence's first query row
+};
+
+// C: the head dimension in whole SIMD vectors when the micro-kernels specialise on it, else 0.
+template <int C, typename TQ, typename TKV>
+void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& block_tables,
+                      const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale,
+                      int64_t window) {
+  const int64_t num_seqs = context_lens.size(0);
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t q_row_stride = q.stride(0), q_head_stride = q.stride(1);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  // The caches are [num_blocks, block_size, Hkv, D] views; their memory may be slot-major or head-major.
+  const int64_t block_stride = k_cache.stride(0), slot_stride = k_cache.stride(1), head_stride = k_cache.stride(2);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const TQ* q_ptr = q.data_ptr<TQ>();
+  const TKV* k_ptr = k_cache.data_ptr<TKV>();
+  const TKV* v_ptr = v_cache.data_ptr<TKV>();
+  TQ* out_ptr = out.data_ptr<TQ>();
+
+  std::vector<WorkItem> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = starts[s + 1] - starts[s];
+    TORCH_CHECK(q_len <= lens[s], "sequence ", s, " has ", q_len, " query rows but context length ",
+                lens[s]);
+    const int64_t needed_blocks = (lens[s] + block_size - 1) / block_size;
+    TORCH_CHECK(needed_blocks <= max_blocks, "context length ", lens[s], " of sequence ", s,
+                " needs more blocks than block_tables has columns (", max_blocks, ")");
+    for (int64_t b = 0; b < needed_blocks; ++b) {
+      const int32_t id = tables[s * max_blocks + b];
+      TORCH_CHECK(id >= 0 && id < k_cache.size(0), "block id ", id, " of sequence ", s, " is out of range");
+    }
+    for (int64_t r = 0; r < q_len; r += kRowsPerTile) {
+      const int64_t end = std::min(q_len, r + kRowsPerTile);
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({s, h, r, end});
+    }
+  }
+
+  parallel_dynamic(static_cast<int64_t>(items.size()), [&](int64_t idx) {
+    const WorkItem& it = items[idx];
+    const int64_t context_len = lens[it.seq];
+    const int64_t first_row = starts[it.seq];
+    const int64_t q_len = starts[it.seq + 1] - first_row;
+    const int32_t* table = tables + it.seq * max_blocks;
+    const int64_t rows = it.row_end - it.row_begin, m_count = rows * group;
+    // Row r sits at absolute position context_len - q_len + r and sees keys (pos - window, pos].
+    auto key_end = [&](int64_t r) { return context_len - q_len + r + 1; };
+    auto key_begin = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, key_end(r) - window) : 0; };
+    const int64_t lo = key_begin(it.row_begin), hi = key_end(it.row_end - 1), span = hi - lo;
+
+    thread_local std::vector<float> scores, query, acc, inv_sum;
+    scores.resize(m_count * span);
+    query.resize(m_count * head_dim);
+    acc.assign(m_count * head_dim, 0.f);
+    inv_sum.resize(m_count);
+    // m = r * group + g is query row r, head kv_head * group + g; scaled queries kept in fp32.
+    for (int64_t m = 0; m < m_count; ++m) {
+      const TQ* src = q_ptr + (first_row + it.row_begin + m / group) * q_row_stride +
+                      (it.kv_head * group + m % group) * q_head_stride;
+      for (int64_t i = 0; i < head_dim; ++i) query[m * head_dim + i] = static_cast<float>(src[i]) * scale;
+    }
+    const PagedRows<TKV> paged{table, block_size, block_stride, slot_stride, it.kv_head * head_stride, head_dim};
+
+    // Pass 1: scores of every (row, head) against every key of the tile's range. Each block of keys is
+    // loaded once and scored against all rows, kRows rows at a time.
+    paged.for_each_block(k_ptr, lo, hi, [&](int64_t t0, int64_t t1, const TKV* k_rows) {
+      for (int64_t m0 = 0; m0 < m_count; m0 += kRows) {
+        with_rows(m_count - m0, [&](auto n) {
+          score_rows<n, C>(&scores[m0 * span + t0 - lo], span, &query[m0 * head_dim], k_rows, slot_stride, t1 - t0,
+                           head_dim);
+        });
+      }
+    });
+    // Softmax over each row's own visible range; invisible keys get weight 0.
+    for (int64_t m = 0; m < m_count; ++m) {
+      float* row = &scores[m * span];
+      const int64_t a = key_begin(it.row_begin + m / group) - lo, b = key_end(it.row_begin + m / group) - lo;
+      const float max_score = *std::max_element(row + a, row + b);
+      const float sum = exp_shifted_sum(row + a, b - a, max_score);
+      std::fill(row, row + a, 0.f);
+      std::fill(row + b, row + span, 0.f);
+      inv_sum[m] = 1.f / sum;
+    }
+    // Pass 2: weighted sum of V rows, block by block, kRows accumulator rows at a time.
+    paged.for_each_block(v_ptr, lo, hi, [&](int64_t t0, int64_t t1, const TKV* v_rows) {
+      for (int64_t m0 = 0; m0 < m_count; m0 += kRows) {
+        with_rows(m_count - m0, [&](auto n) {
+          accumulate_rows<n, C>(&acc[m0 * head_dim], &scores[m0 * span + t0 - lo], span, v_rows, slot_stride,
+                             t1 - t0, head_dim);
+        });
+      }
+    });
+    for (int64_t m = 0; m < m_count; ++m) {
+      TQ* dst = out_ptr + ((first_row + it.row_begin + m / group) * num_heads + it.kv_head * group + m % group) * head_dim;
+      const VecF inv = VecF::set1(inv_sum[m]);
+      for_each_chunk(head_dim, [&](int64_t i, int n) { store(load(&acc[m * head_dim + i], n) * inv, dst + i, n); });
+    }
+  });
+}
+
+void check_int32_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kInt && t.is_contiguous(), name,
+              " must be a contiguous int32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+}
+
+}  // namespace
+
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                     const at::Tensor& context_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "expected q [T, H, D] and k/v caches [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) % 8 == 0,
+              "head_dim must match the cache and be a multiple of 8, got ", q.size(2));
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads ", q.size(1), " is not a multiple of num_kv_heads ",
+              k_cache.size(2));
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "out must have q's dtype and the caches one dtype");
+  TORCH_CHECK(q.stride(2) == 1, "q's last dimension must be contiguous");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous and shaped like q");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(),
+              "the caches must share strides and have contiguous head vectors");
+  check_int32_cpu(block_tables, "block_tables");
+  check_int32_cpu(query_start_loc, "query_start_loc");
+  check_int32_cpu(context_lens, "context_lens");
+  TORCH_CHECK(query_start_loc.size(0) == context_lens.size(0) + 1, "query_start_loc must have num_seqs + 1 entries");
+  const auto q_type = q.scalar_type(), kv_type = k_cache.scalar_type();
+  auto run = [&](auto q_tag, auto kv_tag) {
+    using TQ = decltype(q_tag);
+    using TKV = decltype(kv_tag);
+    with_head_vectors(q.size(2), [&](auto c) {
+      attention_kernel<c, TQ, TKV>(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                                   window);
+    });
+  };
+  if (q_type == at::kFloat && kv_type == at::kFloat) {
+    run(float{}, float{});
+  } else if (q_type == at::kFloat && kv_type == at::kBFloat16) {
+    run(float{}, c10::BFloat16{});
+  } else if (q_type == at::kBFloat16 && kv_type == at::kBFloat16) {
+    run(c10::BFloat16{}, c10::BFloat16{});
+  } else {
+    TORCH_CHECK(false, "unsupported dtypes: q ", q_type, ", cache ", kv_type,
+                " (fp32/fp32, fp32/bf16 or bf16/bf16)");
+  }
+}
+
+// Copies token t's K/V heads ([Hkv, D] each) into flat slot slot_mapping[t] (block slot / block_size,
+// row slot % block_size of the [num_blocks, block_size, Hkv, D] cache view, whatever its memory order);
+// slot -1 is skipped. Key and value may be strided views of a fused projection (token rows any distance
+// apart) and of another dtype than the cache (converted while copying).
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "the caches must share strides and a dtype and have contiguous head vectors");
+  TORCH_CHECK(key.dim() == 3 && key.sizes().slice(1) == k_cache.sizes().slice(2) && value.sizes() == key.sizes(),
+              "expected key/value [T, Hkv, D] matching the cache, got ", key.sizes());
+  TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key and value must share a dtype");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value head vectors must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.size(0) == key.size(0),
+              "slot_mapping must be contiguous int64 with one entry per token");
+  const int64_t heads = key.size(1), d = key.size(2), block_size = k_cache.size(1);
+  const int64_t num_slots = k_cache.size(0) * block_size;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slot_mapping.size(0); ++t) {
+    TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " of token ", t, " is out of range (", num_slots, " slots)");
+  }
+  auto copy = [&](auto src_tag, auto dst_tag) {
+    using S = decltype(src_tag);
+    using D = decltype(dst_tag);
+    for (auto [src, dst] : {std::pair{&key, &k_cache}, std::pair{&value, &v_cache}}) {
+      const S* s = src->template data_ptr<S>();
+      D* base = dst->template data_ptr<D>();
+      for (int64_t t = 0; t < slot_mapping.size(0); ++t) {
+        if (slots[t] < 0) continue;
+        D* row = base + (slots[t] / block_size) * dst->stride(0) + (slots[t] % block_size) * dst->stride(1);
+        for (int64_t h = 0; h < heads; ++h) {
+          const S* from = s + t * src->stride(0) + h * src->stride(1);
+          D* to = row + h * dst->stride(2);
+          for_each_chunk(d, [&](int64_t i, int n) { store(load(from + i, n), to + i, n); });
+        }
+      }
+    }
+  };
+  const auto src_type = key.scalar_type(), dst_type = k_cache.scalar_type();
+  if (src_type == at::kFloat && dst_type == at::kFloat) {
+    copy(float{}, float{});
+  } else if (src_type == at::kFloat && dst_type == at::kBFloat16) {
+    copy(float{}, c10::BFloat16{});
+  } else if (src_type == at::kBFloat16 && dst_type == at::kBFloat16) {
+    copy(c10::BFloat16{}, c10::BFloat16{});
+  } else {
+    TORCH_CHECK(false, "unsupported dtypes: key ", src_type, ", cache ", dst_type);
+  }
+}
+
+}  // namespace pagedllm

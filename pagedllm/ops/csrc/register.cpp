@@ -1,0 +1,28 @@
+// Registers the operators under a namespace named for this build's instruction set (PAGEDLLM_NAMESPACE,
+// e.g. pagedllm_avx512), so that builds for several instruction sets can be loaded side by side.
+
+#include <torch/library.h>
+
+#include "ops.h"
+
+// One level of indirection, so that PAGEDLLM_NAMESPACE is expanded before TORCH_LIBRARY pastes it.
+#define PAGEDLLM_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define PAGEDLLM_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+PAGEDLLM_LIBRARY(PAGEDLLM_NAMESPACE, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor query_start_loc, Tensor context_lens, float scale, int window) -> ()");
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps, bool unit_offset) -> ()");
+  m.def("act_and_mul(Tensor(a!) out, Tensor x, int activation) -> ()");
+  m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos_sin) -> ()");
+}
+
+PAGEDLLM_LIBRARY_IMPL(PAGEDLLM_NAMESPACE, CPU, m) {
+  m.impl("paged_attention", &pagedllm::paged_attention);
+  m.impl("write_kv", &pagedllm::write_kv);
+  m.impl("rms_norm", &pagedllm::rms_norm);
+  m.impl("act_and_mul", &pagedllm::act_and_mul);
+  m.impl("rotary_embedding", &pagedllm::rotary_embedding);
+}

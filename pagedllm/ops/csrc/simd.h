@@ -1,0 +1,187 @@
+// One SIMD vector of floats, the width chosen at compile time: 16 lanes with -DPAGEDLLM_AVX512, else 8
+// (AVX2 + FMA). The same kernel source is built once per instruction set and Python loads the build
+// the CPU can run, so every kernel below is written once against this small interface.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace pagedllm {
+
+#if defined(PAGEDLLM_AVX512)
+
+struct VecF {
+  static constexpr int kWidth = 16;
+  __m512 v;
+  VecF() = default;
+  VecF(__m512 x) : v(x) {}
+  static VecF zero() { return _mm512_setzero_ps(); }
+  static VecF set1(float x) { return _mm512_set1_ps(x); }
+  static __mmask16 mask(int n) { return static_cast<__mmask16>((1u << n) - 1); }
+  static VecF load(const float* p) { return _mm512_loadu_ps(p); }
+  static VecF load(const float* p, int n) { return _mm512_maskz_loadu_ps(mask(n), p); }
+  static VecF load(const c10::BFloat16* p) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+  static VecF load(const c10::BFloat16* p, int n) {
+    const __m256i raw = _mm256_maskz_loadu_epi16(mask(n), p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  void store(float* p, int n) const { _mm512_mask_storeu_ps(p, mask(n), v); }
+  // Round to nearest even, as c10::BFloat16 does; NaN stays NaN.
+  static __m256i to_bf16(__m512 x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, lsb), _mm512_set1_epi32(0x7fff)), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(rounded);
+  }
+  void store(c10::BFloat16* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v)); }
+  void store(c10::BFloat16* p, int n) const { _mm256_mask_storeu_epi16(p, mask(n), to_bf16(v)); }
+};
+
+inline VecF operator+(VecF a, VecF b) { return _mm512_add_ps(a.v, b.v); }
+inline VecF operator-(VecF a, VecF b) { return _mm512_sub_ps(a.v, b.v); }
+inline VecF operator*(VecF a, VecF b) { return _mm512_mul_ps(a.v, b.v); }
+inline VecF operator/(VecF a, VecF b) { return _mm512_div_ps(a.v, b.v); }
+inline VecF fmadd(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a.v, b.v, c.v); }  // a * b + c
+inline VecF max(VecF a, VecF b) { return _mm512_max_ps(a.v, b.v); }
+inline VecF min(VecF a, VecF b) { return _mm512_min_ps(a.v, b.v); }
+inline float reduce_add(VecF a) { return _mm512_reduce_add_ps(a.v); }
+inline float reduce_max(VecF a) { return _mm512_reduce_max_ps(a.v); }
+inline VecF round_nearest(VecF a) { return _mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline VecF scale_by_pow2(VecF a, VecF n) { return _mm512_scalef_ps(a.v, n.v); }  // a * 2^n, n integral
+inline VecF reciprocal_estimate(VecF a) { return _mm512_rcp14_ps(a.v); }  // relative error < 2^-14
+
+#else  // AVX2 + FMA
+
+struct VecF {
+  static constexpr int kWidth = 8;
+  __m256 v;
+  VecF() = default;
+  VecF(__m256 x) : v(x) {}
+  static VecF zero() { return _mm256_setzero_ps(); }
+  static VecF set1(float x) { return _mm256_set1_ps(x); }
+  static __m256i mask(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static VecF load(const float* p) { return _mm256_loadu_ps(p); }
+  static VecF load(const float* p, int n) { return _mm256_maskload_ps(p, mask(n)); }
+  static VecF widen(__m128i raw) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)); }
+  static VecF load(const c10::BFloat16* p) { return widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static VecF load(const c10::BFloat16* p, int n) {
+    alignas(16) uint16_t tmp[8] = {0};
+    std::memcpy(tmp, p, n * sizeof(uint16_t));
+    return widen(_mm_load_si128(reinterpret_cast<const __m128i*>(tmp)));
+  }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  void store(float* p, int n) const { _mm256_maskstore_ps(p, mask(n), v); }
+  // Round to nearest even, as c10::BFloat16 does; NaN stays NaN.
+  static __m128i to_bf16(__m256 x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, lsb), _mm256_set1_epi32(0x7fff)), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+    // Pack the eight 32-bit lanes (each < 2^16) into eight 16-bit values, in order.
+    const __m256i packed = _mm256_packus_epi32(rounded, rounded);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0xd8));
+  }
+  void store(c10::BFloat16* p) const { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(v)); }
+  void store(c10::BFloat16* p, int n) const {
+    alignas(16) uint16_t tmp[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(tmp), to_bf16(v));
+    std::memcpy(p, tmp, n * sizeof(uint16_t));
+  }
+};
+
+inline VecF operator+(VecF a, VecF b) { return _mm256_add_ps(a.v, b.v); }
+inline VecF operator-(VecF a, VecF b) { return _mm256_sub_ps(a.v, b.v); }
+inline VecF operator*(VecF a, VecF b) { return _mm256_mul_ps(a.v, b.v); }
+inline VecF operator/(VecF a, VecF b) { return _mm256_div_ps(a.v, b.v); }
+inline VecF fmadd(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a.v, b.v, c.v); }  // a * b + c
+inline VecF max(VecF a, VecF b) { return _mm256_max_ps(a.v, b.v); }
+inline VecF min(VecF a, VecF b) { return _mm256_min_ps(a.v, b.v); }
+inline float reduce_add(VecF a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float reduce_max(VecF a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+inline VecF round_nearest(VecF a) { return _mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline VecF reciprocal_estimate(VecF a) { return _mm256_rcp_ps(a.v); }  // relative error < 1.5 * 2^-12
+inline VecF scale_by_pow2(VecF a, VecF n) {  // a * 2^n, n integral in [-126, 127]
+  const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(a.v, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
+}
+
+#endif
+
+// The horizontal sums of four vectors, in lanes 0..3.
+#if defined(PAGEDLLM_AVX512)
+inline __m128 reduce_add4(VecF a, VecF b, VecF c, VecF d) {
+  auto half = [](__m512 x) {
+    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  };
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(half(a.v), half(b.v)), _mm256_hadd_ps(half(c.v), half(d.v)));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+#else
+inline __m128 reduce_add4(VecF a, VecF b, VecF c, VecF d) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a.v, b.v), _mm256_hadd_ps(c.v, d.v));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+#endif
+
+// exp(x) to ~1 ulp for x in [-87, 88] (clamped there): 2^n * exp(r), |r| <= ln2 / 2, Taylor to r^7.
+inline VecF exp(VecF x) {
+  x = min(max(x, VecF::set1(-87.f)), VecF::set1(88.f));
+  const VecF n = round_nearest(x * VecF::set1(1.44269504f));
+  VecF r = fmadd(n, VecF::set1(-0.693145752f), x);
+  r = fmadd(n, VecF::set1(-1.42860677e-6f), r);
+  VecF p = VecF::set1(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = fmadd(p, r, VecF::set1(c));
+  return scale_by_pow2(p, n);
+}
+
+// 1 / a without a division (whose throughput is a fraction of a multiply's): the estimate refined by
+// two Newton steps, each r * (2 - a r), to within an ulp or two of the quotient.
+inline VecF reciprocal(VecF a) {
+  VecF r = reciprocal_estimate(a);
+  r = r * (VecF::set1(2.f) - a * r);
+  return r * (VecF::set1(2.f) - a * r);
+}
+
+// Calls fn(i, n) for each SIMD chunk [i, i + n) of [0, d): full vectors, then one partial tail.
+template <typename F>
+inline void for_each_chunk(int64_t d, const F& fn) {
+  int64_t i = 0;
+  for (; i + VecF::kWidth <= d; i += VecF::kWidth) fn(i, static_cast<int>(VecF::kWidth));
+  if (i < d) fn(i, static_cast<int>(d - i));
+}
+
+template <typename T>
+inline VecF load(const T* p, int n) {
+  return n == VecF::kWidth ? VecF::load(p) : VecF::load(p, n);
+}
+
+template <typename T>
+inline void store(VecF v, T* p, int n) {
+  if (n == VecF::kWidth) {
+    v.store(p);
+  } else {
+    v.store(p, n);
+  }
+}
+
+}  // namespace pagedllm

@@ -1,0 +1,90 @@
+"""Linear layers and their methods: every method computes what the dense reference computes."""
+
+import pytest
+import torch
+
+from pagedllm.models.linear import (
+    LINEAR_METHOD_ENV_VAR,
+    DenseLinear,
+    Linear,
+    OneDNNLinear,
+    default_linear_method,
+    process_linear_layers,
+)
+
+ONEDNN = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without mkldnn")
+
+
+def _layer(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, seed: int = 0) -> Linear:
+    gen = torch.Generator().manual_seed(seed)
+    layer = Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(out_features, in_features, generator=gen) * 0.1)
+        if bias:
+            layer.bias.copy_(torch.randn(out_features, generator=gen))
+    return layer.to(dtype).requires_grad_(False)
+
+
+@ONEDNN
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_onednn_matches_dense(dtype, rows, bias, with_residual):
+    layer = _layer(96, 80, bias, dtype)
+    x = torch.randn(rows, 96).to(dtype)
+    residual = torch.randn(rows, 80).to(dtype) if with_residual else None
+    expected = DenseLinear().apply(layer, x, residual)
+    process_linear_layers(layer, OneDNNLinear())
+    assert not hasattr(layer, "weight")  # the packed copy replaces the parameter
+    out = layer(x, residual)
+    tolerance = {"atol": 5e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+    torch.testing.assert_close(out, expected, **tolerance)
+
+
+@ONEDNN
+def test_onednn_accepts_a_non_contiguous_input():
+    layer = _layer(32, 16, False, torch.float32)
+    x = torch.randn(4, 64)[:, ::2]
+    expected = DenseLinear().apply(layer, x, None)
+    process_linear_layers(layer, OneDNNLinear())
+    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_dense_residual_equals_a_separate_add():
+    layer = _layer(32, 16, True, torch.float32)
+    x, residual = torch.randn(3, 32), torch.randn(3, 16)
+    torch.testing.assert_close(layer(x, residual), layer(x) + residual)
+    layer.bias = None
+    torch.testing.assert_close(layer(x, residual), layer(x) + residual)
+
+
+@ONEDNN
+def test_a_tied_lm_head_keeps_the_embedding_table():
+    """Packing the LM head must not take the weight away from the embedding it shares it with."""
+    from pagedllm.models.layers import Embedding
+
+    model = torch.nn.Module()
+    model.embed_tokens = Embedding(50, 16)
+    model.lm_head = Linear(16, 50)
+    model.lm_head.weight = model.embed_tokens.weight
+    with torch.no_grad():
+        model.embed_tokens.weight.normal_()
+    hidden = torch.randn(2, 16)
+    expected = hidden @ model.embed_tokens.weight.T
+    process_linear_layers(model, OneDNNLinear())
+    torch.testing.assert_close(model.lm_head(hidden), expected, atol=1e-5, rtol=1e-5)
+    assert model.embed_tokens.weight.shape == (50, 16)
+
+
+def test_default_method_per_device_and_dtype(monkeypatch):
+    monkeypatch.delenv(LINEAR_METHOD_ENV_VAR, raising=False)
+    cpu_fp32 = default_linear_method("cpu", torch.float32)
+    assert cpu_fp32.name == ("onednn" if torch.backends.mkldnn.is_available() else "dense")
+    assert default_linear_method("cpu", torch.float16).name == "dense"
+    assert default_linear_method("cuda", torch.bfloat16).name == "dense"
+    monkeypatch.setenv(LINEAR_METHOD_ENV_VAR, "dense")
+    assert default_linear_method("cpu", torch.float32).name == "dense"
+    monkeypatch.setenv(LINEAR_METHOD_ENV_VAR, "fastest")
+    with pytest.raises(ValueError, match="'fastest'"):
+        default_linear_method("cpu", torch.float32)

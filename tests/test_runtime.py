@@ -1,0 +1,59 @@
+"""OpenMP defaults applied by `import pagedllm`: passive waiting and a thread count from the usable CPUs."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedllm._runtime import usable_cpus
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = (
+    "import os, pagedllm, torch; "
+    "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('OMP_NUM_THREADS'), torch.get_num_threads())"
+)
+
+
+def _run(code: str, **env: str) -> list[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**clean, "PYTHONPATH": str(ROOT), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split()
+
+
+def test_usable_cpus_follow_the_affinity_mask():
+    assert usable_cpus() == len(os.sched_getaffinity(0))
+
+
+def test_import_sets_passive_waiting_and_the_usable_cpu_count():
+    assert _run(PROBE) == ["PASSIVE", str(usable_cpus()), str(usable_cpus())]
+
+
+def test_the_users_settings_win():
+    assert _run(PROBE, OMP_WAIT_POLICY="ACTIVE", OMP_NUM_THREADS="1") == ["ACTIVE", "1", "1"]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_affinity_limits_the_thread_count_when_torch_came_first():
+    """torch imported before pagedllm, in a process pinned to one CPU: the engine lowers torch's count."""
+    code = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); import torch; "
+        "torch.set_num_threads(2); import pagedllm; from pagedllm._runtime import apply_thread_count; "
+        "apply_thread_count(); print(torch.get_num_threads())"
+    )
+    assert _run(code) == ["1"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_glibc_accepts_the_allocator_settings():
+    from pagedllm._runtime import keep_large_allocations
+
+    assert keep_large_allocations()
