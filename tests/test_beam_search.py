@@ -164,6 +164,18 @@ def test_beams_of_many_prompts_batch_with_sampling_requests_and_survive_preempti
     assert_all_blocks_free(roomy)
 
 
+def test_contiguous_layout_gives_the_same_beams(tiny_eos_dir, tiny_prompts):
+    """A contiguous fork copies the parent's slab slot by slot: the beams are the paged ones."""
+    params = BeamSearchParams(beam_width=3, max_tokens=16)
+    prompts = [{"prompt_token_ids": p} for p in tiny_prompts]
+    paged = LLM(str(tiny_eos_dir), num_kv_blocks=256)
+    contiguous = LLM(str(tiny_eos_dir), num_kv_blocks=256, kv_layout="contiguous", contiguous_reserve="pow2")
+    expected = [[s.tokens for s in out.sequences] for out in paged.beam_search(prompts, params)]
+    assert [[s.tokens for s in out.sequences] for out in contiguous.beam_search(prompts, params)] == expected
+    assert_all_blocks_free(paged)
+    assert_all_blocks_free(contiguous)
+
+
 def test_abort_frees_every_beam(tiny_eos_dir, tiny_prompts):
     llm = LLM(str(tiny_eos_dir), num_kv_blocks=256)
     engine = llm.engine

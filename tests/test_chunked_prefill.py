@@ -31,8 +31,12 @@ def _generate_recording_chunks(llm: LLM, prompts, params) -> tuple[list[list[int
     return [o.outputs[0].token_ids for o in outputs], max(chunks.values())
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
-def test_tiny_model_chunked_equals_unchunked(tiny_llama_dir, prefix_caching):
+@pytest.mark.parametrize(
+    "settings",
+    [dict(), dict(enable_prefix_caching=False), dict(kv_layout="contiguous", contiguous_reserve="pow2")],
+    ids=["prefix-caching", "no-prefix-caching", "contiguous"],
+)
+def test_tiny_model_chunked_equals_unchunked(tiny_llama_dir, settings):
     rng = random.Random(0)
     shared = [rng.randrange(384) for _ in range(40)]
     prompts = [[rng.randrange(384) for _ in range(n)] for n in (1, 15, 16, 17, 90, 300)]
@@ -41,12 +45,7 @@ def test_tiny_model_chunked_equals_unchunked(tiny_llama_dir, prefix_caching):
     expected, max_chunks = _generate_recording_chunks(whole, prompts, GREEDY)
     assert max_chunks == 1
     for budget in (7, 32):
-        llm = LLM(
-            str(tiny_llama_dir),
-            num_kv_blocks=128,
-            max_num_batched_tokens=budget,
-            enable_prefix_caching=prefix_caching,
-        )
+        llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_num_batched_tokens=budget, **settings)
         tokens, max_chunks = _generate_recording_chunks(llm, prompts, GREEDY)
         assert tokens == expected, budget
         assert max_chunks >= 300 // budget  # the 300-token prompt really went in chunks

@@ -226,8 +226,10 @@ class LLMEngine:
             block_tables = [self.allocator.block_table(seq.seq_id) for seq in out.scheduled]
             logits = self.runner.execute(out, block_tables)
             ready = self.scheduler.update_after_step(out)  # rows of sequences that need a next token
-            beams = [row for row in ready if self.requests[out.scheduled[row].request_id].beam_search]
-            rows = [row for row in ready if row not in set(beams)]
+            rows, beams = [], []
+            for row in ready:
+                searching = self.requests[out.scheduled[row].request_id].beam_search is not None
+                (beams if searching else rows).append(row)
             seqs, rows = self._fork_parallel_samples([out.scheduled[row] for row in rows], rows)
             if seqs:
                 samples = sample(logits[rows], [self._sample_row(seq) for seq in seqs])
