@@ -60,6 +60,9 @@ class SamplingRequest(RequestModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    use_beam_search: bool = False  # vLLM's extra: beam search with n beams, one choice per beam
+    length_penalty: float = 1.0  # beam search only
     user: str | None = None
 
 

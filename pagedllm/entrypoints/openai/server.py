@@ -18,7 +18,7 @@ from pagedllm.entrypoints.openai import dashboard
 from pagedllm.entrypoints.openai import protocol as p
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 class APIError(Exception):
@@ -77,6 +77,13 @@ def build_app(model: str = "smollm2-135m", served_model_name: str | None = None,
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def request_params(
+        request: p.SamplingRequest, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams | BeamSearchParams:
+        if not request.use_beam_search:
+            return sampling_params(request, max_tokens, logprobs)
+        return beam_search_params(request, max_tokens or engine.engine.max_model_len, logprobs)
+
     def check_model(request: p.SamplingRequest) -> None:
         if request.model is not None and request.model != model_name:
             raise APIError(f"The model `{request.model}` does not exist.", 404, "NotFoundError", "model")
@@ -91,7 +98,7 @@ def build_app(model: str = "smollm2-135m", served_model_name: str | None = None,
                 "several prompts in one completions request are not supported: send one request per prompt",
                 param="prompt",
             )
-        params = sampling_params(request, request.max_tokens, request.logprobs)
+        params = request_params(request, request.max_tokens, request.logprobs)
         outputs = engine.generate(p.random_id("cmpl"), request.prompt, params)
         response_id = p.random_id("cmpl")
         if request.stream:
@@ -105,7 +112,7 @@ def build_app(model: str = "smollm2-135m", served_model_name: str | None = None,
         check_model(request)
         if request.logprobs:
             raise APIError("logprobs are not supported for chat completions", param="logprobs")
-        params = sampling_params(request, request.max_completion_tokens or request.max_tokens, None)
+        params = request_params(request, request.max_completion_tokens or request.max_tokens, None)
         messages = [m.model_dump() for m in request.messages]
         prompt = await engine.run(lambda e: chat_prompt(e, messages, request.add_generation_prompt))
         outputs = engine.generate(p.random_id("chatcmpl"), prompt, params)
@@ -156,9 +163,6 @@ def sampling_params(
     request: p.SamplingRequest, max_tokens: int | None, logprobs: int | None
 ) -> SamplingParams:
     """The request's SamplingParams; an unsupported or out-of-range value is an APIError naming it."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(request, name):
-            raise APIError(f"{name} is not supported, got {getattr(request, name)!r}", param=name)
     given = {
         name: getattr(request, name)
         for name in ("temperature", "top_p", "top_k", "min_p")
@@ -176,10 +180,48 @@ def sampling_params(
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
             logprobs=logprobs,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
             **given,
         )
     except ValueError as error:
         raise APIError(str(error), param=str(error).split(" ", 1)[0]) from error
+
+
+# Fields that would change what a beam may produce or return: refused with use_beam_search (vLLM ignores
+# them). The sampling-only ones (temperature, top_p, top_k, min_p, seed) are accepted and, as in vLLM,
+# do not change the search.
+BEAM_SEARCH_REFUSES = {
+    "stop": None,
+    "stop_token_ids": None,
+    "min_tokens": 0,
+    "include_stop_str_in_output": False,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
+def beam_search_params(request: p.SamplingRequest, max_tokens: int, logprobs: int | None) -> BeamSearchParams:
+    """vLLM's `use_beam_search`: `n` is the beam width; each beam comes back as one choice, best first."""
+    if logprobs is not None:
+        raise APIError("logprobs is not supported with use_beam_search", param="logprobs")
+    for name, default in BEAM_SEARCH_REFUSES.items():
+        if getattr(request, name) not in (default, []):
+            raise APIError(f"{name} is not supported with use_beam_search", param=name)
+    try:
+        return BeamSearchParams(
+            beam_width=request.n,
+            max_tokens=max_tokens,
+            ignore_eos=request.ignore_eos,
+            temperature=request.temperature or 0.0,
+            length_penalty=request.length_penalty,
+            skip_special_tokens=request.skip_special_tokens,
+        )
+    except ValueError as error:
+        name = str(error).split(" ", 1)[0]
+        raise APIError(str(error), param="n" if name == "beam_width" else name) from error
 
 
 def chat_prompt(engine: LLMEngine, messages: list[dict], add_generation_prompt: bool) -> list[int]:
