@@ -59,7 +59,7 @@ def test_throughput_table_prints_the_workload_and_dashes_for_unreported_values(c
     sweep = [line.split() for line in lines[2:4]]
     assert [cells[:2] for cells in sweep] == [["paged", "w=0"], ["paged", "w=0.2"]]
     assert all(cells[3] == "6" for cells in sweep)  # output tokens
-    assert all(cells[-1] == "100%" for cells in sweep)  # both watermarks, the same greedy tokens
+    assert all(cells[-3] == "100%" for cells in sweep)  # both watermarks, the same greedy tokens
     assert lines[4].startswith("paged w=0 / paged w=0.2: ")
     row = throughput.Row("hf batch 2", 1.0, 6, 6.0, None, None, None, None, None)
     assert throughput.format_row(row).split()[-5:] == ["-"] * 5
@@ -95,3 +95,18 @@ def test_gemm_floor_counts_every_linear_layer_once():
     params = sum(m.in_features * m.out_features for m in layers[:-1])
     assert floor.flops == 2 * 2 * params + 2 * 1 * 576 * 49152
     assert floor.seconds > 0 and floor.hot_seconds > 0
+
+
+def test_shared_prefix_workload_compares_prefix_caching_on_and_off(capsys):
+    argv = ["--num-prompts", "8", "--input-len", "5-20", "--output-len", "4", "--shared-prefix-len", "64"]
+    assert throughput.main([*argv, "--kv-cache-memory", "16MiB", "--max-model-len", "128", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["system"]: r for r in out["rows"]}
+    assert list(rows) == ["paged", "paged-no-prefix-cache"]
+    prompts = throughput.make_prompts(8, 5, 20, 49152, 0, shared_prefix_len=64)
+    assert all(p[:64] == prompts[0][:64] for p in prompts)
+    # Admitted in one step, the first prompt computes the four prefix blocks the seven others reuse.
+    assert rows["paged"]["prefix_hit_rate"] == 7 * 64 / sum(len(p) for p in prompts)
+    assert rows["paged-no-prefix-cache"]["prefix_hit_rate"] is None
+    assert rows["paged-no-prefix-cache"]["same_tokens_as_paged"] == 1.0
+    assert all(r["mean_ttft_s"] > 0 for r in rows.values())

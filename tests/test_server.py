@@ -11,7 +11,7 @@ import openai
 import pytest
 from helpers import openai_client, running_server
 
-from pagedllm import SamplingParams
+from pagedllm import BeamSearchParams, SamplingParams
 from pagedllm.entrypoints.openai.server import build_app
 
 MODEL = "smollm2-135m"
@@ -94,6 +94,59 @@ def test_n_with_seed_is_reproducible(client):
     assert first.usage.completion_tokens == 16
 
 
+def test_penalties_reach_the_sampler(client, llm):
+    prompt = "List the days of the week: Monday, Tuesday,"
+    params = dict(presence_penalty=0.5, frequency_penalty=1.5, repetition_penalty=1.2)
+    response = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0,
+        presence_penalty=params["presence_penalty"],
+        frequency_penalty=params["frequency_penalty"],
+        extra_body={"repetition_penalty": params["repetition_penalty"]},
+    )
+    expected = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0, **params))[0].outputs[0]
+    plain = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0))[0].outputs[0]
+    assert response.choices[0].text == expected.text != plain.text
+
+
+def test_beam_search_returns_every_beam_as_a_choice(client, llm):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=10, n=3, extra_body={"use_beam_search": True})
+    response = client.completions.create(**kwargs)
+    beams = llm.beam_search(PROMPT, BeamSearchParams(beam_width=3, max_tokens=10))[0].sequences
+    prompt_len = len(llm.get_tokenizer().encode(PROMPT))
+    tok = llm.get_tokenizer()
+    expected = [tok.decode(b.tokens[prompt_len:], skip_special_tokens=True) for b in beams]
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert [c.text for c in response.choices] == expected
+    assert response.usage.completion_tokens == sum(len(b.tokens) - prompt_len for b in beams)
+    streamed = {}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(3)] == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "name"),
+    [
+        ({"stop": ["."]}, "stop"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"n": 0}, "n"),
+        ({"presence_penalty": 1.0}, "presence_penalty"),
+    ],
+)
+def test_beam_search_refuses_what_it_cannot_honour(client, body, name):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.post(
+            "/completions",
+            body={"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "use_beam_search": True} | body,
+            cast_to=object,
+        )
+    assert info.value.body["param"] == name
+
+
 def test_chat_completion_and_stream(client, llm):
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     response = client.chat.completions.create(
@@ -154,6 +207,8 @@ def test_abandoned_stream_is_aborted(client, server):
         (dict(max_tokens=1020), openai.BadRequestError, "max_model_len=1024"),
         (dict(extra_body={"stop_token_ids": [10**6]}), openai.BadRequestError, "stop_token_ids"),
         (dict(seed=2**70), openai.BadRequestError, "seed"),
+        (dict(presence_penalty=2.5), openai.BadRequestError, "presence_penalty"),
+        (dict(extra_body={"repetition_penalty": 0}), openai.BadRequestError, "repetition_penalty"),
     ],
 )
 def test_bad_completion_requests(client, kwargs, error, names):
@@ -171,12 +226,9 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}
 @pytest.mark.parametrize(
     "endpoint, kwargs, param",
     [  # the README's list of refused fields, then fields the server does not know at all
-        ("completions", dict(presence_penalty=0.5), "presence_penalty"),
-        ("completions", dict(frequency_penalty=-0.5), "frequency_penalty"),
         ("completions", dict(echo=True, logprobs=1), "echo"),
         ("chat", dict(tools=[TOOL]), "tools"),
         ("chat", dict(response_format={"type": "regex"}), "response_format.type"),
-        ("chat", dict(presence_penalty=1.0), "presence_penalty"),
         ("chat", dict(messages=[{"role": "user", "content": [IMAGE]}]), "messages.0.content"),
         ("chat", dict(messages=[{"role": "user", "content": "hi", "name": "bob"}]), "messages.0.name"),
         ("completions", dict(suffix="!"), "suffix"),
@@ -389,3 +441,23 @@ def test_unknown_routes_answer_in_openai_shape(client, server):
         urllib.request.urlopen(f"{server[0]}/v1/completions")
     except urllib.error.HTTPError as error:
         assert error.code == 405 and json.loads(error.read())["error"]["code"] == 405
+
+
+def test_prefix_cache_metrics_count_a_repeated_prompt(client, server, llm):
+    base, _ = server
+    names = ("pagedllm:prefix_cache_queries_total", "pagedllm:prefix_cache_hits_total")
+
+    def counters() -> list[float]:
+        lines = urllib.request.urlopen(f"{base}/metrics").read().decode().splitlines()
+        return [float(next(x for x in lines if x.startswith(name + " ")).split()[-1]) for name in names]
+
+    prompt = "A prefix-cache test: the quick brown fox jumps over the lazy dog, twice. " * 6
+    num_tokens = len(llm.get_tokenizer().encode(prompt))
+    before = counters()
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    expected = [before[0] + 2 * num_tokens, before[1] + (num_tokens - 1) // 16 * 16]
+    deadline = time.monotonic() + 5  # the engine thread updates /metrics right after the step
+    while counters() != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert counters() == expected

@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pagedllm.bench.table import aligned
 from pagedllm.bench.trace import WORKLOADS, Request, make_trace
 from pagedllm.kv import ContiguousAllocator, KVAllocator, KVUsage, NoFreeBlocks, PagedAllocator, SlotState
 from pagedllm.viz import require_matplotlib
@@ -279,8 +280,7 @@ def format_table(info: dict, rows: list[LayoutResult]) -> str:
         if r.alloc_ops is not None:
             cells += [str(r.alloc_ops), f"{r.alloc_ops_per_s:,.0f}", f"{r.replay_s:.2f}"]
         table.append(cells)
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in table]
+    lines += aligned(table)
     paged = rows[0]
     for r in rows[1:]:
         if paged.live_fraction and r.live_fraction:

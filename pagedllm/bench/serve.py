@@ -402,11 +402,10 @@ def _vocab_size(args) -> int:
 
 
 def _tokenizer(args):
-    from transformers import AutoTokenizer
-
     from pagedllm.models.loader import resolve_checkpoint
+    from pagedllm.models.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(str(resolve_checkpoint(args.model)))
+    return load_tokenizer(resolve_checkpoint(args.model))
 
 
 async def _serve_load(args, base_url: str, model: str, requests: list[Request]):

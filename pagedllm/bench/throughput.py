@@ -10,6 +10,9 @@ KV usage) are taken between steps, outside the clock.
 
 Workload: `--num-prompts` prompts of random token ids, lengths uniform in `--input-len LO-HI`, each
 generating exactly `--output-len` tokens greedily (EOS ignored), all submitted at once (offline batch).
+`--shared-prefix-len N` puts the same N random tokens (a system prompt) before every prompt and
+compares the paged layout with and without prefix caching: mean time to first token (on pagedllm's
+clock), output tokens/s and the share of prompt tokens the prefix cache served.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ import torch
 from pagedllm.bench.profile import record_phases, top_ops
 from pagedllm.bench.profile import report as profile_report
 
-LAYOUTS = {
-    "paged": ("paged", "max"),
-    "contiguous-max": ("contiguous", "max"),
-    "contiguous-pow2": ("contiguous", "pow2"),
+LAYOUTS = {  # name -> LLM settings
+    "paged": dict(kv_layout="paged"),
+    "paged-no-prefix-cache": dict(kv_layout="paged", enable_prefix_caching=False),
+    "contiguous-max": dict(kv_layout="contiguous", contiguous_reserve="max"),
+    "contiguous-pow2": dict(kv_layout="contiguous", contiguous_reserve="pow2"),
 }
 
 
@@ -45,6 +49,8 @@ class Row:
     live_fraction: float | None  # mean over steps of live KV slots / all KV slots
     preemptions: int | None
     same_tokens_as_paged: float | None  # share of requests whose greedy output equals paged's
+    mean_ttft_s: float | None = None  # submission (all at once) to first output token
+    prefix_hit_rate: float | None = None  # prompt tokens served by the prefix cache / prompt tokens
 
 
 @dataclass
@@ -64,9 +70,12 @@ def parse_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def make_prompts(num: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+def make_prompts(
+    num: int, lo: int, hi: int, vocab: int, seed: int, shared_prefix_len: int = 0
+) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(num)]
+    prefix = [rng.randrange(vocab) for _ in range(shared_prefix_len)]
+    return [prefix + [rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(num)]
 
 
 def run_engine(
@@ -75,12 +84,10 @@ def run_engine(
     """One pagedllm run; returns its row, each request's tokens, and the --profile report (if asked)."""
     from pagedllm import LLM, SamplingParams
 
-    kv_layout, reserve = LAYOUTS[layout]
     llm = LLM(
         args.model,
+        **LAYOUTS[layout],
         dtype=args.dtype,
-        kv_layout=kv_layout,
-        contiguous_reserve=reserve,
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
@@ -88,7 +95,10 @@ def run_engine(
         watermark=watermark,
     )
     engine = llm.engine
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    warm_up = make_prompts(2, 8, 16, engine.model.config.vocab_size, args.seed + 1)  # shares no prefix
+    llm.generate(warm_up, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    scheduler = engine.scheduler
+    queries, hits = scheduler.prefix_cache_queries, scheduler.prefix_cache_hits
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     profiling = args.profile and layout == "paged" and watermark == args.watermark[0]
     with record_phases(engine) if profiling else contextlib.nullcontext() as phases:
@@ -96,13 +106,15 @@ def run_engine(
         for i, ids in enumerate(prompts):
             engine.add_request(f"bench-{i}", ids, params)
         seconds = time.perf_counter() - start
-        batch_sizes, live, outputs = [], [], {}
+        batch_sizes, live, outputs, first_token = [], [], {}, {}
         while engine.has_unfinished_requests():
             start = time.perf_counter()
             step_outputs = engine.step()
             seconds += time.perf_counter() - start
             # Readings between steps, off the clock:
             for out in step_outputs:
+                if out.request_id not in first_token and out.outputs[0].token_ids:
+                    first_token[out.request_id] = seconds
                 if out.finished:
                     outputs[out.request_id] = out.outputs[0].token_ids
             batch_sizes.append(len(engine.scheduler.running))
@@ -126,6 +138,10 @@ def run_engine(
         sum(live) / len(live),
         engine.scheduler.num_preemptions,
         None,
+        sum(first_token.values()) / len(first_token),
+        (scheduler.prefix_cache_hits - hits) / queried
+        if (queried := scheduler.prefix_cache_queries - queries)
+        else None,
     )
     return row, tokens, profile_lines
 
@@ -196,17 +212,18 @@ def _opt(value, spec: str) -> str:
 
 
 HEADER = (
-    f"{'system':<18}{'seconds':>9}{'out tokens':>12}{'out tok/s':>11}{'mean batch':>12}{'max batch':>11}"
-    f"{'live KV':>9}{'preempt':>9}{'= paged':>9}"
+    f"{'system':<22}{'seconds':>9}{'out tokens':>12}{'out tok/s':>11}{'mean batch':>12}{'max batch':>11}"
+    f"{'live KV':>9}{'preempt':>9}{'= paged':>9}{'TTFT s':>9}{'prefix hits':>13}"
 )
 
 
 def format_row(r: Row) -> str:
     """One table line under HEADER; "-" where the system does not report a value."""
     return (
-        f"{r.system:<18}{r.seconds:>9.1f}{r.output_tokens:>12,}{r.output_tok_s:>11.1f}"
+        f"{r.system:<22}{r.seconds:>9.1f}{r.output_tokens:>12,}{r.output_tok_s:>11.1f}"
         f"{_opt(r.mean_batch, '.1f'):>12}{_opt(r.max_batch, 'd'):>11}{_opt(r.live_fraction, '.1%'):>9}"
         f"{_opt(r.preemptions, 'd'):>9}{_opt(r.same_tokens_as_paged, '.0%'):>9}"
+        f"{_opt(r.mean_ttft_s, '.2f'):>9}{_opt(r.prefix_hit_rate, '.1%'):>13}"
     )
 
 
@@ -234,7 +251,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=[0.01],
         help="share of KV blocks an admission leaves free; several values: each layout runs with each",
     )
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=list(LAYOUTS),
+        help="default: paged and the contiguous ones; with --shared-prefix-len, paged with and without "
+        "prefix caching",
+    )
+    parser.add_argument(
+        "--shared-prefix-len", type=int, default=0, help="tokens of one prefix every prompt starts with"
+    )
     parser.add_argument("--hf", action="store_true", help="also run HF transformers generate (the peer)")
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--vllm", action="store_true", help="also run vLLM's offline LLM (the peer)")
@@ -264,7 +290,10 @@ def main(argv: list[str] | None = None) -> int:
 
     loaded = load_shared_model(args.model, torch.float32, "cpu")  # held for the whole run
     vocab = loaded.config.vocab_size
-    prompts = make_prompts(args.num_prompts, lo, hi, vocab, args.seed)
+    prompts = make_prompts(args.num_prompts, lo, hi, vocab, args.seed, args.shared_prefix_len)
+    if args.layouts is None:
+        no_cache = ["paged", "paged-no-prefix-cache"]
+        args.layouts = no_cache if args.shared_prefix_len else ["paged", "contiguous-max", "contiguous-pow2"]
     rows, base, paged_tokens, profile_lines = [], None, None, []
     for layout in args.layouts:
         for watermark in args.watermark:
@@ -288,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
         report = {"config": vars(args), "workload": asdict(workload), "rows": [asdict(r) for r in rows]}
         print(json.dumps(report, indent=2))
         return 0
+    prefix = f" after a shared prefix of {args.shared_prefix_len}" if args.shared_prefix_len else ""
     print(
-        f"workload: {workload.num_prompts} prompts of {args.input_len} random tokens, "
+        f"workload: {workload.num_prompts} prompts of {args.input_len} random tokens{prefix}, "
         f"{workload.prompt_tokens:,} prompt tokens in all, {args.output_len} output tokens each = "
         f"{workload.output_tokens:,}; model {args.model}, KV {args.kv_cache_memory}, "
         f"max_model_len {args.max_model_len}, watermark {' / '.join(f'{w:g}' for w in args.watermark)}"
@@ -300,9 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     if base:
         for r in rows:
             if r is not base:
-                print(
-                    f"{base.system} / {r.system}: {base.output_tok_s / r.output_tok_s:.2f}x output tokens/s"
-                )
+                ttft = ""
+                if base.mean_ttft_s and r.mean_ttft_s:
+                    ttft = f", {r.mean_ttft_s / base.mean_ttft_s:.2f}x shorter mean time to first token"
+                speed = base.output_tok_s / r.output_tok_s
+                print(f"{base.system} / {r.system}: {speed:.2f}x output tokens/s{ttft}")
     for line in profile_lines:
         print(line)
     return 0

@@ -42,7 +42,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     kv_layout: Literal["paged", "contiguous"] = "paged"
     contiguous_reserve: Literal["max", "pow2"] = "max"
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True  # as vLLM v1; the contiguous layout has no cache and ignores it
+    enable_chunked_prefill: bool = True  # as vLLM v1: long prompts are prefilled over several steps
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     watermark: float = 0.01  # share of KV blocks an admission must leave free (vLLM's 1%)
     seed: int = 0

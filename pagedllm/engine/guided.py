@@ -12,6 +12,7 @@ xgrammar is an optional dependency (`pip install 'pagedllm[guided]'`), imported 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,10 +45,10 @@ class Guide:
 
 
 class GrammarCompiler:
-    """Compiles guided-decoding params against one tokenizer; thread-safe, cached by the grammar text."""
+    """Compiles guided-decoding params against one model's vocabulary; thread-safe, cached by grammar text."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
-        self.tokenizer = tokenizer
+    def __init__(self, model_folder: Path, vocab_size: int, stop_token_ids: list[int]):
+        self.model_folder = model_folder
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self._compiler = None
@@ -58,14 +59,18 @@ class GrammarCompiler:
             if self._compiler is None:
                 try:
                     import xgrammar
+                    from transformers import PreTrainedTokenizerFast  # xgrammar depends on transformers
                 except ImportError:
                     raise ValueError(
                         "guided decoding (response_format) needs xgrammar: pip install 'pagedllm[guided]'"
                     ) from None
-                if self.tokenizer is None:
-                    raise ValueError("guided decoding needs the model's tokenizer")
+                tokenizer_file = self.model_folder / "tokenizer.json"
+                if not tokenizer_file.is_file():
+                    raise ValueError(f"guided decoding needs the model's tokenizer: no {tokenizer_file}")
                 info = xgrammar.TokenizerInfo.from_huggingface(
-                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                    PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file)),
+                    vocab_size=self.vocab_size,
+                    stop_token_ids=self.stop_token_ids,
                 )
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
             return self._compiler

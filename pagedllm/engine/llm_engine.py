@@ -12,6 +12,7 @@ import torch
 
 from pagedllm._runtime import apply_thread_count, keep_large_allocations
 from pagedllm.engine import detokenizer
+from pagedllm.engine.beam_search import BeamSearch, Continuation
 from pagedllm.engine.config import EngineConfig, parse_bytes
 from pagedllm.engine.generation_config import sampling_defaults
 from pagedllm.engine.guided import GrammarCompiler
@@ -22,7 +23,7 @@ from pagedllm.engine.sequence import Sequence
 from pagedllm.kv import ContiguousAllocator, PagedAllocator
 from pagedllm.models import LoadedModel, load_model
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def load_shared_model(model: str, dtype: torch.dtype, device: str) -> LoadedMode
 
 @dataclass
 class Request:
-    """A prompt and the n sequences generated from it."""
+    """A prompt and the sequences generated from it: its n samples, or the running beams of a search."""
 
     request_id: str
     prompt: str | None
@@ -51,9 +52,16 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    num_created: int = 0  # sequences created so far (each gets the next index)
+    first_seq: Sequence | None = None  # the prompt's own sequence (the scheduler counts its cache hits)
+    beam_search: BeamSearch | None = None
+    # Beam search: the best next tokens of each running beam computed this round, by seq_id.
+    beam_tops: dict[str, tuple[list[float], list[int]]] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
+        if self.beam_search is not None:
+            return self.beam_search.done
         return len(self.seqs) == self.params.n and all(seq.is_finished for seq in self.seqs)
 
 
@@ -73,7 +81,7 @@ class LLMEngine:
             config.max_model_len, model_cfg.max_position_embeddings
         )
         self.default_sampling = sampling_defaults(config.generation_config, loaded.path)
-        self.grammars = GrammarCompiler(self.tokenizer, model_cfg.vocab_size, sorted(self.eos_token_ids))
+        self.grammars = GrammarCompiler(loaded.path, model_cfg.vocab_size, sorted(self.eos_token_ids))
         num_blocks = config.num_kv_blocks or self._blocks_that_fit(parse_bytes(config.kv_cache_memory))
         if config.kv_layout == "paged":
             self.allocator = PagedAllocator(
@@ -107,6 +115,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             preemption_mode=config.preemption_mode,
+            enable_chunked_prefill=config.enable_chunked_prefill,
             watermark=config.watermark,
         )
         self.requests: dict[str, Request] = {}
@@ -137,8 +146,12 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | BeamSearchParams | None = None,
     ) -> None:
+        """Queue a prompt; BeamSearchParams make it a beam search (one output per beam when done)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -155,7 +168,7 @@ class LLMEngine:
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        bad = [t for t in getattr(params, "stop_token_ids", ()) if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids holds {bad[0]!r}, out of the vocabulary's range [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
@@ -163,17 +176,31 @@ class LLMEngine:
                 f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} leaves no room "
                 "to generate"
             )
+        search = None
+        if isinstance(params, BeamSearchParams):
+            max_new_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
+            search = BeamSearch(params, self.eos_token_ids, max_new_tokens)
+            # What the scheduler reads of each beam: its length limit. Stops are the search's business.
+            params = SamplingParams(
+                max_tokens=params.max_tokens,
+                temperature=0.0,
+                ignore_eos=True,
+                skip_special_tokens=params.skip_special_tokens,
+            )
         if params.guided_decoding is not None:
             self.grammars.compile(params.guided_decoding)  # a bad schema fails here; cached for its guides
-        request = Request(request_id, text, token_ids, params)
+        request = Request(request_id, text, token_ids, params, beam_search=search)
         if params.seed is not None:
             request.generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
         self.requests[request_id] = request
-        seq = self._new_sequence(request, 0)
-        seq.arrival_step = self.num_steps
-        self.scheduler.add(seq)
+        request.first_seq = self._new_sequence(request)
+        request.first_seq.arrival_step = self.num_steps
+        self.scheduler.add(request.first_seq)
 
-    def _new_sequence(self, request: Request, index: int) -> Sequence:
+    def _new_sequence(self, request: Request, parent: Sequence | None = None) -> Sequence:
+        """The request's next sequence: its prompt alone, or a copy of `parent`'s tokens so far."""
+        index = request.num_created
+        request.num_created += 1
         seq = Sequence(
             f"{request.request_id}#{index}",
             request.request_id,
@@ -181,6 +208,9 @@ class LLMEngine:
             request.prompt_token_ids,
             request.params,
         )
+        if parent is not None:
+            seq.output_token_ids = list(parent.output_token_ids)
+            seq.cumulative_logprob = parent.cumulative_logprob
         detokenizer.start(seq)
         if request.params.guided_decoding is not None:
             seq.guide = self.grammars.guide(request.params.guided_decoding)
@@ -203,48 +233,117 @@ class LLMEngine:
     # -- one step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, sample, and report every request that changed."""
+        """Schedule, run one forward pass, sample, and report every request that changed (a beam
+        search only once it is done)."""
         self.num_steps += 1
         out = self.scheduler.schedule()
         touched: dict[str, Request] = {}
         for seq in out.ignored:
             seq.finish_reason = "length"
             self.scheduler.finish(seq)
-            touched[seq.request_id] = self.requests[seq.request_id]
+            request = self.requests[seq.request_id]
+            if request.beam_search is None:
+                touched[seq.request_id] = request
+            else:  # the beam can never fit the cache: the search goes on without it
+                request.seqs.remove(seq)
+                request.beam_tops.pop(seq.seq_id, None)
+                if self._advance_beams(request):
+                    touched[seq.request_id] = request
         if out.scheduled:
             block_tables = [self.allocator.block_table(seq.seq_id) for seq in out.scheduled]
             logits = self.runner.execute(out, block_tables)
-            seqs, rows = self._fork_parallel_samples(list(out.scheduled))
-            samples = sample(logits[rows], [self._sample_row(seq) for seq in seqs])
-            for seq, smp in zip(seqs, samples, strict=True):
-                self._append_token(seq, smp)
-                touched[seq.request_id] = self.requests[seq.request_id]
+            ready = self.scheduler.update_after_step(out)  # rows of sequences that need a next token
+            rows, beams = [], []
+            for row in ready:
+                searching = self.requests[out.scheduled[row].request_id].beam_search is not None
+                (beams if searching else rows).append(row)
+            seqs, rows = self._fork_parallel_samples([out.scheduled[row] for row in rows], rows)
+            if seqs:
+                samples = sample(logits[rows], [self._sample_row(seq) for seq in seqs])
+                for seq, smp in zip(seqs, samples, strict=True):
+                    self._append_token(seq, smp)
+                    touched[seq.request_id] = self.requests[seq.request_id]
+            if beams:
+                touched.update(self._step_beams(logits[beams], [out.scheduled[row] for row in beams]))
         return [self._request_output(r) for r in touched.values()]
 
-    def _fork_parallel_samples(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+    def _fork_parallel_samples(
+        self, seqs: list[Sequence], rows: list[int]
+    ) -> tuple[list[Sequence], list[int]]:
         """After a request's first prefill, fork its other n-1 sequences sharing the prompt's blocks."""
-        rows = list(range(len(seqs)))
-        for row, seq in enumerate(list(seqs)):
+        for row, seq in zip(list(rows), list(seqs), strict=True):
             request = self.requests[seq.request_id]
             if len(request.seqs) < request.params.n and seq.index == 0:
-                seq.num_cached_tokens = seq.num_tokens
-                for index in range(1, request.params.n):
-                    child = self._new_sequence(request, index)
-                    child.num_prefix_hits = seq.num_prefix_hits
+                for _ in range(1, request.params.n):
+                    child = self._new_sequence(request)
                     self.scheduler.fork(seq, child)
                     seqs.append(child)
                     rows.append(row)
         return seqs, rows
+
+    # -- beam search ------------------------------------------------------------------------------
+
+    def _step_beams(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[str, Request]:
+        """Keep each computed beam's best next tokens; advance every search whose running beams all
+        have theirs (a preempted beam may be a step behind its siblings). Returns the searches done."""
+        width = max(self.requests[seq.request_id].beam_search.num_candidates for seq in seqs)
+        logprobs, token_ids = logits.log_softmax(dim=-1).topk(width)
+        advanced: dict[str, Request] = {}
+        for seq, lps, ids in zip(seqs, logprobs.tolist(), token_ids.tolist(), strict=True):
+            request = self.requests[seq.request_id]
+            num = request.beam_search.num_candidates
+            request.beam_tops[seq.seq_id] = (lps[:num], ids[:num])
+            seq.awaiting = True
+            advanced[request.request_id] = request
+        return {rid: request for rid, request in advanced.items() if self._advance_beams(request)}
+
+    def _advance_beams(self, request: Request) -> bool:
+        """Run the search's next step once every running beam is computed; returns whether it is done."""
+        beams, search = list(request.seqs), request.beam_search
+        if not beams:  # every beam was dropped: nothing left to search
+            search.done = True
+        elif all(seq.seq_id in request.beam_tops for seq in beams):
+            tops = [request.beam_tops.pop(seq.seq_id) for seq in beams]
+            chosen = search.step([(seq.output_token_ids, seq.cumulative_logprob) for seq in beams], tops)
+            request.seqs = self._extend_beams(request, beams, chosen)
+        return search.done
+
+    def _extend_beams(
+        self, request: Request, beams: list[Sequence], chosen: list[Continuation]
+    ) -> list[Sequence]:
+        """Each chosen continuation extends its parent beam: a parent chosen again is forked first (the
+        copy shares its blocks copy-on-write); a beam not chosen is pruned and its blocks freed at once."""
+        extended: list[Sequence] = []
+        kept: set[int] = set()
+        for c in chosen:
+            parent = beams[c.parent]
+            if c.parent in kept:
+                child = self._new_sequence(request, parent)
+                self.scheduler.fork(parent, child)
+                extended.append(child)
+            else:
+                kept.add(c.parent)
+                extended.append(parent)
+        for i, seq in enumerate(beams):
+            if i not in kept:
+                self.scheduler.finish(seq)
+        for seq, c in zip(extended, chosen, strict=True):
+            seq.output_token_ids.append(c.token_id)
+            seq.cumulative_logprob = c.cum_logprob
+            seq.awaiting = False
+        return extended
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
         params = seq.params
         banned: tuple[int, ...] = ()
         if len(seq.output_token_ids) < params.min_tokens:
             banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_token_ids))
-        return SampleRow(params, self.requests[seq.request_id].generator, banned, seq.guide)
+        generator = self.requests[seq.request_id].generator
+        return SampleRow(
+            params, generator, banned, seq.prompt_token_ids, seq.output_token_ids, guide=seq.guide
+        )
 
     def _append_token(self, seq: Sequence, smp) -> None:
-        seq.num_cached_tokens = seq.num_tokens
         seq.output_token_ids.append(smp.token_id)
         if smp.logprob is not None:
             seq.cumulative_logprob += smp.logprob
@@ -268,18 +367,32 @@ class LLMEngine:
             self.scheduler.finish(seq)
 
     def _request_output(self, request: Request) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=seq.index,
-                text=seq.text,
-                token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob if request.params.logprobs is not None else None,
-                logprobs=list(seq.output_logprobs) if request.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            )
-            for seq in request.seqs
-        ]
+        if request.beam_search is not None:
+            outputs = [
+                CompletionOutput(
+                    index=i,
+                    text=self._decode(h.token_ids, request.params.skip_special_tokens),
+                    token_ids=h.token_ids,
+                    cumulative_logprob=h.cum_logprob,
+                    finish_reason=h.finish_reason,
+                )
+                for i, h in enumerate(request.beam_search.finished)
+            ]
+        else:
+            outputs = [
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.text,
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob
+                    if request.params.logprobs is not None
+                    else None,
+                    logprobs=list(seq.output_logprobs) if request.params.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+                for seq in request.seqs
+            ]
         finished = request.finished
         if finished:
             del self.requests[request.request_id]
@@ -289,5 +402,10 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids,
             outputs=outputs,
             finished=finished,
-            num_cached_tokens=request.seqs[0].num_prefix_hits,
+            num_cached_tokens=request.first_seq.num_prefix_hits,
         )
+
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

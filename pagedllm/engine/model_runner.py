@@ -56,35 +56,45 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> torch.Tensor:
-        """Compute every scheduled sequence's new tokens; return float32 logits of each one's last token."""
+        """Compute every scheduled sequence's new tokens; return float32 logits of each one's last
+        computed token (the engine ignores those of a prompt whose prefill is not complete yet)."""
         self.move_blocks(out)
-        input_ids, positions, meta, last_rows = self.prepare_inputs(out.scheduled, block_tables)
+        num_new_tokens = [out.num_new_tokens[seq.seq_id] for seq in out.scheduled]
+        input_ids, positions, meta, last_rows = self.prepare_inputs(
+            out.scheduled, block_tables, num_new_tokens
+        )
         hidden = self.model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[last_rows])
 
     def prepare_inputs(
-        self, seqs: list[Sequence], block_tables: list[list[int]]
+        self, seqs: list[Sequence], block_tables: list[list[int]], num_new_tokens: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The flattened batch: token ids, positions, attention metadata, and each sequence's last row.
 
-        Sequence s computes its tokens [num_cached_tokens, num_tokens); index arithmetic runs in numpy,
-        one array operation per batch rather than one Python operation per token.
+        Sequence s computes num_new_tokens[s] tokens from its num_cached_tokens on (all the rest, or one
+        chunk of a long prompt); index arithmetic runs in numpy, one array operation per batch rather
+        than one Python operation per token.
         """
         starts = np.fromiter((seq.num_cached_tokens for seq in seqs), np.int64, len(seqs))
-        ends = np.fromiter((seq.num_tokens for seq in seqs), np.int64, len(seqs))
-        counts = ends - starts
+        counts = np.asarray(num_new_tokens, np.int64)
+        ends = starts + counts
         query_start_loc = np.zeros(len(seqs) + 1, np.int32)
         np.cumsum(counts, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
         tables = np.zeros((len(seqs), max(len(t) for t in block_tables)), np.int32)
         for row, table in zip(tables, block_tables, strict=True):
             row[: len(table)] = table
-        if num_tokens == len(seqs):  # decode: one token per sequence, its last
+        if num_tokens == len(seqs) and all(
+            seq.num_tokens == end for seq, end in zip(seqs, ends, strict=True)
+        ):
+            # decode: one token per sequence, its last
             input_ids = np.fromiter((seq.token_ids[-1] for seq in seqs), np.int64, len(seqs))
             positions, owner = starts, np.arange(len(seqs))
         else:
             input_ids = np.fromiter(
-                itertools.chain.from_iterable(seq.token_ids[seq.num_cached_tokens :] for seq in seqs),
+                itertools.chain.from_iterable(
+                    seq.token_ids[start:end] for seq, start, end in zip(seqs, starts, ends, strict=True)
+                ),
                 np.int64,
                 num_tokens,
             )

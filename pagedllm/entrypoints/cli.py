@@ -14,6 +14,8 @@ BENCHMARKS = {  # name: (module, what it measures)
         "pagedllm.bench.throughput",
         "the engine offline: paged vs contiguous slabs (vs HF, vLLM)",
     ),
+    "chunked-prefill": ("pagedllm.bench.chunked_prefill", "decode stalls when a long prompt arrives"),
+    "sharing": ("pagedllm.bench.sharing", "KV memory saved by sharing blocks (parallel sampling, beams)"),
     "snapshot": ("pagedllm.bench.snapshot", "what the dashboard's GET /v1/kv costs next to an engine step"),
     "serve": ("pagedllm.bench.serve", "load generator and soak test for any OpenAI-compatible server"),
 }
@@ -23,7 +25,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Each option's default after its help, unless the help already says it (or there is none)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False) or "(default" in (action.help or ""):
+        if action.default in (None, False) or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -35,41 +37,62 @@ def _defaults(cls) -> dict:
     return {f.name: f.default for f in dataclasses.fields(cls)}
 
 
-def _sampling_params(args: argparse.Namespace):
-    """SamplingParams from the flags, a bad value named as the user typed it (before the model loads)."""
-    from pagedllm import SamplingParams
-
+def _checked(make, **flags):
+    """make(**flags), a bad value named as the user typed it (`max_tokens ...` -> `--max-tokens ...`)."""
     try:
-        return SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
-        )
-    except ValueError as error:  # "max_tokens must be ..." -> "--max-tokens must be ..."
+        return make(**flags)
+    except ValueError as error:
         name, _, rest = str(error).partition(" ")
-        raise ValueError(f"--{name.replace('_', '-')} {rest}") from None
+        if name in flags:
+            raise ValueError(f"--{name.replace('_', '-')} {rest}") from None
+        raise
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from pagedllm import BeamSearchParams, SamplingParams
+
+    # Everything the user typed is checked before the model loads (seconds), and named as typed.
     for i, prompt in enumerate(args.prompt, 1):
         if not prompt.strip():
             where = f"prompt {i} " if len(args.prompt) > 1 else "the prompt "
             raise ValueError(f"{where}is empty (got {prompt!r})")
-    params = _sampling_params(args)
+    if args.beam_width and args.chat:
+        raise ValueError("--beam-width does not combine with --chat")
+    if args.beam_width:
+        params = _checked(
+            BeamSearchParams,
+            beam_width=args.beam_width,
+            max_tokens=args.max_tokens,
+            length_penalty=args.length_penalty,
+        )
+    else:
+        params = _checked(
+            SamplingParams,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            repetition_penalty=args.repetition_penalty,
+        )
     from pagedllm import LLM
 
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len,
-    )
+    llm = LLM(args.model, **_engine_kwargs(args))
+    if args.beam_width:
+        for prompt, output in zip(args.prompt, llm.beam_search(args.prompt, params), strict=True):
+            if len(args.prompt) > 1:
+                print(f"--- {prompt}")
+            for i, beam in enumerate(output.sequences):
+                print(f"[beam {i}, cumulative logprob {beam.cum_logprob:.3f}] {beam.text}")
+        return 0
     if args.chat:
-        outputs = llm.chat([{"role": "user", "content": p} for p in args.prompt], params)
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
     else:
         outputs = llm.generate(args.prompt, params)
-    for output in outputs:
+    for prompt, output in zip(args.prompt, outputs, strict=True):
         if len(outputs) > 1:
-            print(f"--- {output.prompt if output.prompt is not None else '(chat)'}")
+            print(f"--- {prompt}")
         print(output.outputs[0].text if args.chat else output.prompt + output.outputs[0].text)
     return 0
 
@@ -92,16 +115,61 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         limits=limits,
         shutdown_timeout=args.shutdown_timeout,
-        dtype=args.dtype,
-        device=args.device,
-        kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len,
         generation_config=args.generation_config,
+        **_engine_kwargs(args),
         **{name: getattr(args, name) for name in KV_ARGS},
     )
 
 
-KV_ARGS = ("block_size", "max_num_seqs", "kv_layout", "contiguous_reserve", "enable_prefix_caching")
+ENGINE_ARGS = (
+    "dtype",
+    "device",
+    "kv_cache_memory",
+    "max_model_len",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name in ENGINE_ARGS}
+
+
+def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
+    """EngineConfig settings, spelled as vLLM's CLI spells them, with EngineConfig's defaults."""
+    parser.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf file")
+    parser.add_argument(
+        "--dtype", default=defaults["dtype"], help="auto (float32 on CPU), float32, bfloat16 or float16"
+    )
+    parser.add_argument("--device", default=defaults["device"], help="cpu or cuda")
+    parser.add_argument(
+        "--kv-cache-memory", default=defaults["kv_cache_memory"], help="KV cache size, e.g. 512MiB"
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=defaults["max_num_batched_tokens"],
+        help="tokens per step (prefill chunk budget)",
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=defaults["enable_prefix_caching"],
+        help="reuse the KV blocks of prompt prefixes seen before",
+    )
+    parser.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=defaults["enable_chunked_prefill"],
+        help="prefill long prompts in chunks alongside the running decodes",
+    )
+
+
+KV_ARGS = ("block_size", "max_num_seqs", "kv_layout", "contiguous_reserve")
 
 
 def _add_kv_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
@@ -117,18 +185,39 @@ def _add_kv_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
         choices=["max", "pow2"],
         help="slab size",
     )
-    parser.add_argument("--enable-prefix-caching", action="store_true", help="reuse cached prompt blocks")
 
 
-def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
-    parser.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf file")
-    parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32, bfloat16 or float16")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+def _add_server_args(parser: argparse.ArgumentParser, limits: dict) -> None:
+    """What a server left running needs: sampling defaults, an API key, limits, a graceful shutdown."""
     parser.add_argument(
-        "--kv-cache-memory", default=defaults["kv_cache_memory"], help="KV cache size, e.g. 512MiB"
+        "--generation-config",
+        default="auto",
+        help="sampling fields a request leaves unset: auto (the model's generation_config.json), "
+        "vllm (vLLM's own), or a folder holding one (default: auto)",
     )
     parser.add_argument(
-        "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1/* (default: $PAGEDLLM_API_KEY, else none)",
+    )
+    parser.add_argument(
+        "--max-request-body-bytes", type=int, default=limits["max_request_body_bytes"], help="larger get 413"
+    )
+    parser.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=limits["max_concurrent_requests"],
+        help="/v1 requests in flight at once; more get 429",
+    )
+    parser.add_argument("--max-n", type=int, default=limits["max_n"], help="completions per prompt at most")
+    parser.add_argument(
+        "--max-logprobs", type=int, default=limits["max_logprobs"], help="logprobs / top_logprobs at most"
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: seconds running requests may take to finish before they are aborted",
     )
 
 
@@ -136,14 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.engine.config import EngineConfig
     from pagedllm.entrypoints.openai.limits import ServerLimits
 
-    formatter = _HelpFormatter
     defaults = _defaults(EngineConfig)  # the CLI's engine defaults are EngineConfig's, as in the README
-    limits = _defaults(ServerLimits)
     parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser(
-        "generate", help="complete one or more prompts and print the text", formatter_class=formatter
+        "generate", help="complete one or more prompts and print the text", formatter_class=_HelpFormatter
     )
     gen.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
     gen.add_argument("--chat", action="store_true", help="send each prompt as a user chat message")
@@ -151,11 +238,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's presence penalty")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's frequency penalty")
+    gen.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="Hugging Face's repetition penalty"
+    )
+    gen.add_argument("--beam-width", type=int, default=0, help="beam search with this many beams (0: off)")
+    gen.add_argument("--length-penalty", type=float, default=1.0, help="beam search length penalty")
     _add_engine_args(gen, defaults)
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser(
-        "serve", help="serve the model over an OpenAI-compatible HTTP API", formatter_class=formatter
+        "serve", help="serve the model over an OpenAI-compatible HTTP API", formatter_class=_HelpFormatter
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port")
@@ -164,44 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_engine_args(serve, defaults)
     _add_kv_args(serve, defaults)
-    serve.add_argument(
-        "--generation-config",
-        default="auto",
-        help="sampling defaults for unset request fields: auto (the model's generation_config.json), "
-        "vllm (none), or a folder holding one",
-    )
-    serve.add_argument(
-        "--api-key",
-        default=None,
-        help="require `Authorization: Bearer KEY` on /v1/* (default: $PAGEDLLM_API_KEY, else none)",
-    )
-    serve.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=limits["max_request_body_bytes"],
-        help="larger bodies get 413",
-    )
-    serve.add_argument(
-        "--max-concurrent-requests",
-        type=int,
-        default=limits["max_concurrent_requests"],
-        help="/v1 requests in flight at once; more get 429",
-    )
-    serve.add_argument(
-        "--max-n", type=int, default=limits["max_n"], help="completions per prompt (n) at most"
-    )
-    serve.add_argument(
-        "--max-logprobs", type=int, default=limits["max_logprobs"], help="logprobs / top_logprobs at most"
-    )
-    serve.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="on SIGTERM/SIGINT: seconds running requests may take to finish before they are aborted",
-    )
+    _add_server_args(serve, _defaults(ServerLimits))
     serve.set_defaults(func=_serve)
 
-    lines = "\n".join(f"  {name:<11} {line}" for name, (_, line) in BENCHMARKS.items())
+    lines = "\n".join(f"  {name:<16} {line}" for name, (_, line) in BENCHMARKS.items())
     bench = sub.add_parser(
         "bench",
         help=f"run a benchmark: {', '.join(BENCHMARKS)} (options after the name go to it)",

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -15,6 +17,7 @@ from pagedllm.models.config import ModelConfig
 from pagedllm.models.gguf_loader import cache_root, converted_folder
 from pagedllm.models.linear import LinearMethod, default_linear_method, process_linear_layers
 from pagedllm.models.registry import model_class
+from pagedllm.models.tokenizer import Tokenizer, load_tokenizer
 from pagedllm.models.weights import load_weights
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -23,7 +26,7 @@ DEFAULT_MODEL = "smollm2-135m"
 @dataclass
 class LoadedModel:
     model: nn.Module  # forward(input_ids, positions, meta) -> hidden; compute_logits(hidden) -> logits
-    tokenizer: object | None  # a transformers PreTrainedTokenizerFast; None if the folder has none
+    tokenizer: Tokenizer | None  # None if the folder has none
     config: ModelConfig
     name: str  # what the caller asked for
     path: Path  # the Hugging Face style folder the weights came from (the cache folder for a GGUF)
@@ -76,12 +79,26 @@ def resolve_checkpoint(model: str) -> Path:
     )
 
 
+CONFIG_CACHE_VERSION = 1  # bump when ModelConfig or its parsing changes
+
+
 def read_config(folder: Path) -> ModelConfig:
-    """ModelConfig from config.json, with end-of-sequence ids from generation_config.json added."""
+    """ModelConfig from config.json, with end-of-sequence ids from generation_config.json added.
+
+    Parsing goes through transformers' config classes (they know each family's defaults), which costs
+    over a second of imports; the result is cached under the cache root, keyed by the file's content.
+    """
     path = folder / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {folder}")
-    config = ModelConfig.from_hf_dict(json.loads(path.read_text()))
+    text = path.read_text()
+    key = hashlib.sha256(f"{CONFIG_CACHE_VERSION}:{text}".encode()).hexdigest()[:16]
+    cached = cache_root() / "configs" / f"{key}.json"
+    if cached.is_file():
+        config = ModelConfig(**json.loads(cached.read_text()))
+    else:
+        config = ModelConfig.from_hf_dict(json.loads(text))
+        _write_atomically(cached, json.dumps(asdict(config)))
     generation = folder / "generation_config.json"
     if generation.is_file():
         eos = json.loads(generation.read_text()).get("eos_token_id")
@@ -89,6 +106,14 @@ def read_config(folder: Path) -> ModelConfig:
             if token_id not in config.eos_token_ids:
                 config.eos_token_ids.append(token_id)
     return config
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write via a temporary file and a rename, so a concurrent reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+        tmp.write(text)
+    Path(tmp.name).replace(path)
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -133,12 +158,4 @@ def load_model(
     load_weights(module, _read_weights(weight_files(folder)))
     module.eval().requires_grad_(False)
     process_linear_layers(module, linear_method or default_linear_method(device, dtype))
-    return LoadedModel(module, _load_tokenizer(folder), config, model, folder)
-
-
-def _load_tokenizer(folder: Path):
-    if not (folder / "tokenizer.json").is_file():
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder))
+    return LoadedModel(module, load_tokenizer(folder), config, model, folder)

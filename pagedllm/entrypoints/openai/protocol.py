@@ -78,8 +78,11 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None  # unset: generation_config's, else 1
+    use_beam_search: bool = False  # vLLM's extra: beam search with n beams, one choice per beam
+    length_penalty: float = 1.0  # beam search only
     user: str | None = None
     response_format: ResponseFormat | None = None
 

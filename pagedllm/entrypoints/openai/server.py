@@ -23,11 +23,12 @@ from pagedllm.entrypoints.openai.limits import Admission, LimitsMiddleware, Serv
 from pagedllm.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from pagedllm.entrypoints.openai.streams import deltas, finals, merge, sse, until_disconnected
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import GuidedDecodingParams, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, GuidedDecodingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p")  # unset: the model's generation_config
+# Unset in a request, these take the model's generation_config.json defaults (then SamplingParams').
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def build_app(
@@ -117,13 +118,19 @@ def build_app(
             raise APIError(str(error), param="response_format") from error
         return guided
 
+    def request_params(
+        request: p.SamplingRequest, max_tokens: int | None, logprobs: int | None, guided
+    ) -> SamplingParams | BeamSearchParams:
+        if not request.use_beam_search:
+            return sampling_params(request, max_tokens, logprobs, guided)
+        if guided is not None:
+            raise APIError("response_format is not supported with use_beam_search", param="response_format")
+        return beam_search_params(request, max_tokens or max_model_len, logprobs)
+
     def sampling_params(
         request: p.SamplingRequest, max_tokens: int | None, logprobs: int | None, guided
     ) -> SamplingParams:
         """The request's SamplingParams; unset sampling fields take the model's defaults."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(request, name):
-                raise APIError(f"{name} is not supported, got {getattr(request, name)!r}", param=name)
         given = {
             name: getattr(request, name) for name in SAMPLING_FIELDS if getattr(request, name) is not None
         }
@@ -140,6 +147,8 @@ def build_app(
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 skip_special_tokens=request.skip_special_tokens,
                 logprobs=logprobs,
+                presence_penalty=request.presence_penalty,
+                frequency_penalty=request.frequency_penalty,
                 guided_decoding=guided,
                 **(defaults | given),
             )
@@ -162,7 +171,7 @@ def build_app(
             items = []
             for ids in prompts(e):
                 limit = checked_max_tokens(max_tokens, len(ids))
-                items.append((ids, sampling_params(request, limit, logprobs, guided)))
+                items.append((ids, request_params(request, limit, logprobs, guided)))
             return items
 
         try:
@@ -316,6 +325,41 @@ def build_app(
             await _close(outputs, streams)
 
     return app
+
+
+async # Fields that would change what a beam may produce or return: refused with use_beam_search (vLLM ignores
+# them). The sampling-only ones (temperature, top_p, top_k, min_p, seed) are accepted and, as in vLLM,
+# do not change the search.
+BEAM_SEARCH_REFUSES = {
+    "stop": None,
+    "stop_token_ids": None,
+    "min_tokens": 0,
+    "include_stop_str_in_output": False,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
+def beam_search_params(request: p.SamplingRequest, max_tokens: int, logprobs: int | None) -> BeamSearchParams:
+    """vLLM's `use_beam_search`: `n` is the beam width; each beam comes back as one choice, best first."""
+    if logprobs is not None:
+        raise APIError("logprobs is not supported with use_beam_search", param="logprobs")
+    for name, default in BEAM_SEARCH_REFUSES.items():
+        if getattr(request, name) not in (default, [], None):
+            raise APIError(f"{name} is not supported with use_beam_search", param=name)
+    try:
+        return BeamSearchParams(
+            beam_width=request.n,
+            max_tokens=max_tokens,
+            ignore_eos=request.ignore_eos,
+            temperature=request.temperature or 0.0,
+            length_penalty=request.length_penalty,
+            skip_special_tokens=request.skip_special_tokens,
+        )
+    except ValueError as error:
+        name = str(error).split(" ", 1)[0]
+        raise APIError(str(error), param="n" if name == "beam_width" else name) from error
 
 
 async def _remember(outputs, last: dict[int, RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
