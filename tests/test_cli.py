@@ -121,7 +121,7 @@ def test_bench_help_has_a_line_per_benchmark(capsys):
         cli.main(["bench", "--help"])
     out = capsys.readouterr().out
     for name, (_, line) in cli.BENCHMARKS.items():
-        assert f"  {name:<11} {line}" in out
+        assert f"  {name:<16} {line}" in out
 
 
 def test_pictures_without_matplotlib_say_which_extra(capsys, monkeypatch, tmp_path):

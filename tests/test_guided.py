@@ -67,5 +67,7 @@ def test_when_the_grammar_allows_only_eos_it_beats_min_tokens(tiny_llm):
             assert guide.accept(token)
         params = SamplingParams(temperature=temperature, min_tokens=10)
         logits = torch.randn(1, engine.model.config.vocab_size)
-        (smp,) = sample(logits, [SampleRow(params, torch.Generator().manual_seed(0), tuple(eos), guide)])
+        (smp,) = sample(
+            logits, [SampleRow(params, torch.Generator().manual_seed(0), tuple(eos), guide=guide)]
+        )
         assert smp.token_id in eos

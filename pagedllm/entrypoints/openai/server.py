@@ -327,7 +327,7 @@ def build_app(
     return app
 
 
-async # Fields that would change what a beam may produce or return: refused with use_beam_search (vLLM ignores
+# Fields that would change what a beam may produce or return: refused with use_beam_search (vLLM ignores
 # them). The sampling-only ones (temperature, top_p, top_k, min_p, seed) are accepted and, as in vLLM,
 # do not change the search.
 BEAM_SEARCH_REFUSES = {
