@@ -163,3 +163,16 @@ def test_extreme_values_sample_the_likeliest_token(kwargs):
     logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
     rows = [SampleRow(SamplingParams(**kwargs), torch.Generator().manual_seed(i)) for i in range(3)]
     assert [s.token_id for s in sample(logits.clone(), rows)] == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e-30, 1e30, 3.4028235e38, 1e300])
+def test_extreme_repetition_penalties_still_sample(penalty):
+    """Found by fuzzing the server: a tiny penalty overflowed a boosted logit to +inf (NaN probabilities),
+    a huge one could not become a float32. Now a tiny one makes a seen positive-logit token certain and a
+    huge one forbids every seen token, greedy and sampled alike."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, repetition_penalty=penalty)
+        row = SampleRow(params, torch.Generator().manual_seed(0), prompt_token_ids=[2], output_token_ids=[3])
+        token = sample(logits.clone(), [row])[0].token_id
+        assert token in ((2, 3) if penalty < 1 else (0, 4))

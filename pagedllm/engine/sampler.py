@@ -66,7 +66,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     """vLLM's penalties, in place: a token seen in the prompt or the output has its logit divided by
     repetition_penalty if positive, multiplied if not (Hugging Face's RepetitionPenaltyLogitsProcessor);
     then each output token loses frequency_penalty per occurrence and presence_penalty once (OpenAI)."""
-    vocab = logits.shape[1]
+    vocab, finfo = logits.shape[1], torch.finfo(logits.dtype)
     for i, row in enumerate(rows):
         params = row.params
         if not params.penalized:
@@ -76,10 +76,13 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
         if params.repetition_penalty != 1.0:
             seen = counts > 0
             seen[torch.tensor(row.prompt_token_ids, dtype=torch.int64, device=logits.device)] = True
-            penalty = torch.where(logits[i] > 0, 1.0 / params.repetition_penalty, params.repetition_penalty)
+            # Any positive penalty is valid: keep it and its inverse representable in the logits' dtype.
+            rp = min(max(params.repetition_penalty, finfo.tiny), finfo.max)
+            penalty = torch.where(logits[i] > 0, 1.0 / rp, rp)
             logits[i] = torch.where(seen, logits[i] * penalty, logits[i])
         logits[i] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
-    return logits
+    # An extreme penalty can overflow a logit: +inf becomes the largest finite value (a certain token).
+    return logits.nan_to_num_(nan=float("-inf"), posinf=finfo.max, neginf=float("-inf"))
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
