@@ -121,8 +121,10 @@ def run_engine(
             usage = engine.allocator.usage()
             live.append(usage.live_slots / usage.total_slots)
     assert engine.allocator.all_free(), "KV blocks leaked"
+    queried = scheduler.prefix_cache_queries - queries
+    hit_rate = (scheduler.prefix_cache_hits - hits) / queried if queried else None
     profile_lines = []
-    if profiling:
+    if profiling:  # after the counters above: it runs the same prompts again
         ops = top_ops(engine, prompts)
         profile_lines = profile_report(engine, phases, ops, engine.config.torch_dtype)
         assert engine.allocator.all_free(), "KV blocks leaked"
@@ -139,9 +141,7 @@ def run_engine(
         engine.scheduler.num_preemptions,
         None,
         sum(first_token.values()) / len(first_token),
-        (scheduler.prefix_cache_hits - hits) / queried
-        if (queried := scheduler.prefix_cache_queries - queries)
-        else None,
+        hit_rate,
     )
     return row, tokens, profile_lines
 
