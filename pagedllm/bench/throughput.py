@@ -207,6 +207,36 @@ def run_vllm(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
     ), tokens
 
 
+NEAR_TIE = 1e-3  # top-2 logit margin under which two correct fp32 runs may pick different tokens
+
+
+def explain_differences(
+    args, system: str, prompts: list[list[int]], ours: list[list[int]], theirs: list[list[int]]
+) -> str:
+    """Where a peer's greedy tokens differ from paged's, the margin between pagedllm's two best tokens at
+    the first differing step (same prompt and same tokens up to there): an fp32 near-tie (< NEAR_TIE)
+    means either choice is the model's answer within rounding."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(
+        args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len
+    )
+    margins = []
+    for prompt, a, b in zip(prompts, ours, theirs, strict=True):
+        if a == b:
+            continue
+        step = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+        (out,) = llm.generate([prompt + a[:step]], SamplingParams(max_tokens=1, temperature=0, logprobs=2))
+        best, second = sorted(out.outputs[0].logprobs[0].values(), reverse=True)[:2]
+        margins.append(best - second)
+    ties = sum(m < NEAR_TIE for m in margins)
+    return (
+        f"{system}: {len(margins)} of {len(prompts)} requests differ from paged; at the first differing "
+        f"token {ties} are fp32 near-ties (pagedllm's top-2 logit margin < {NEAR_TIE:g}); largest margin "
+        f"{max(margins):.2e}"
+    )
+
+
 def _opt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -306,11 +336,14 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_hf(args, prompts))
     if args.vllm:
         rows.append(run_vllm(args, prompts))
+    tie_lines = []
     for row, tokens in rows:
         if paged_tokens is not None:
             row.same_tokens_as_paged = sum(a == b for a, b in zip(tokens, paged_tokens, strict=True)) / len(
                 tokens
             )
+            if row.same_tokens_as_paged < 1 and not row.system.startswith("paged"):
+                tie_lines.append(explain_differences(args, row.system, prompts, paged_tokens, tokens))
     rows = [row for row, _ in rows]
     workload = Workload(len(prompts), sum(len(p) for p in prompts), len(prompts) * args.output_len)
     if args.json:
@@ -335,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                     ttft = f", {r.mean_ttft_s / base.mean_ttft_s:.2f}x shorter mean time to first token"
                 speed = base.output_tok_s / r.output_tok_s
                 print(f"{base.system} / {r.system}: {speed:.2f}x output tokens/s{ttft}")
-    for line in profile_lines:
+    for line in tie_lines + profile_lines:
         print(line)
     return 0
 
