@@ -89,6 +89,7 @@ def run_engine(
         **LAYOUTS[layout],
         dtype=args.dtype,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
@@ -271,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-len", default="17-255", help="LO-HI prompt tokens (uniform)")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--kv-cache-memory", default="256MiB", help="the same for every layout")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)

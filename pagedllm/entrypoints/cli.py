@@ -68,6 +68,7 @@ ENGINE_ARGS = (
     "dtype",
     "device",
     "kv_cache_memory",
+    "kv_cache_dtype",
     "max_model_len",
     "max_num_batched_tokens",
     "enable_prefix_caching",
@@ -84,6 +85,12 @@ def _add_engine_args(parser: argparse.ArgumentParser, kv_cache_memory: str) -> N
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--kv-cache-memory", default=kv_cache_memory)
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="auto: the model's dtype",
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=8192, help="tokens per step (prefill chunk budget)"
