@@ -110,3 +110,28 @@ def test_shared_prefix_workload_compares_prefix_caching_on_and_off(capsys):
     assert rows["paged-no-prefix-cache"]["prefix_hit_rate"] is None
     assert rows["paged-no-prefix-cache"]["same_tokens_as_paged"] == 1.0
     assert all(r["mean_ttft_s"] > 0 for r in rows.values())
+
+
+def test_differences_from_a_peer_report_the_top2_margin_at_the_first_differing_token(hf_smollm2):
+    """A peer whose tokens differ at step 3 of one request: the reported margin is the gap between the
+    two best next-token logits there, which HF transformers' forward gives independently."""
+    from argparse import Namespace
+
+    prompts = throughput.make_prompts(2, 5, 12, 49152, seed=3)
+    args = Namespace(model="smollm2-135m", dtype="auto", kv_cache_memory="16MiB", max_model_len=64)
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM("smollm2-135m", kv_cache_memory="16MiB", max_model_len=64)
+    ours = [
+        o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
+    ]
+    theirs = [list(ours[0]), list(ours[1])]
+    theirs[1][3] = (theirs[1][3] + 1) % 49152
+    line = throughput.explain_differences(args, "peer", prompts, ours, theirs)
+    assert line.startswith("peer: 1 of 2 requests differ from paged; at the first differing token")
+    with torch.inference_mode():
+        logits = hf_smollm2(torch.tensor([prompts[1] + ours[1][:3]])).logits[0, -1]
+    best, second = logits.topk(2).values.tolist()
+    reported = float(line.rsplit("largest margin ", 1)[1])
+    assert reported == pytest.approx(best - second, abs=2e-3)
+    assert (" 0 are fp32 near-ties" in line) == (best - second >= throughput.NEAR_TIE)

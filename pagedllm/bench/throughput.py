@@ -89,6 +89,7 @@ def run_engine(
         **LAYOUTS[layout],
         dtype=args.dtype,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
@@ -121,8 +122,10 @@ def run_engine(
             usage = engine.allocator.usage()
             live.append(usage.live_slots / usage.total_slots)
     assert engine.allocator.all_free(), "KV blocks leaked"
+    queried = scheduler.prefix_cache_queries - queries
+    hit_rate = (scheduler.prefix_cache_hits - hits) / queried if queried else None
     profile_lines = []
-    if profiling:
+    if profiling:  # after the counters above: it runs the same prompts again
         ops = top_ops(engine, prompts)
         profile_lines = profile_report(engine, phases, ops, engine.config.torch_dtype)
         assert engine.allocator.all_free(), "KV blocks leaked"
@@ -139,9 +142,7 @@ def run_engine(
         engine.scheduler.num_preemptions,
         None,
         sum(first_token.values()) / len(first_token),
-        (scheduler.prefix_cache_hits - hits) / queried
-        if (queried := scheduler.prefix_cache_queries - queries)
-        else None,
+        hit_rate,
     )
     return row, tokens, profile_lines
 
@@ -207,6 +208,36 @@ def run_vllm(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
     ), tokens
 
 
+NEAR_TIE = 1e-3  # top-2 logit margin under which two correct fp32 runs may pick different tokens
+
+
+def explain_differences(
+    args, system: str, prompts: list[list[int]], ours: list[list[int]], theirs: list[list[int]]
+) -> str:
+    """Where a peer's greedy tokens differ from paged's, the margin between pagedllm's two best tokens at
+    the first differing step (same prompt and same tokens up to there): an fp32 near-tie (< NEAR_TIE)
+    means either choice is the model's answer within rounding."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(
+        args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len
+    )
+    margins = []
+    for prompt, a, b in zip(prompts, ours, theirs, strict=True):
+        if a == b:
+            continue
+        step = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+        (out,) = llm.generate([prompt + a[:step]], SamplingParams(max_tokens=1, temperature=0, logprobs=2))
+        best, second = sorted(out.outputs[0].logprobs[0].values(), reverse=True)[:2]
+        margins.append(best - second)
+    ties = sum(m < NEAR_TIE for m in margins)
+    return (
+        f"{system}: {len(margins)} of {len(prompts)} requests differ from paged; at the first differing "
+        f"token {ties} are fp32 near-ties (pagedllm's top-2 logit margin < {NEAR_TIE:g}); largest margin "
+        f"{max(margins):.2e}"
+    )
+
+
 def _opt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -241,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-len", default="17-255", help="LO-HI prompt tokens (uniform)")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--kv-cache-memory", default="256MiB", help="the same for every layout")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -306,11 +338,14 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_hf(args, prompts))
     if args.vllm:
         rows.append(run_vllm(args, prompts))
+    tie_lines = []
     for row, tokens in rows:
         if paged_tokens is not None:
             row.same_tokens_as_paged = sum(a == b for a, b in zip(tokens, paged_tokens, strict=True)) / len(
                 tokens
             )
+            if row.same_tokens_as_paged < 1 and not row.system.startswith("paged"):
+                tie_lines.append(explain_differences(args, row.system, prompts, paged_tokens, tokens))
     rows = [row for row, _ in rows]
     workload = Workload(len(prompts), sum(len(p) for p in prompts), len(prompts) * args.output_len)
     if args.json:
@@ -335,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                     ttft = f", {r.mean_ttft_s / base.mean_ttft_s:.2f}x shorter mean time to first token"
                 speed = base.output_tok_s / r.output_tok_s
                 print(f"{base.system} / {r.system}: {speed:.2f}x output tokens/s{ttft}")
-    for line in profile_lines:
+    for line in tie_lines + profile_lines:
         print(line)
     return 0
 

@@ -36,6 +36,7 @@ class EngineConfig:
     device: str = "cpu"
     block_size: int = 16
     kv_cache_memory: int | str = "1GiB"  # KV cache size; ignored when num_kv_blocks is given
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16 halves K/V memory (fp32 math)
     num_kv_blocks: int | None = None
     max_model_len: int | None = None  # default: the model's context length
     max_num_seqs: int = 256
@@ -59,6 +60,10 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r}: {why}; use device='cpu'")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}"
+            )
         if self.kv_layout not in ("paged", "contiguous"):
             raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
         if self.contiguous_reserve not in ("max", "pow2"):
@@ -82,3 +87,8 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The dtype K/V are stored in (attention computes in float32 either way)."""
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else DTYPES[self.kv_cache_dtype]

@@ -105,7 +105,7 @@ class LLMEngine:
             self.model,
             cache_blocks,
             cache_block_size,
-            config.torch_dtype,
+            config.kv_torch_dtype,
             config.device,
             num_host_blocks=cache_blocks if config.preemption_mode == "swap" else 0,
         )
@@ -137,7 +137,7 @@ class LLMEngine:
     def _blocks_that_fit(self, num_bytes: int) -> int:
         cfg = self.model.config
         bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-        bytes_per_token *= torch.tensor([], dtype=self.config.torch_dtype).element_size()
+        bytes_per_token *= torch.tensor([], dtype=self.config.kv_torch_dtype).element_size()
         num_blocks = num_bytes // (bytes_per_token * self.config.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={self.config.kv_cache_memory!r} holds no KV block")

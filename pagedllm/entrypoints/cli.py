@@ -125,6 +125,7 @@ ENGINE_ARGS = (
     "dtype",
     "device",
     "kv_cache_memory",
+    "kv_cache_dtype",
     "max_model_len",
     "max_num_batched_tokens",
     "enable_prefix_caching",
@@ -145,6 +146,12 @@ def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
     parser.add_argument("--device", default=defaults["device"], help="cpu or cuda")
     parser.add_argument(
         "--kv-cache-memory", default=defaults["kv_cache_memory"], help="KV cache size, e.g. 512MiB"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=defaults["kv_cache_dtype"],
+        choices=["auto", "float32", "bfloat16"],
+        help="auto: the model's dtype",
     )
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"
