@@ -62,10 +62,10 @@ def test_dense_residual_equals_a_separate_add():
 @ONEDNN
 def test_a_tied_lm_head_keeps_the_embedding_table():
     """Packing the LM head must not take the weight away from the embedding it shares it with."""
-    from pagedllm.models.layers import Embedding
+    from pagedllm.models.parallel import SINGLE, VocabParallelEmbedding
 
     model = torch.nn.Module()
-    model.embed_tokens = Embedding(50, 16)
+    model.embed_tokens = VocabParallelEmbedding(50, 16, SINGLE)
     model.lm_head = Linear(16, 50)
     model.lm_head.weight = model.embed_tokens.weight
     with torch.no_grad():

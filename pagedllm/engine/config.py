@@ -35,7 +35,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "cpu"
     block_size: int = 16
-    kv_cache_memory: int | str = "1GiB"  # KV cache size; ignored when num_kv_blocks is given
+    kv_cache_memory: int | str = "1GiB"  # KV cache size (of each rank); ignored if num_kv_blocks is given
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16 halves K/V memory (fp32 math)
     num_kv_blocks: int | None = None
     max_model_len: int | None = None  # default: the model's context length
@@ -49,6 +49,12 @@ class EngineConfig:
     watermark: float = 0.01  # share of KV blocks an admission must leave free (vLLM's 1%)
     seed: int = 0
     generation_config: str = "auto"  # sampling defaults: auto (the model folder's), vllm (none) or a folder
+    # Tensor parallelism: ranks, where they meet (tcp://HOST:PORT or env://; default: this machine, or
+    # torchrun's), over how many machines, and how long rank 0 waits for a rank in a collective (seconds).
+    tensor_parallel_size: int = 1
+    distributed_init_method: str | None = None
+    nnodes: int = 1
+    distributed_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -71,7 +77,8 @@ class EngineConfig:
                 f"contiguous_reserve must be 'max' or 'pow2', got {self.contiguous_reserve!r} ('oracle' "
                 "needs each request's true output length: only `pagedllm bench memory` knows it)"
             )
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "nnodes")
+        for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -81,6 +88,19 @@ class EngineConfig:
         if not isinstance(self.watermark, (int, float)) or not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be a fraction in [0, 1), got {self.watermark!r}")
         parse_bytes(self.kv_cache_memory)
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} does not split over nnodes={self.nnodes}"
+            )
+        if self.nnodes > 1 and self.distributed_init_method is None:
+            raise ValueError(f"nnodes={self.nnodes} needs distributed_init_method='tcp://HOST:PORT'")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout!r}")
+
+    @property
+    def is_parallel(self) -> bool:
+        """Whether the model is split over several ranks (tensor parallelism)."""
+        return self.tensor_parallel_size > 1
 
     @property
     def torch_dtype(self) -> torch.dtype:

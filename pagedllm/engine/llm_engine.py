@@ -17,11 +17,14 @@ from pagedllm.engine.config import EngineConfig, parse_bytes
 from pagedllm.engine.generation_config import sampling_defaults
 from pagedllm.engine.guided import GrammarCompiler
 from pagedllm.engine.model_runner import ModelRunner
+from pagedllm.engine.parallel.executor import Executor
+from pagedllm.engine.parallel.runner import ParallelModelRunner
 from pagedllm.engine.sampler import SampleRow, sample
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence
 from pagedllm.kv import ContiguousAllocator, PagedAllocator
 from pagedllm.models import LoadedModel, load_model
+from pagedllm.models.parallel import SINGLE, TensorParallel
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -31,8 +34,13 @@ logger = logging.getLogger(__name__)
 _loaded_models: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def load_shared_model(model: str, dtype: torch.dtype, device: str) -> LoadedModel:
-    """load_model, reusing a model another live engine already loaded with the same settings."""
+def load_shared_model(
+    model: str, dtype: torch.dtype, device: str, tp: TensorParallel = SINGLE
+) -> LoadedModel:
+    """load_model, reusing a model another live engine already loaded with the same settings (a shard of a
+    tensor-parallel group is its engine's own: its layers collect through that group)."""
+    if tp.size > 1:
+        return load_model(model, dtype=dtype, device=device, tp=tp)
     key = (model, dtype, device)
     loaded = _loaded_models.get(key)
     if loaded is None:
@@ -71,7 +79,17 @@ class LLMEngine:
         apply_thread_count()
         if torch.device(config.device).type == "cpu":
             keep_large_allocations()
-        loaded = load_shared_model(config.model, config.torch_dtype, config.device)
+        # Under tensor parallelism the other ranks start now and load their shards while this one does.
+        self.executor = Executor(config) if config.is_parallel else None
+        try:
+            self._start(config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, config: EngineConfig) -> None:
+        tp = self.executor.tp if self.executor else SINGLE
+        loaded = load_shared_model(config.model, config.torch_dtype, config.device, tp)
         self.loaded_model = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -101,14 +119,12 @@ class LLMEngine:
             num_blocks * config.block_size,
             config.kv_layout,
         )
-        self.runner = ModelRunner(
-            self.model,
-            cache_blocks,
-            cache_block_size,
-            config.kv_torch_dtype,
-            config.device,
-            num_host_blocks=cache_blocks if config.preemption_mode == "swap" else 0,
-        )
+        cache = (cache_blocks, cache_block_size, config.kv_torch_dtype, config.device)
+        num_host_blocks = cache_blocks if config.preemption_mode == "swap" else 0
+        if self.executor:
+            self.runner = ParallelModelRunner(self.executor, self.model, *cache, num_host_blocks)
+        else:
+            self.runner = ModelRunner(self.model, *cache, num_host_blocks)
         self.scheduler = Scheduler(
             self.allocator,
             self.max_model_len,
@@ -134,9 +150,15 @@ class LLMEngine:
             )
         return requested
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (if any); the engine cannot step afterwards."""
+        if self.executor is not None:
+            self.executor.stop()
+
     def _blocks_that_fit(self, num_bytes: int) -> int:
+        """KV blocks that fit in `num_bytes` (per rank: rank 0 holds the most KV heads of any rank)."""
         cfg = self.model.config
-        bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+        bytes_per_token = 2 * cfg.num_layers * self.model.num_kv_heads * cfg.head_dim
         bytes_per_token *= torch.tensor([], dtype=self.config.kv_torch_dtype).element_size()
         num_blocks = num_bytes // (bytes_per_token * self.config.block_size)
         if num_blocks < 1:

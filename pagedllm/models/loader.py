@@ -16,6 +16,7 @@ from torch import nn
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.gguf_loader import cache_root, converted_folder
 from pagedllm.models.linear import LinearMethod, default_linear_method, process_linear_layers
+from pagedllm.models.parallel import SINGLE, TensorParallel
 from pagedllm.models.registry import model_class
 from pagedllm.models.tokenizer import Tokenizer, load_tokenizer
 from pagedllm.models.weights import load_weights
@@ -146,14 +147,17 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     linear_method: LinearMethod | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
     """Load weights, config and tokenizer, then let the linear method (default: the best for this device
-    and dtype) prepare every matmul weight; the model is in eval mode with gradients off."""
+    and dtype) prepare every matmul weight; the model is in eval mode with gradients off.
+
+    With a tensor-parallel `tp`, the model holds rank tp.rank's part of every sharded weight."""
     folder = resolve_checkpoint(model)
     config = read_config(folder)
     cls = model_class(config.architecture)
     with torch.device(device):
-        module = cls(config)  # parameters uninitialised (torch.empty): every one is loaded below
+        module = cls(config, tp)  # parameters uninitialised (torch.empty): every one is loaded below
     module.to(dtype)
     load_weights(module, _read_weights(weight_files(folder)))
     module.eval().requires_grad_(False)

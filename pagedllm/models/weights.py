@@ -1,13 +1,19 @@
-"""Copy checkpoint tensors (Hugging Face names) into a model's parameters, fused projections included."""
+"""Copy checkpoint tensors (Hugging Face names) into a model's parameters, fused projections included.
+
+Under tensor parallelism a layer holds part of a checkpoint tensor: its `checkpoint_part(pname, shard)`
+says which (models/parallel.py), and only that part is copied.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from pagedllm.models.linear import MergedLinear
+from pagedllm.models.parallel import Part
 
 # Prefixes of checkpoint names: the language model's own, and those of parts we do not run.
 _LM_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
@@ -29,10 +35,34 @@ def module_name(checkpoint_name: str) -> str | None:
     return checkpoint_name
 
 
-def _targets(model: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
-    """Checkpoint-style name -> (parameter, first row, rows) it fills."""
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes: rows [row, row + rows) of `param`, filled from `part` of the
+    tensor (None: all of it). A None param: this rank holds none of it (a row-parallel bias off rank 0)."""
+
+    param: torch.Tensor | None
+    row: int = 0
+    rows: int = 0
+    part: Part | None = None
+
+    def expected_shape(self) -> tuple[int, ...]:
+        shape = [self.rows, *self.param.shape[1:]]
+        if self.part is not None:
+            shape[self.part.dim] = self.part.total
+        return tuple(shape)
+
+
+def _join(*names: str) -> str:
+    return ".".join(name for name in names if name)
+
+
+def _targets(model: nn.Module) -> dict[str, Target]:
+    """Checkpoint-style name -> the Target it fills."""
     targets, seen = {}, set()
     for prefix, module in model.named_modules():
+        part_of = getattr(module, "checkpoint_part", lambda pname, shard: None)
+        for pname in getattr(module, "skipped", ()):
+            targets[_join(prefix, pname)] = Target(None)
         for pname, param in module.named_parameters(recurse=False):
             if id(param) in seen:  # a tied parameter is filled under its first name
                 continue
@@ -41,10 +71,10 @@ def _targets(model: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
                 parent = prefix.rpartition(".")[0]
                 row = 0
                 for shard, rows in module.shards.items():
-                    targets[f"{parent}.{shard}.{pname}"] = (param, row, rows)
+                    targets[_join(parent, shard, pname)] = Target(param, row, rows, part_of(pname, shard))
                     row += rows
             else:
-                targets[f"{prefix}.{pname}" if prefix else pname] = (param, 0, param.shape[0])
+                targets[_join(prefix, pname)] = Target(param, 0, param.shape[0], part_of(pname, None))
     return targets
 
 
@@ -61,16 +91,19 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             name = "embed_tokens.weight"
         if name not in targets:
             raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no place in {type(model).__name__}")
-        param, row, rows = targets[name]
-        expected = (rows, *param.shape[1:])
-        if tuple(tensor.shape) != expected:
+        target = targets[name]
+        loaded.add(name)
+        if target.param is None:
+            continue
+        if tuple(tensor.shape) != target.expected_shape():
             raise ValueError(
                 f"checkpoint tensor {checkpoint_name!r} has shape {tuple(tensor.shape)}, "
-                f"but the config implies {expected}"
+                f"but the config implies {target.expected_shape()}"
             )
+        if target.part is not None:
+            tensor = target.part.take(tensor)
         with torch.no_grad():
-            param[row : row + rows].copy_(tensor)
-        loaded.add(name)
+            target.param[target.row : target.row + target.rows].copy_(tensor)
     missing = sorted(targets.keys() - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

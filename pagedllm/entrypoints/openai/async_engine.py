@@ -81,6 +81,7 @@ class AsyncEngine:
             self._stopped = True
             self._wakeup.notify()
         self._thread.join()
+        self.engine.shutdown()
 
     def _submit(self, fn: Callable[[], None]) -> None:
         with self._wakeup:
