@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 BENCHMARKS = {  # name: (module, what it measures)
@@ -121,6 +122,9 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
 
+PARALLEL_ARGS = ("tensor_parallel_size", "distributed_init_method", "nnodes", "distributed_timeout")
+
+
 ENGINE_ARGS = (
     "dtype",
     "device",
@@ -130,6 +134,7 @@ ENGINE_ARGS = (
     "max_num_batched_tokens",
     "enable_prefix_caching",
     "enable_chunked_prefill",
+    *PARALLEL_ARGS,
 )
 
 
@@ -174,6 +179,7 @@ def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
         default=defaults["enable_chunked_prefill"],
         help="prefill long prompts in chunks alongside the running decodes",
     )
+    _add_parallel_args(parser)
 
 
 KV_ARGS = ("block_size", "max_num_seqs", "kv_layout", "contiguous_reserve")
@@ -225,6 +231,40 @@ def _add_server_args(parser: argparse.ArgumentParser, limits: dict) -> None:
         type=float,
         default=30.0,
         help="on SIGTERM/SIGINT: seconds running requests may take to finish before they are aborted",
+    )
+
+
+def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """Tensor parallelism over processes and machines (the same command on every machine, but --node-rank)."""
+    parser.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1, help="ranks the model is split over"
+    )
+    parser.add_argument(
+        "--distributed-init-method", default=None, help="tcp://HOST:PORT of node 0 (several machines)"
+    )
+    parser.add_argument("--nnodes", type=int, default=1, help="machines the ranks run on")
+    parser.add_argument(
+        "--node-rank", type=int, default=0, help="this machine's index; > 0 runs its ranks as workers only"
+    )
+    parser.add_argument(
+        "--distributed-timeout", type=float, default=60.0, help="seconds rank 0 waits for a rank in a step"
+    )
+
+
+def _worker_node(args: argparse.Namespace) -> int | None:
+    """Run this process's ranks as workers if it is not where rank 0 runs (None: it is)."""
+    from pagedllm.engine.parallel import worker
+
+    if "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ["RANK"]) > 0:  # started by torchrun
+        return worker.run_torchrun_rank()
+    if args.node_rank == 0:
+        return None
+    if not 0 < args.node_rank < args.nnodes or args.distributed_init_method is None:
+        raise ValueError(
+            f"--node-rank {args.node_rank} needs --nnodes > {args.node_rank} and --distributed-init-method"
+        )
+    return worker.run_node(
+        args.distributed_init_method, args.tensor_parallel_size, args.nnodes, args.node_rank
     )
 
 
@@ -291,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module("pagedllm.viz.report").main(argv[1:])
     args = parser.parse_args(argv)
     try:
+        if hasattr(args, "node_rank") and (code := _worker_node(args)) is not None:
+            return code
         return args.func(args)
     except (ValueError, FileNotFoundError, ImportError) as error:
         parser.exit(2, f"pagedllm: error: {error}\n")

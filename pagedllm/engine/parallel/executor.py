@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
 import time
 import weakref
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from pagedllm.engine.parallel.group import (
     spawn_worker,
 )
 from pagedllm.models.loader import read_config, resolve_checkpoint
-from pagedllm.models.parallel import CollectiveError, check_split
+from pagedllm.models.parallel import CollectiveError, TensorParallel, check_split
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,29 @@ class Topology:
         return cls(init_method, n, local, range(1, local))
 
 
+@dataclass
+class _Group:
+    """What stopping the group takes, held apart from the Executor so that a finalizer can do it."""
+
+    procs: dict[int, subprocess.Popen]  # the workers this process started, by rank
+    threads_before: int
+    tp: TensorParallel | None = None
+    serving: bool = False  # every rank loaded its shard and waits for steps
+    failed: bool = False
+
+
+def _stop(group: _Group) -> None:
+    """Tell every rank to exit if they all wait for a step, then make sure no local worker is left."""
+    graceful = group.serving and not group.failed
+    if graceful:
+        try:
+            group.tp.broadcast(protocol.stop_header())
+        except CollectiveError:
+            graceful = False
+    reap(list(group.procs.values()), grace=10 if graceful else 0)
+    torch.set_num_threads(group.threads_before)
+
+
 class Executor:
     """Rank 0 of a tensor-parallel group. `tp` is the handle its model's sharded layers collect through."""
 
@@ -72,7 +96,6 @@ class Executor:
         self.device = torch.device(config.device)
         self.timeout = timedelta(seconds=config.distributed_timeout)
         self.failure: str | None = None
-        self.stopped = False
         if topo.init_method is None:
             self.store, init_method = loopback_store(topo.world_size)
         else:
@@ -81,8 +104,8 @@ class Executor:
         self.store.set("model", json.dumps({"model": config.model, "dtype": dtype, "device": config.device}))
         threads = threads_per_rank(topo.local_ranks)
         self.procs = {r: spawn_worker(init_method, r, topo.world_size, r, threads) for r in topo.spawned}
-        self._reaper = weakref.finalize(self, reap, list(self.procs.values()), 0)  # if never stopped
-        self._threads_before = torch.get_num_threads()
+        self._group = _Group(self.procs, torch.get_num_threads())
+        self._finalizer = weakref.finalize(self, _stop, self._group)  # runs once: stop(), garbage or exit
         torch.set_num_threads(threads)
         logger.info(
             "tensor parallel: %d ranks (%s), %d threads per rank on this machine",
@@ -92,7 +115,7 @@ class Executor:
         )
         try:
             self._wait_for("joined", f"join {init_method}")
-            self.tp = form_group(self.store, 0, topo.world_size, self.device, self.timeout)
+            self.tp = self._group.tp = form_group(self.store, 0, topo.world_size, self.device, self.timeout)
         except BaseException:
             self.stop()
             raise
@@ -108,6 +131,7 @@ class Executor:
             raise WorkerFailure(
                 "; ".join(f"tensor-parallel rank {r} failed to start: {e}" for r, e in errors.items())
             )
+        self._group.serving = True
 
     def _workers(self) -> range:
         return range(1, self.topology.world_size)
@@ -150,19 +174,10 @@ class Executor:
         else:
             self.failure = f"a collective between the tensor-parallel ranks failed: {error.__cause__}"
         self.failure += "; every worker is stopped and the engine cannot run"
+        self._group.failed = True
         self.stop()
         return WorkerFailure(self.failure)
 
     def stop(self) -> None:
-        """Tell every rank to exit (unless the group failed), then make sure every local worker is gone."""
-        if self.stopped:
-            return
-        self.stopped = True
-        if self.failure is None and hasattr(self, "tp"):
-            try:
-                self.tp.broadcast(protocol.stop_header())
-            except CollectiveError:
-                pass
-            reap(list(self.procs.values()), grace=10)
-        self._reaper()  # kills what is left; a no-op the second time
-        torch.set_num_threads(self._threads_before)
+        """Stop every rank (a no-op the second time); at exit or when garbage, this happens by itself."""
+        self._finalizer()

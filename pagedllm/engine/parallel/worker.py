@@ -79,6 +79,13 @@ def run_node(init_method: str, world_size: int, nnodes: int, node_rank: int) -> 
         reap(procs, grace=10)
 
 
+def run_torchrun_rank() -> int:
+    """This process's rank (not 0) of a group torchrun started: RANK, WORLD_SIZE, LOCAL_RANK from it."""
+    rank, world_size, local_rank = (int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    return _run("env://", rank, world_size, local_rank)
+
+
 def _run(init_method: str, rank: int, world_size: int, local_rank: int) -> int:
     try:
         run_worker(init_method, rank, world_size, local_rank)
