@@ -59,10 +59,27 @@ def test_throughput_table_prints_the_workload_and_dashes_for_unreported_values(c
     sweep = [line.split() for line in lines[2:4]]
     assert [cells[:2] for cells in sweep] == [["paged", "w=0"], ["paged", "w=0.2"]]
     assert all(cells[3] == "6" for cells in sweep)  # output tokens
-    assert all(cells[-3] == "100%" for cells in sweep)  # both watermarks, the same greedy tokens
+    assert all(cells[-4] == "100%" for cells in sweep)  # both watermarks, the same greedy tokens
+    assert all(cells[-1] == "-" for cells in sweep)  # one process: no collectives
     assert lines[4].startswith("paged w=0 / paged w=0.2: ")
     row = throughput.Row("hf batch 2", 1.0, 6, 6.0, None, None, None, None, None)
-    assert throughput.format_row(row).split()[-5:] == ["-"] * 5
+    assert throughput.format_row(row).split()[-6:] == ["-"] * 6
+
+
+def test_tensor_parallel_rows_report_each_rank_s_collectives(capsys):
+    argv = ["--num-prompts", "3", "--input-len", "4-20", "--output-len", "4", "--kv-cache-memory",
+            "4MiB", "--max-model-len", "32", "--layouts", "paged", "--tensor-parallel-size", "1", "2",
+            "--json"]  # fmt: skip
+    assert throughput.main(argv) == 0
+    one, two = json.loads(capsys.readouterr().out)["rows"]
+    assert (one["system"], two["system"]) == ("paged tp=1", "paged tp=2")
+    assert two["same_tokens_as_paged"] == 1.0
+    assert (one["max_batch"], one["preemptions"]) == (two["max_batch"], two["preemptions"])  # same KV blocks
+    assert one["comm_ms_per_step"] is None and len(two["comm_ms_per_step"]) == 2
+    assert all(ms > 0 for ms in two["comm_ms_per_step"])
+    # Rank 0 per step: the step's header and payload, the embedding's all-reduce, two per layer (o_proj,
+    # down_proj) over SmolLM2's 30 layers, and the logits' gather.
+    assert two["collectives_per_step"] == 2 + 1 + 2 * 30 + 1
 
 
 def test_profile_reports_phases_gemm_floor_and_top_ops(capsys):

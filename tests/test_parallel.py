@@ -210,6 +210,22 @@ def test_two_ranks_generate_the_tokens_of_one(folders, name, layout):
             assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-3)
 
 
+def test_real_gemma3_270m_on_two_ranks_generates_one_rank_s_tokens():
+    """The real model, its single KV head replicated on both ranks (each rank holds 2 of its 4 heads)."""
+    batch = ["The capital of France is", "def fib(n):", "Once upon a time, there was"]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    settings = dict(kv_cache_memory="16MiB", max_model_len=256)
+    expected = [o.outputs[0].token_ids for o in LLM("gemma3-270m", **settings).generate(batch, params)]
+    two = LLM("gemma3-270m", tensor_parallel_size=2, **settings)
+    try:
+        assert two.engine.model.num_kv_heads == 1 and two.engine.model.layers[0].self_attn.num_heads == 2
+        assert [o.outputs[0].token_ids for o in two.generate(batch, params)] == expected
+        assert_all_blocks_free(two)
+    finally:
+        two.engine.shutdown()
+    assert workers_gone(two)
+
+
 # -- failures and shutdown -------------------------------------------------------------------------------
 
 

@@ -18,9 +18,11 @@ MODEL = "smollm2-135m"
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def server():
-    app = build_app(MODEL, kv_cache_memory="64MiB", max_model_len=1024)
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def server(request):
+    """The server on one process, and as `pagedllm serve --tensor-parallel-size 2` runs it (a worker
+    process holds half of the model: SmolLM2's 3 KV heads split 2 + 1); `llm` is always one process."""
+    app = build_app(MODEL, kv_cache_memory="64MiB", max_model_len=1024, tensor_parallel_size=request.param)
     with running_server(app) as base:
         yield base, app.state.engine.engine
 

@@ -13,6 +13,10 @@ generating exactly `--output-len` tokens greedily (EOS ignored), all submitted a
 `--shared-prefix-len N` puts the same N random tokens (a system prompt) before every prompt and
 compares the paged layout with and without prefix caching: mean time to first token (on pagedllm's
 clock), output tokens/s and the share of prompt tokens the prefix cache served.
+
+`--tensor-parallel-size 1 2` runs each layout on one process and split over two (each rank with its
+share of the CPUs, the same number of KV blocks), and prints for the latter each rank's time in
+collectives per step (waiting for the slower rank included).
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ class Row:
     same_tokens_as_paged: float | None  # share of requests whose greedy output equals paged's
     mean_ttft_s: float | None = None  # submission (all at once) to first output token
     prefix_hit_rate: float | None = None  # prompt tokens served by the prefix cache / prompt tokens
+    # Tensor parallelism: each rank's time in collectives per step (waits for slower ranks included).
+    comm_ms_per_step: list[float] | None = None
+    collectives_per_step: float | None = None
 
 
 @dataclass
@@ -79,29 +86,46 @@ def make_prompts(
 
 
 def run_engine(
-    args, layout: str, watermark: float, prompts: list[list[int]]
+    args, layout: str, watermark: float, tp: int, prompts: list[list[int]]
 ) -> tuple[Row, list[list[int]], list[str]]:
     """One pagedllm run; returns its row, each request's tokens, and the --profile report (if asked)."""
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import LLM
 
+    # Split over ranks, each rank's KV memory holds its share of the heads: the same number of blocks as
+    # one process keeps the scheduling (and so the work) the same.
+    num_kv_blocks = None if tp == 1 else args.num_kv_blocks
     llm = LLM(
         args.model,
         **LAYOUTS[layout],
         dtype=args.dtype,
         kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype,
+        num_kv_blocks=num_kv_blocks,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         watermark=watermark,
+        tensor_parallel_size=tp,
     )
+    try:
+        return _measure(args, llm, layout, watermark, tp, prompts)
+    finally:
+        llm.engine.shutdown()
+
+
+def _measure(args, llm, layout: str, watermark: float, tp: int, prompts: list[list[int]]):
+    from pagedllm import SamplingParams
+
     engine = llm.engine
     warm_up = make_prompts(2, 8, 16, engine.model.config.vocab_size, args.seed + 1)  # shares no prefix
     llm.generate(warm_up, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     scheduler = engine.scheduler
     queries, hits = scheduler.prefix_cache_queries, scheduler.prefix_cache_hits
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    profiling = args.profile and layout == "paged" and watermark == args.watermark[0]
+    first = watermark == args.watermark[0] and tp == args.tensor_parallel_size[0]
+    profiling = args.profile and layout == "paged" and first
+    executor = engine.runner.executor if tp > 1 else None
+    comm_before, steps = executor.comm_stats() if executor else None, 0
     with record_phases(engine) if profiling else contextlib.nullcontext() as phases:
         start = time.perf_counter()
         for i, ids in enumerate(prompts):
@@ -112,6 +136,7 @@ def run_engine(
             start = time.perf_counter()
             step_outputs = engine.step()
             seconds += time.perf_counter() - start
+            steps += 1
             # Readings between steps, off the clock:
             for out in step_outputs:
                 if out.request_id not in first_token and out.outputs[0].token_ids:
@@ -131,8 +156,14 @@ def run_engine(
         assert engine.allocator.all_free(), "KV blocks leaked"
     tokens = [outputs[f"bench-{i}"] for i in range(len(prompts))]
     total = sum(len(t) for t in tokens)
+    name = layout if len(args.watermark) == 1 else f"{layout} w={watermark:g}"
+    comm_ms = collectives = None
+    if executor:
+        pairs = list(zip(comm_before, executor.comm_stats(), strict=True))
+        comm_ms = [(after.seconds - before.seconds) * 1e3 / steps for before, after in pairs]
+        collectives = (pairs[0][1].calls - pairs[0][0].calls) / steps
     row = Row(
-        layout if len(args.watermark) == 1 else f"{layout} w={watermark:g}",
+        name + (f" tp={tp}" if args.tensor_parallel_size != [1] else ""),
         seconds,
         total,
         total / seconds,
@@ -143,6 +174,8 @@ def run_engine(
         None,
         sum(first_token.values()) / len(first_token),
         hit_rate,
+        comm_ms,
+        collectives,
     )
     return row, tokens, profile_lines
 
@@ -244,7 +277,7 @@ def _opt(value, spec: str) -> str:
 
 HEADER = (
     f"{'system':<22}{'seconds':>9}{'out tokens':>12}{'out tok/s':>11}{'mean batch':>12}{'max batch':>11}"
-    f"{'live KV':>9}{'preempt':>9}{'= paged':>9}{'TTFT s':>9}{'prefix hits':>13}"
+    f"{'live KV':>9}{'preempt':>9}{'= paged':>9}{'TTFT s':>9}{'prefix hits':>13}{'comm ms/step':>14}"
 )
 
 
@@ -255,6 +288,7 @@ def format_row(r: Row) -> str:
         f"{_opt(r.mean_batch, '.1f'):>12}{_opt(r.max_batch, 'd'):>11}{_opt(r.live_fraction, '.1%'):>9}"
         f"{_opt(r.preemptions, 'd'):>9}{_opt(r.same_tokens_as_paged, '.0%'):>9}"
         f"{_opt(r.mean_ttft_s, '.2f'):>9}{_opt(r.prefix_hit_rate, '.1%'):>13}"
+        f"{'/'.join(f'{ms:.1f}' for ms in r.comm_ms_per_step or []) or '-':>14}"
     )
 
 
@@ -293,6 +327,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--shared-prefix-len", type=int, default=0, help="tokens of one prefix every prompt starts with"
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="ranks pagedllm splits the model over; several values: each layout runs with each",
+    )
     parser.add_argument("--hf", action="store_true", help="also run HF transformers generate (the peer)")
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--vllm", action="store_true", help="also run vLLM's offline LLM (the peer)")
@@ -318,9 +359,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.threads:
         torch.set_num_threads(args.threads)
-    from pagedllm.engine.llm_engine import load_shared_model
+    from pagedllm.engine.config import EngineConfig, parse_bytes
+    from pagedllm.engine.llm_engine import kv_blocks_that_fit, load_shared_model
 
     loaded = load_shared_model(args.model, torch.float32, "cpu")  # held for the whole run
+    dtype = EngineConfig(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype).kv_torch_dtype
+    kv_bytes, heads = parse_bytes(args.kv_cache_memory), loaded.config.num_kv_heads
+    args.num_kv_blocks = kv_blocks_that_fit(kv_bytes, loaded.config, heads, dtype, args.block_size)
     vocab = loaded.config.vocab_size
     prompts = make_prompts(args.num_prompts, lo, hi, vocab, args.seed, args.shared_prefix_len)
     if args.layouts is None:
@@ -329,11 +374,12 @@ def main(argv: list[str] | None = None) -> int:
     rows, base, paged_tokens, profile_lines = [], None, None, []
     for layout in args.layouts:
         for watermark in args.watermark:
-            row, tokens, lines = run_engine(args, layout, watermark, prompts)
-            profile_lines += lines
-            if layout == "paged" and base is None:
-                base, paged_tokens = row, tokens
-            rows.append((row, tokens))
+            for tp in args.tensor_parallel_size:
+                row, tokens, lines = run_engine(args, layout, watermark, tp, prompts)
+                profile_lines += lines
+                if layout == "paged" and base is None:
+                    base, paged_tokens = row, tokens
+                rows.append((row, tokens))
     if args.hf:
         rows.append(run_hf(args, prompts))
     if args.vllm:

@@ -23,7 +23,7 @@ from pagedllm.engine.sampler import SampleRow, sample
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence
 from pagedllm.kv import ContiguousAllocator, PagedAllocator
-from pagedllm.models import LoadedModel, load_model
+from pagedllm.models import LoadedModel, ModelConfig, load_model
 from pagedllm.models.parallel import SINGLE, TensorParallel
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -47,6 +47,15 @@ def load_shared_model(
         loaded = load_model(model, dtype=dtype, device=device)
         _loaded_models[key] = loaded
     return loaded
+
+
+def kv_blocks_that_fit(
+    num_bytes: int, config: ModelConfig, num_kv_heads: int, dtype: torch.dtype, block_size: int
+) -> int:
+    """KV blocks of `block_size` tokens for `num_kv_heads` heads of every layer that fit in `num_bytes`."""
+    bytes_per_token = 2 * config.num_layers * num_kv_heads * config.head_dim
+    bytes_per_token *= torch.tensor([], dtype=dtype).element_size()
+    return num_bytes // (bytes_per_token * block_size)
 
 
 @dataclass
@@ -157,10 +166,10 @@ class LLMEngine:
 
     def _blocks_that_fit(self, num_bytes: int) -> int:
         """KV blocks that fit in `num_bytes` (per rank: rank 0 holds the most KV heads of any rank)."""
-        cfg = self.model.config
-        bytes_per_token = 2 * cfg.num_layers * self.model.num_kv_heads * cfg.head_dim
-        bytes_per_token *= torch.tensor([], dtype=self.config.kv_torch_dtype).element_size()
-        num_blocks = num_bytes // (bytes_per_token * self.config.block_size)
+        model, config = self.model, self.config
+        num_blocks = kv_blocks_that_fit(
+            num_bytes, model.config, model.num_kv_heads, config.kv_torch_dtype, config.block_size
+        )
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={self.config.kv_cache_memory!r} holds no KV block")
         return num_blocks

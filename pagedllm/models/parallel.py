@@ -73,15 +73,16 @@ class TensorParallel:
     cpu_group: dist.ProcessGroup | None = None
     comm: CommStats = field(default_factory=CommStats)
 
-    def _timed(self, collective, *args, **kwargs) -> None:
+    def _timed(self, collective, *args, counted: bool = True, **kwargs) -> None:
         start = time.perf_counter()
         try:
             collective(*args, **kwargs)
         except RuntimeError as error:
             name = collective.__name__
             raise CollectiveError(f"{name} on tensor-parallel rank {self.rank} failed") from error
-        self.comm.seconds += time.perf_counter() - start
-        self.comm.calls += 1
+        if counted:
+            self.comm.seconds += time.perf_counter() - start
+            self.comm.calls += 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place (every rank gets the same bits)."""
@@ -89,7 +90,7 @@ class TensorParallel:
             self._timed(dist.all_reduce, x, group=self.group)
         return x
 
-    def gather(self, x: torch.Tensor, total: int) -> torch.Tensor | None:
+    def gather(self, x: torch.Tensor, total: int, counted: bool = True) -> torch.Tensor | None:
         """Rank 0: every rank's slice of a last dimension split by `split(total, ...)`, side by side;
         the other ranks: None."""
         if self.size == 1:
@@ -97,15 +98,16 @@ class TensorParallel:
         width = -(-total // self.size)  # the widest part; narrower ones are padded to it
         padded = F.pad(x, (0, width - x.shape[-1])).contiguous()
         chunks = [torch.empty_like(padded) for _ in range(self.size)] if self.rank == 0 else None
-        self._timed(dist.gather, padded, chunks, group=self.group, group_dst=0)
+        self._timed(dist.gather, padded, chunks, group=self.group, group_dst=0, counted=counted)
         if chunks is None:
             return None
         sizes = [split(total, self.size, r).size for r in range(self.size)]
         return torch.cat([chunk[..., :size] for chunk, size in zip(chunks, sizes, strict=True)], dim=-1)
 
-    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
-        """Rank 0's x on every rank, over the CPU group (the step's metadata)."""
-        self._timed(dist.broadcast, x, group=self.cpu_group, group_src=0)
+    def broadcast(self, x: torch.Tensor, counted: bool = True) -> torch.Tensor:
+        """Rank 0's x on every rank, over the CPU group (the step's metadata). Not `counted` in comm: a
+        worker's wait for the next message (rank 0 is busy elsewhere), reading the counts themselves."""
+        self._timed(dist.broadcast, x, group=self.cpu_group, group_src=0, counted=counted)
         return x
 
 

@@ -27,7 +27,7 @@ from pagedllm.engine.parallel.group import (
     spawn_worker,
 )
 from pagedllm.models.loader import read_config, resolve_checkpoint
-from pagedllm.models.parallel import CollectiveError, TensorParallel, check_split
+from pagedllm.models.parallel import CollectiveError, CommStats, TensorParallel, check_split
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def _stop(group: _Group) -> None:
     graceful = group.serving and not group.failed
     if graceful:
         try:
-            group.tp.broadcast(protocol.stop_header())
+            group.tp.broadcast(protocol.op_header(protocol.STOP))
         except CollectiveError:
             graceful = False
     reap(list(group.procs.values()), grace=10 if graceful else 0)
@@ -153,6 +153,14 @@ class Executor:
                 hint = "" if self.procs else ": start them (the other nodes' `--node-rank`, or torchrun)"
                 raise WorkerFailure(f"tensor-parallel ranks {pending} did not {what} in {seconds:g} s{hint}")
             time.sleep(0.02)
+
+    def comm_stats(self) -> list[CommStats]:
+        """Each rank's time in collectives so far (a worker's wait for the next step not counted)."""
+        try:
+            self.tp.broadcast(protocol.op_header(protocol.STATS), counted=False)
+            return protocol.gather_stats(self.tp)
+        except CollectiveError as error:
+            raise self.fail(error) from error
 
     def fail(self, error: CollectiveError) -> WorkerFailure:
         """Diagnose a failed collective, stop the local workers, and return the error the engine raises."""

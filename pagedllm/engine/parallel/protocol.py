@@ -6,8 +6,9 @@ import numpy as np
 import torch
 
 from pagedllm.engine.model_runner import StepInputs
+from pagedllm.models.parallel import CommStats, TensorParallel
 
-STEP, STOP = 1, 2
+STEP, STOP, STATS = 1, 2, 3  # run a step; exit; gather each rank's CommStats on rank 0
 HEADER_LEN = 8  # op, num_tokens, num_seqs, max_blocks, max_query_len, swap-outs, swap-ins, copies
 
 
@@ -27,8 +28,16 @@ def _sizes(header: list[int]) -> dict[str, int]:
     }
 
 
-def stop_header() -> torch.Tensor:
-    return torch.tensor([STOP] + [0] * (HEADER_LEN - 1), dtype=torch.int64)
+def op_header(op: int) -> torch.Tensor:
+    """The header of a message without payload (STOP, STATS)."""
+    return torch.tensor([op] + [0] * (HEADER_LEN - 1), dtype=torch.int64)
+
+
+def gather_stats(tp: TensorParallel) -> list[CommStats] | None:
+    """Every rank calls this on STATS: rank 0 gets each rank's time in collectives so far, by rank."""
+    mine = torch.tensor([[tp.comm.seconds, tp.comm.calls]], dtype=torch.float64)
+    rows = tp.gather(mine, 2 * tp.size, counted=False)
+    return None if rows is None else [CommStats(s, int(c)) for s, c in rows.view(tp.size, 2).tolist()]
 
 
 def pack(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:

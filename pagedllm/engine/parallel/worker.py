@@ -56,9 +56,12 @@ def run_worker(init_method: str, rank: int, world_size: int, local_rank: int) ->
 def serve_steps(runner: ModelRunner, tp: TensorParallel) -> None:
     header = torch.empty(protocol.HEADER_LEN, dtype=torch.int64)
     while True:
-        tp.broadcast(header)
+        tp.broadcast(header, counted=False)  # waiting for rank 0
         if header[0] == protocol.STOP:
             return
+        if header[0] == protocol.STATS:
+            protocol.gather_stats(tp)
+            continue
         payload = torch.empty(protocol.payload_len(header), dtype=torch.int64)
         tp.broadcast(payload)
         runner.execute_step(protocol.unpack(header, payload))
