@@ -8,6 +8,7 @@ to a few seconds each; the real Gemma 3 270M runs once.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -16,12 +17,15 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from datetime import timedelta
 
+import openai
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_all_blocks_free
+from helpers import assert_all_blocks_free, openai_client, running_server
 from models_helpers import PagedCache, forward_chunks
 from test_models_families import randomize
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
@@ -29,6 +33,7 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.parallel.executor import WorkerFailure
 from pagedllm.engine.parallel.group import form_group
+from pagedllm.entrypoints.openai.server import build_app
 from pagedllm.models import load_model
 from pagedllm.models.loader import resolve_checkpoint
 from pagedllm.models.parallel import TensorParallel, attention_heads
@@ -241,6 +246,22 @@ def test_a_killed_worker_fails_the_next_step_with_its_exit(folders):
     with pytest.raises(WorkerFailure, match="SIGKILL"):  # and every later step, at once
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     assert_all_blocks_free(llm)  # the failed requests were aborted: their blocks are back
+
+
+def test_the_server_answers_503_once_a_worker_died(folders):
+    app = build_app(folders["gemma3"], tensor_parallel_size=2, num_kv_blocks=16)
+    engine = app.state.engine.engine
+    with running_server(app) as base, openai_client(base, engine) as client:
+        assert client.completions.create(prompt=[1, 2, 3], max_tokens=2, model=folders["gemma3"]).choices
+        (worker,) = engine.executor.procs.values()
+        worker.kill()
+        with pytest.raises(openai.InternalServerError, match="rank 1 .* was killed by SIGKILL") as error:
+            client.completions.create(prompt=[1, 2, 3], max_tokens=2, model=folders["gemma3"])
+        assert error.value.status_code == 503
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(f"{base}/health")
+        assert health.value.code == 503 and "SIGKILL" in json.load(health.value)["error"]["message"]
+    assert workers_gone(app.state.engine)
 
 
 def test_a_hung_worker_fails_the_step_within_the_timeout(folders):

@@ -23,8 +23,11 @@ def server(request):
     """The server on one process, and as `pagedllm serve --tensor-parallel-size 2` runs it (a worker
     process holds half of the model: SmolLM2's 3 KV heads split 2 + 1); `llm` is always one process."""
     app = build_app(MODEL, kv_cache_memory="64MiB", max_model_len=1024, tensor_parallel_size=request.param)
+    engine = app.state.engine.engine
     with running_server(app) as base:
-        yield base, app.state.engine.engine
+        yield base, engine
+    if engine.executor is not None:  # the server's shutdown stopped every worker
+        assert all(proc.poll() is not None for proc in engine.executor.procs.values())
 
 
 @pytest.fixture

@@ -164,6 +164,11 @@ class LLMEngine:
         if self.executor is not None:
             self.executor.stop()
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can no longer step (a tensor-parallel rank died or hung), or None."""
+        return self.executor.failure if self.executor is not None else None
+
     def _blocks_that_fit(self, num_bytes: int) -> int:
         """KV blocks that fit in `num_bytes` (per rank: rank 0 holds the most KV heads of any rank)."""
         model, config = self.model, self.config

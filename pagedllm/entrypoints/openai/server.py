@@ -15,10 +15,11 @@ from fastapi.responses import Response
 
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.parallel.executor import WorkerFailure
 from pagedllm.entrypoints.openai import dashboard
 from pagedllm.entrypoints.openai import protocol as p
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine, RequestStream
-from pagedllm.entrypoints.openai.errors import APIError, ShuttingDown, install_error_handlers
+from pagedllm.entrypoints.openai.errors import APIError, ShuttingDown, error_response, install_error_handlers
 from pagedllm.entrypoints.openai.limits import Admission, LimitsMiddleware, ServerLimits
 from pagedllm.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from pagedllm.entrypoints.openai.streams import deltas, finals, merge, sse, until_disconnected
@@ -61,8 +62,15 @@ def build_app(
     install_error_handlers(app)
     app.include_router(dashboard.router(engine))  # GET /dashboard and GET /v1/kv
 
+    @app.exception_handler(WorkerFailure)  # a tensor-parallel rank died or hung: no step can run
+    async def engine_failed(request: Request, error: WorkerFailure) -> Response:
+        return error_response(str(error), 503)
+
     @app.get("/health")
     async def health() -> Response:
+        failure = engine.engine.failure
+        if failure is not None:
+            return error_response(failure, 503)
         return Response(status_code=200)
 
     @app.get("/v1/models")
