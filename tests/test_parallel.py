@@ -38,24 +38,22 @@ from pagedllm.models import load_model
 from pagedllm.models.loader import resolve_checkpoint
 from pagedllm.models.parallel import TensorParallel, attention_heads
 
+SMALL = dict(vocab_size=385, hidden_size=64, intermediate_size=96, max_position_embeddings=512)
 CONFIGS = {
-    # SmolLM2's shape, small: 9 heads / 3 KV heads (2 + 1 over two ranks), tied, its tokenizer and vocab.
+    # SmolLM2's shape, small: 9 heads / 3 KV heads (2 + 1 over two ranks), tied, its tokenizer and vocab;
+    # an intermediate size that does not split evenly either.
     "smollm2": lambda: LlamaConfig(
-        vocab_size=49152,
-        hidden_size=72,
-        intermediate_size=97,
+        **{**SMALL, "vocab_size": 49152, "hidden_size": 72, "intermediate_size": 97},
         num_hidden_layers=2,
         num_attention_heads=9,
         num_key_value_heads=3,
-        max_position_embeddings=512,
         tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1e5},
     ),
-    # Gemma 3's: 1 KV head (replicated), QK-norm, sliding and global layers, soft-capped logits.
+    # Gemma 3's: 1 KV head (replicated), QK-norm, sliding and global layers, soft-capped logits, and an
+    # odd vocabulary (the last rank's slice is narrower).
     "gemma3": lambda: Gemma3TextConfig(
-        vocab_size=385,
-        hidden_size=64,
-        intermediate_size=96,
+        **SMALL,
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=1,
@@ -64,17 +62,13 @@ CONFIGS = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         query_pre_attn_scalar=24,
         final_logit_softcapping=5.0,
-        max_position_embeddings=512,
     ),
     # What the other two lack: biases on every projection (row-parallel ones added once) and an untied head.
     "llama-bias": lambda: LlamaConfig(
-        vocab_size=385,
-        hidden_size=64,
-        intermediate_size=96,
+        **SMALL,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
         attention_bias=True,
         mlp_bias=True,
     ),
@@ -328,6 +322,12 @@ def _expected_text(folder: str) -> str:
     return PROMPT + llm.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0))[0].outputs[0].text
 
 
+def _generate(folder: str) -> list[str]:
+    """`python -m` arguments of `pagedllm generate PROMPT` on 2 ranks."""
+    cli = ["-m", "pagedllm.entrypoints.cli", "generate", PROMPT, "--model", folder, "--max-tokens", "6"]
+    return cli + ["--max-model-len", "64", "--kv-cache-memory", "1MiB", "--tensor-parallel-size", "2"]
+
+
 def _run_trees(commands: list[list[str]], timeout: float = 180) -> list[subprocess.CompletedProcess]:
     """Run each command as its own process tree (session) at once; kill any tree still up at the end."""
     procs = [
@@ -348,25 +348,7 @@ def _run_trees(commands: list[list[str]], timeout: float = 180) -> list[subproce
 
 def test_two_nodes_on_loopback_generate_one_process_s_text(folders):
     """`pagedllm generate` on "node 0" (rank 0: the engine) and "node 1" (rank 1: a worker only)."""
-    cli = [
-        sys.executable,
-        "-m",
-        "pagedllm.entrypoints.cli",
-        "generate",
-        PROMPT,
-        "--model",
-        folders["smollm2"],
-    ]
-    cli += [
-        "--max-tokens",
-        "6",
-        "--max-model-len",
-        "64",
-        "--kv-cache-memory",
-        "1MiB",
-        "--tensor-parallel-size",
-        "2",
-    ]
+    cli = [sys.executable, *_generate(folders["smollm2"])]
     cli += ["--nnodes", "2", "--distributed-init-method", f"tcp://127.0.0.1:{_free_port()}"]
     node1, node0 = _run_trees([cli + ["--node-rank", "1"], cli + ["--node-rank", "0"]])
     assert node0.returncode == 0, node0.stderr
@@ -378,26 +360,8 @@ def test_two_nodes_on_loopback_generate_one_process_s_text(folders):
 def test_torchrun_starts_every_rank(folders):
     """torchrun's environment variables instead of pagedllm's flags: it starts both ranks, rank 0 runs
     the engine, rank 1 the worker."""
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(_free_port()),
-    ]
-    cli = ["-m", "pagedllm.entrypoints.cli", "generate", PROMPT, "--model", folders["smollm2"]]
-    cli += [
-        "--max-tokens",
-        "6",
-        "--max-model-len",
-        "64",
-        "--kv-cache-memory",
-        "1MiB",
-        "--tensor-parallel-size",
-        "2",
-    ]
-    (run,) = _run_trees([torchrun + cli])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    torchrun += ["--master-port", str(_free_port())]
+    (run,) = _run_trees([torchrun + _generate(folders["smollm2"])])
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == _expected_text(folders["smollm2"])

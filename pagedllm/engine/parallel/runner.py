@@ -14,19 +14,11 @@ class ParallelModelRunner(ModelRunner):
     """A ModelRunner over rank 0's shard of the model and KV cache. Every step's inputs are broadcast to
     the workers, which run the same forward on their shards; the logits are gathered here."""
 
-    def __init__(
-        self,
-        executor: Executor,
-        model: torch.nn.Module,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        num_host_blocks: int = 0,
-    ):
-        super().__init__(model, num_blocks, block_size, dtype, device, num_host_blocks)
+    def __init__(self, executor: Executor, *args, **kwargs):
+        """ModelRunner's arguments for rank 0's shard; returns once every rank has allocated its cache."""
+        super().__init__(*args, **kwargs)
         self.executor = executor
-        executor.start(num_blocks, block_size, num_host_blocks)
+        executor.start(self.num_blocks, self.block_size, self.num_host_blocks)
 
     def execute_step(self, step: StepInputs) -> torch.Tensor:
         if self.executor.failure is not None:
