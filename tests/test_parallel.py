@@ -174,17 +174,23 @@ def workers_gone(llm) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("name", "layout"),
-    [("smollm2", "paged"), ("smollm2", "contiguous"), ("gemma3", "paged"), ("gemma3", "contiguous")],
+    ("name", "layout", "kv_cache_dtype"),
+    [
+        ("smollm2", "paged", "auto"),
+        ("smollm2", "contiguous", "auto"),
+        ("gemma3", "paged", "bfloat16"),
+        ("gemma3", "contiguous", "auto"),
+    ],
 )
-def test_two_ranks_generate_the_tokens_of_one(folders, name, layout):
+def test_two_ranks_generate_the_tokens_of_one(folders, name, layout, kv_cache_dtype):
     """Paged: few blocks (swap preemption), prefix caching and n = 2 (copy-on-write): every block move is
-    broadcast to the worker too. Contiguous: one slab per sequence."""
+    broadcast to the worker too. Contiguous: one slab per sequence. A bfloat16 KV cache on every rank
+    (a worker's float32 cache would move the logprobs by ~1e-2 here)."""
     if layout == "paged":
         settings = dict(num_kv_blocks=12, preemption_mode="swap", enable_prefix_caching=True)
     else:
         settings = dict(num_kv_blocks=128, kv_layout="contiguous")
-    settings.update(block_size=8, max_model_len=128)
+    settings.update(block_size=8, max_model_len=128, kv_cache_dtype=kv_cache_dtype)
     vocab = CONFIGS[name]().vocab_size
     shared = prompts(vocab, lens=(16,), seed=1)[0]
     batch = [shared + p for p in prompts(vocab, lens=(3, 17, 30, 9))]

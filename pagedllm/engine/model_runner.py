@@ -56,6 +56,7 @@ class ModelRunner:
         self.model = model
         self.device = torch.device(device)
         self.num_blocks, self.block_size, self.num_host_blocks = num_blocks, block_size, num_host_blocks
+        self.kv_dtype = dtype
         cfg = model.config
         geometry = (block_size, model.num_kv_heads, cfg.head_dim, dtype)  # this rank's KV heads
         self.kv_caches = ops.allocate_kv_caches(cfg.num_layers, num_blocks, *geometry, self.device)
