@@ -142,13 +142,13 @@ class Executor:
         deadline = time.monotonic() + STARTUP_TIMEOUT.total_seconds()
         pending = list(self._workers())
         while pending:
+            pending = [r for r in pending if not self.store.check([f"{stage}/{r}"])]
             for rank, proc in self.procs.items():
-                if proc.poll() is not None:
+                if proc.poll() is not None and rank in pending:
                     raise WorkerFailure(
                         f"tensor-parallel rank {rank} (pid {proc.pid}) {describe_exit(proc.returncode)} "
                         f"before it could {what}"
                     )
-            pending = [r for r in pending if not self.store.check([f"{stage}/{r}"])]
             if pending and time.monotonic() > deadline:
                 seconds = STARTUP_TIMEOUT.total_seconds()
                 hint = "" if self.procs else ": start them (the other nodes' `--node-rank`, or torchrun)"
