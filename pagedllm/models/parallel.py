@@ -90,15 +90,18 @@ class TensorParallel:
             self._timed(dist.all_reduce, x, group=self.group)
         return x
 
-    def gather(self, x: torch.Tensor, total: int, counted: bool = True) -> torch.Tensor | None:
+    def gather(
+        self, x: torch.Tensor, total: int, counted: bool = True, cpu: bool = False
+    ) -> torch.Tensor | None:
         """Rank 0: every rank's slice of a last dimension split by `split(total, ...)`, side by side;
-        the other ranks: None."""
+        the other ranks: None. `cpu`: x is a CPU tensor (over the CPU group, whatever the device)."""
         if self.size == 1:
             return x
         width = -(-total // self.size)  # the widest part; narrower ones are padded to it
         padded = F.pad(x, (0, width - x.shape[-1])).contiguous()
         chunks = [torch.empty_like(padded) for _ in range(self.size)] if self.rank == 0 else None
-        self._timed(dist.gather, padded, chunks, group=self.group, group_dst=0, counted=counted)
+        group = self.cpu_group if cpu else self.group
+        self._timed(dist.gather, padded, chunks, group=group, group_dst=0, counted=counted)
         if chunks is None:
             return None
         sizes = [split(total, self.size, r).size for r in range(self.size)]

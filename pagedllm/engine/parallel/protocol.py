@@ -36,7 +36,7 @@ def op_header(op: int) -> torch.Tensor:
 def gather_stats(tp: TensorParallel) -> list[CommStats] | None:
     """Every rank calls this on STATS: rank 0 gets each rank's time in collectives so far, by rank."""
     mine = torch.tensor([[tp.comm.seconds, tp.comm.calls]], dtype=torch.float64)
-    rows = tp.gather(mine, 2 * tp.size, counted=False)
+    rows = tp.gather(mine, 2 * tp.size, counted=False, cpu=True)
     return None if rows is None else [CommStats(s, int(c)) for s, c in rows.view(tp.size, 2).tolist()]
 
 
