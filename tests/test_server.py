@@ -36,6 +36,13 @@ def client(server):
         yield client
 
 
+@pytest.fixture
+def logprob_tolerance(server) -> float:
+    """How far the server's logprobs may be from `llm`'s: on two ranks the row-parallel layers' partial
+    sums are added in another order than one process's matmul (float32 rounding, ~1e-5)."""
+    return 1e-5 if server[1].executor is None else 1e-4
+
+
 @pytest.fixture(scope="module")
 def llm(server):
     from pagedllm import LLM
@@ -328,7 +335,7 @@ def test_several_prompts_give_choices_prompt_major(client, llm):
     assert [streamed[i] for i in range(6)] == [c.text for c in response.choices]
 
 
-def test_chat_logprobs_are_the_engines_streamed_or_not(client, llm):
+def test_chat_logprobs_are_the_engines_streamed_or_not(client, llm, logprob_tolerance):
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     kwargs = dict(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
     response = client.chat.completions.create(**kwargs)
@@ -337,10 +344,10 @@ def test_chat_logprobs_are_the_engines_streamed_or_not(client, llm):
     tokenizer = llm.get_tokenizer()
     assert [e.token for e in content] == [tokenizer.decode([t]) for t in expected.token_ids]
     for entry, token_id, top in zip(content, expected.token_ids, expected.logprobs, strict=True):
-        assert entry.logprob == pytest.approx(top[token_id], abs=1e-5)
+        assert entry.logprob == pytest.approx(top[token_id], abs=logprob_tolerance)
         assert entry.bytes == list(entry.token.encode())
         best3 = sorted(top.values(), reverse=True)[:3]
-        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(best3, abs=1e-5)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(best3, abs=logprob_tolerance)
         assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen token is the likeliest
     chunks = list(client.chat.completions.create(**kwargs, stream=True))
     streamed = [e for c in chunks for e in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])]

@@ -179,7 +179,7 @@ def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
         default=defaults["enable_chunked_prefill"],
         help="prefill long prompts in chunks alongside the running decodes",
     )
-    _add_parallel_args(parser)
+    _add_parallel_args(parser, defaults)
 
 
 KV_ARGS = ("block_size", "max_num_seqs", "kv_layout", "contiguous_reserve")
@@ -234,20 +234,29 @@ def _add_server_args(parser: argparse.ArgumentParser, limits: dict) -> None:
     )
 
 
-def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
+def _add_parallel_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
     """Tensor parallelism over processes and machines (the same command on every machine, but --node-rank)."""
     parser.add_argument(
-        "--tensor-parallel-size", "-tp", type=int, default=1, help="ranks the model is split over"
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=defaults["tensor_parallel_size"],
+        help="ranks the model is split over",
     )
     parser.add_argument(
-        "--distributed-init-method", default=None, help="tcp://HOST:PORT of node 0 (several machines)"
+        "--distributed-init-method",
+        default=defaults["distributed_init_method"],
+        help="tcp://HOST:PORT of node 0 (several machines)",
     )
-    parser.add_argument("--nnodes", type=int, default=1, help="machines the ranks run on")
+    parser.add_argument("--nnodes", type=int, default=defaults["nnodes"], help="machines the ranks run on")
     parser.add_argument(
         "--node-rank", type=int, default=0, help="this machine's index; > 0 runs its ranks as workers only"
     )
     parser.add_argument(
-        "--distributed-timeout", type=float, default=60.0, help="seconds rank 0 waits for a rank in a step"
+        "--distributed-timeout",
+        type=float,
+        default=defaults["distributed_timeout"],
+        help="seconds rank 0 waits for a rank in a step",
     )
 
 
