@@ -5,7 +5,7 @@ from pagedllm._runtime import set_openmp_defaults
 set_openmp_defaults()  # before torch starts its OpenMP threads
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "GuidedDecodingParams", "SamplingParams"]
 
 
 def __getattr__(name: str):
@@ -14,8 +14,8 @@ def __getattr__(name: str):
         from pagedllm.entrypoints.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from pagedllm.sampling_params import SamplingParams
+    if name in ("SamplingParams", "BeamSearchParams", "GuidedDecodingParams"):
+        from pagedllm import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

@@ -42,6 +42,14 @@ def set_openmp_defaults() -> None:
         os.environ["OMP_NUM_THREADS"] = os.environ[_DEFAULTED] = str(usable_cpus())
 
 
+def threads_per_rank(local_ranks: int) -> int:
+    """Torch threads for each of `local_ranks` processes sharing this machine (tensor-parallel ranks): the
+    user's OMP_NUM_THREADS if they set one, else the usable CPUs split evenly."""
+    if "OMP_NUM_THREADS" in os.environ and _DEFAULTED not in os.environ:
+        return int(os.environ["OMP_NUM_THREADS"])
+    return max(1, usable_cpus() // local_ranks)
+
+
 def apply_thread_count() -> None:
     """If torch was imported before pagedllm, it missed the default thread count: where it runs more
     threads than the process has CPUs, lower it (a count the user lowered further stays)."""

@@ -32,3 +32,22 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam of `LLM.beam_search`, as vLLM returns it: `tokens` include the prompt's, and `text`
+    is all of them decoded."""
+
+    tokens: list[int]
+    cum_logprob: float
+    text: str
+    finish_reason: str | None = None  # "stop" (ended with EOS) or "length"
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The beam_width best beams of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]

@@ -35,3 +35,38 @@ def smollm2_llm():
     from pagedllm import LLM
 
     return LLM("smollm2-135m", kv_cache_memory="64MiB", max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama checkpoint (no tokenizer), with logits peaked enough that greedy has no
+    near-ties: for engine logic tests that need a model but not a real one."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            param.add_(noise * 0.1) if "norm" in name else param.copy_(noise * 0.15)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template, for server and soak tests."""
+    from helpers import write_tiny_chat_model
+
+    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))

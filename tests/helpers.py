@@ -1,13 +1,16 @@
-"""Assertions shared by tests that run the engine."""
+"""Assertions and fixtures' building blocks shared by tests that run the engine or the server."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import shutil
 import socket
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 
 def assert_all_blocks_free(llm_or_engine) -> None:
@@ -51,10 +54,46 @@ def openai_client(base: str, engine) -> Iterator:
     import openai
 
     yield openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-    # The engine thread finishes (or aborts) asynchronously: give it a moment, then nothing may be left.
-    deadline = time.monotonic() + 10
+    wait_until_idle(engine)
+
+
+def wait_until_idle(engine, timeout: float = 10.0) -> None:
+    """The engine thread finishes (or aborts) asynchronously: give it a moment, then nothing may be left."""
+    deadline = time.monotonic() + timeout
     while (
         engine.has_unfinished_requests() or not engine.allocator.all_free()
     ) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert_all_blocks_free(engine)
+
+
+def write_tiny_chat_model(folder: Path, generation_config: dict | None = None) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template (vocab 49,152): the whole server
+    path (text prompts, chat, streaming) at a fraction of the real model's cost. Its text is noise."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from pagedllm.models.loader import resolve_checkpoint
+
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    smollm2 = resolve_checkpoint("smollm2-135m")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smollm2 / name).is_file():
+            shutil.copy(smollm2 / name, folder / name)
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    if generation_config is not None:
+        (folder / "generation_config.json").write_text(json.dumps(generation_config))
+    return folder

@@ -25,8 +25,11 @@ class PagedCache:
     tables: dict[int, list[int]] = field(default_factory=dict)  # seq id -> block ids
 
     @classmethod
-    def create(cls, config, num_blocks: int, block_size: int, dtype=torch.float32, seed: int = 0):
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    def create(
+        cls, config, num_blocks: int, block_size: int, dtype=torch.float32, seed: int = 0, num_kv_heads=None
+    ):
+        """num_kv_heads: the KV heads the model's cache holds (a tensor-parallel rank's share)."""
+        shape = (num_blocks, block_size, num_kv_heads or config.num_kv_heads, config.head_dim)
         # NaN-filled: a read of a slot nobody wrote poisons the output instead of passing silently.
         caches = [
             (torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype))

@@ -59,10 +59,27 @@ def test_throughput_table_prints_the_workload_and_dashes_for_unreported_values(c
     sweep = [line.split() for line in lines[2:4]]
     assert [cells[:2] for cells in sweep] == [["paged", "w=0"], ["paged", "w=0.2"]]
     assert all(cells[3] == "6" for cells in sweep)  # output tokens
-    assert all(cells[-1] == "100%" for cells in sweep)  # both watermarks, the same greedy tokens
+    assert all(cells[-4] == "100%" for cells in sweep)  # both watermarks, the same greedy tokens
+    assert all(cells[-1] == "-" for cells in sweep)  # one process: no collectives
     assert lines[4].startswith("paged w=0 / paged w=0.2: ")
     row = throughput.Row("hf batch 2", 1.0, 6, 6.0, None, None, None, None, None)
-    assert throughput.format_row(row).split()[-5:] == ["-"] * 5
+    assert throughput.format_row(row).split()[-6:] == ["-"] * 6
+
+
+def test_tensor_parallel_rows_report_each_rank_s_collectives(capsys):
+    argv = ["--num-prompts", "3", "--input-len", "4-20", "--output-len", "4", "--kv-cache-memory",
+            "4MiB", "--max-model-len", "32", "--layouts", "paged", "--tensor-parallel-size", "1", "2",
+            "--json"]  # fmt: skip
+    assert throughput.main(argv) == 0
+    one, two = json.loads(capsys.readouterr().out)["rows"]
+    assert (one["system"], two["system"]) == ("paged tp=1", "paged tp=2")
+    assert two["same_tokens_as_paged"] == 1.0
+    assert (one["max_batch"], one["preemptions"]) == (two["max_batch"], two["preemptions"])  # same KV blocks
+    assert one["comm_ms_per_step"] is None and len(two["comm_ms_per_step"]) == 2
+    assert all(ms > 0 for ms in two["comm_ms_per_step"])
+    # Rank 0 per step: the step's header and payload, the embedding's all-reduce, two per layer (o_proj,
+    # down_proj) over SmolLM2's 30 layers, and the logits' gather.
+    assert two["collectives_per_step"] == 2 + 1 + 2 * 30 + 1
 
 
 def test_profile_reports_phases_gemm_floor_and_top_ops(capsys):
@@ -95,3 +112,43 @@ def test_gemm_floor_counts_every_linear_layer_once():
     params = sum(m.in_features * m.out_features for m in layers[:-1])
     assert floor.flops == 2 * 2 * params + 2 * 1 * 576 * 49152
     assert floor.seconds > 0 and floor.hot_seconds > 0
+
+
+def test_shared_prefix_workload_compares_prefix_caching_on_and_off(capsys):
+    argv = ["--num-prompts", "8", "--input-len", "5-20", "--output-len", "4", "--shared-prefix-len", "64"]
+    assert throughput.main([*argv, "--kv-cache-memory", "16MiB", "--max-model-len", "128", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["system"]: r for r in out["rows"]}
+    assert list(rows) == ["paged", "paged-no-prefix-cache"]
+    prompts = throughput.make_prompts(8, 5, 20, 49152, 0, shared_prefix_len=64)
+    assert all(p[:64] == prompts[0][:64] for p in prompts)
+    # Admitted in one step, the first prompt computes the four prefix blocks the seven others reuse.
+    assert rows["paged"]["prefix_hit_rate"] == 7 * 64 / sum(len(p) for p in prompts)
+    assert rows["paged-no-prefix-cache"]["prefix_hit_rate"] is None
+    assert rows["paged-no-prefix-cache"]["same_tokens_as_paged"] == 1.0
+    assert all(r["mean_ttft_s"] > 0 for r in rows.values())
+
+
+def test_differences_from_a_peer_report_the_top2_margin_at_the_first_differing_token(hf_smollm2):
+    """A peer whose tokens differ at step 3 of one request: the reported margin is the gap between the
+    two best next-token logits there, which HF transformers' forward gives independently."""
+    from argparse import Namespace
+
+    prompts = throughput.make_prompts(2, 5, 12, 49152, seed=3)
+    args = Namespace(model="smollm2-135m", dtype="auto", kv_cache_memory="16MiB", max_model_len=64)
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM("smollm2-135m", kv_cache_memory="16MiB", max_model_len=64)
+    ours = [
+        o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
+    ]
+    theirs = [list(ours[0]), list(ours[1])]
+    theirs[1][3] = (theirs[1][3] + 1) % 49152
+    line = throughput.explain_differences(args, "peer", prompts, ours, theirs)
+    assert line.startswith("peer: 1 of 2 requests differ from paged; at the first differing token")
+    with torch.inference_mode():
+        logits = hf_smollm2(torch.tensor([prompts[1] + ours[1][:3]])).logits[0, -1]
+    best, second = logits.topk(2).values.tolist()
+    reported = float(line.rsplit("largest margin ", 1)[1])
+    assert reported == pytest.approx(best - second, abs=2e-3)
+    assert (" 0 are fp32 near-ties" in line) == (best - second >= throughput.NEAR_TIE)

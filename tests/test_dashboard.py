@@ -241,7 +241,7 @@ def between_steps(snap: dict) -> dict:
 def drawn_at_recorded_steps(page, recorder: Recorder, script: str, wanted, count: int = 3) -> list[dict]:
     """`count` page states about a second apart, each drawn from a snapshot of a step `wanted` accepts
     and equal to the recorder's own /v1/kv of that step (the page state is read in one evaluate, so it
-    is one render's). Checks that the page kept updating: >= 1 update a second, drawing later steps."""
+    is one render's). Checks that the page kept updating, drawing later steps."""
     shown, deadline = [], time.monotonic() + 60
     while len(shown) < count and time.monotonic() < deadline:
         state = page.evaluate(script) | {"at": time.monotonic()}
@@ -255,8 +255,10 @@ def drawn_at_recorded_steps(page, recorder: Recorder, script: str, wanted, count
     assert len(shown) == count, f"the page drew only {len(shown)} of {count} steps /v1/kv was seen at"
     steps = [state["drawn"]["step"] for state in shown]
     assert steps == sorted(steps) and steps[-1] > steps[0]  # the engine went on, and the page with it
-    rate = (shown[-1]["updates"] - shown[0]["updates"]) / (shown[-1]["at"] - shown[0]["at"])
-    assert rate >= 1, f"{rate:.2f} updates a second"
+    # Each state was read about a second after the previous one and shows a later step: the page redrew
+    # in between. (How often is the poll period's business, POLL_MS = 500 in dashboard.js, and the engine
+    # step's: a timing bound here would only measure how busy the test machine is.)
+    assert shown[-1]["updates"] - shown[0]["updates"] >= count - 1
     return shown
 
 
@@ -347,7 +349,8 @@ def test_serve_flags_shape_the_kv_cache_the_dashboard_shows(monkeypatch):
     monkeypatch.setattr(server_module, "main", lambda model, **kwargs: seen.update(kwargs, model=model) or 0)
     argv = ["serve", "--kv-layout", "contiguous", "--contiguous-reserve", "pow2", "--block-size", "32"]
     assert cli.main([*argv, "--max-num-seqs", "8", "--enable-prefix-caching"]) == 0
-    engine_kwargs = {k: v for k, v in seen.items() if k not in ("model", "host", "port", "served_model_name")}
+    server_only = ("model", "host", "port", "served_model_name", "limits", "shutdown_timeout")
+    engine_kwargs = {k: v for k, v in seen.items() if k not in server_only}
     config = EngineConfig(model=seen["model"], **engine_kwargs)
     assert (config.kv_layout, config.contiguous_reserve, config.block_size) == ("contiguous", "pow2", 32)
     assert (config.max_num_seqs, config.enable_prefix_caching) == (8, True)

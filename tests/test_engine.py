@@ -55,11 +55,15 @@ def test_a_sequence_outgrowing_the_whole_cache_ends_with_length(mode):
     assert_all_blocks_free(llm)
 
 
-def test_prefix_caching_reuses_blocks_and_keeps_outputs(smollm2_llm):
+def test_prefix_caching_is_on_by_default_and_keeps_outputs():
     system = "You are a helpful assistant who writes vivid, concise stories for children of all ages. "
     prompts = [system + p for p in PROMPTS]  # a shared prefix of several full blocks
-    expected = [o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, GREEDY)]
-    llm = LLM("smollm2-135m", kv_cache_memory="64MiB", max_model_len=512, enable_prefix_caching=True)
+    no_cache = LLM("smollm2-135m", kv_cache_memory="64MiB", max_model_len=512, enable_prefix_caching=False)
+    uncached = no_cache.generate(prompts, GREEDY)
+    assert all(o.num_cached_tokens == 0 for o in uncached)
+    assert no_cache.engine.scheduler.prefix_cache_queries == 0  # no cache, nothing looked up
+    llm = LLM("smollm2-135m", kv_cache_memory="64MiB", max_model_len=512)
+    assert llm.engine.allocator.enable_prefix_caching
     first = llm.generate(prompts[:1], GREEDY)[0]
     assert first.num_cached_tokens == 0
     second = llm.generate(prompts, GREEDY)
@@ -67,8 +71,11 @@ def test_prefix_caching_reuses_blocks_and_keeps_outputs(smollm2_llm):
     full_blocks = (len(second[0].prompt_token_ids) - 1) // block * block
     assert second[0].num_cached_tokens == full_blocks  # the whole prompt but its last partial block
     assert all(o.num_cached_tokens >= block for o in second[1:])  # the shared system prompt
-    assert [o.outputs[0].token_ids for o in second] == expected
-    assert_all_blocks_free(smollm2_llm)
+    assert [o.outputs[0].token_ids for o in second] == [o.outputs[0].token_ids for o in uncached]
+    scheduler = llm.engine.scheduler
+    assert scheduler.prefix_cache_queries == sum(len(o.prompt_token_ids) for o in [first, *second])
+    assert scheduler.prefix_cache_hits == sum(o.num_cached_tokens for o in second)
+    assert_all_blocks_free(no_cache)
     assert_all_blocks_free(llm)
 
 

@@ -95,6 +95,33 @@ def test_a_block_filled_by_decode_becomes_cached():
     assert kv.block_table("b")[0] == kv.block_table("a")[0]
 
 
+def test_a_prompt_prefilled_in_chunks_is_findable_only_as_far_as_it_is_computed():
+    """Chunked prefill: a block another prompt may reuse must already hold its K/V."""
+    kv = PagedAllocator(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(20))
+    kv.allocate("a", prompt, 4, num_computed=6)  # this step computes tokens 0-5: block 0 only
+    assert kv.allocate("b", prompt, 4, num_computed=4) == 4  # b's own chunk starts at token 4 next step
+    kv.cache_blocks("a", 14)  # the next chunk ends at token 14: blocks 1 and 2 are now computed
+    assert kv.allocate("c", prompt, 4) == 12
+    assert kv.block_table("c")[:3] == kv.block_table("a")[:3]
+    kv.cache_blocks("a", 20)
+    assert kv.allocate("d", prompt + [7], 4) == 20
+    for seq_id in "abcd":
+        kv.free(seq_id)
+    assert kv.all_free()
+
+
+def test_swapping_a_partly_computed_prompt_does_not_cache_its_uncomputed_blocks():
+    kv = PagedAllocator(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    kv.allocate("s", [1, 2, 3, 4, 5, 6, 7], 2, num_computed=2)
+    kv.swap_out("s")
+    kv.swap_in("s")
+    assert kv.allocate("t", [1, 2, 3, 4, 5, 6, 7], 2) == 2  # block 0 only: the rest was never computed
+    kv.free("s")
+    kv.free("t")
+    assert kv.all_free()
+
+
 def test_prefix_caching_off_reports_no_hits():
     kv = PagedAllocator(num_blocks=8, block_size=4)
     kv.allocate("a", list(range(9)), 4)

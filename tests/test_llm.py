@@ -85,14 +85,26 @@ def fp32_greedy(smollm2_llm):
     return [o.outputs[0] for o in smollm2_llm.generate(PROMPTS, GREEDY_LOGPROBS)]
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [("bfloat16", 0.3), ("float16", 0.1)])
-def test_half_precision_dtypes_track_fp32(dtype, tol, fp32_greedy, smollm2_llm):
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype", "tol"),
+    [("bfloat16", "auto", 0.3), ("float16", "auto", 0.1), ("float32", "bfloat16", 0.05)],
+)
+def test_half_precision_dtypes_track_fp32(dtype, kv_cache_dtype, tol, fp32_greedy, smollm2_llm):
     """16 greedy tokens on 8 prompts against fp32: the same tokens with chosen-token logprobs within
-    `tol` nats, until a divergence that must be a near-tie in fp32 (both tokens within `tol` there)."""
+    `tol` nats, until a divergence that must be a near-tie in fp32 (both tokens within `tol` there).
+    A bf16 KV cache under an fp32 model holds twice the blocks in the same memory."""
     from pagedllm import LLM
 
-    llm = LLM("smollm2-135m", dtype=dtype, kv_cache_memory="16MiB", max_model_len=256)
-    assert llm.engine.runner.kv_caches[0][0].dtype == getattr(torch, dtype)
+    llm = LLM(
+        "smollm2-135m", dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory="16MiB", max_model_len=256
+    )
+    stored = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    assert llm.engine.runner.kv_caches[0][0].dtype == getattr(torch, stored)
+    cfg = llm.engine.model.config
+    block_bytes = (
+        2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 16 * (4 if stored == "float32" else 2)
+    )
+    assert llm.engine.allocator.num_total_blocks == 16 * 2**20 // block_bytes
     agreed = 0
     for ref, out in zip(fp32_greedy, llm.generate(PROMPTS, GREEDY_LOGPROBS), strict=True):
         half = out.outputs[0]

@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from pagedllm.models import load_model
+from pagedllm.ops import cpu
 
 COMMON = dict(
     vocab_size=384,
@@ -89,8 +90,12 @@ def prompts(lens: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(n)] for n in lens]
 
 
+@pytest.mark.parametrize("isa", cpu.supported_isas() or [None])
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_prefill_logits_match_hf(pair, block_size):
+def test_prefill_logits_match_hf(pair, block_size, isa, monkeypatch):
+    """On every C++ build this CPU runs (AVX-512 and AVX2 where both run): the whole model equals HF."""
+    if isa is not None:
+        monkeypatch.setattr(cpu, "selected_isa", lambda: isa)
     hf, model = pair
     batch = prompts(PROMPT_LENS, model.config.vocab_size)
     cache = PagedCache.create(model.config, 64, block_size, seed=block_size)

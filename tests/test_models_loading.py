@@ -207,3 +207,29 @@ def test_gemma3_multimodal_checkpoint_runs_its_text_part(tmp_path):
     with torch.inference_mode():
         expected = hf(input_ids=torch.tensor([ids])).logits[0]
     torch.testing.assert_close(_logits(load_model(str(tmp_path)).model, ids), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_parsed_config_is_cached_and_a_cached_load_imports_no_transformers(tiny_folder, tmp_path):
+    """The first load parses config.json with transformers' config classes and caches the result; a
+    later process loads model and tokenizer without importing transformers (over a second of start-up)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from pagedllm.models.loader import read_config
+
+    first = read_config(tiny_folder)
+    assert read_config(tiny_folder) == first
+    assert any((cache_root() / "configs").glob("*.json"))
+    code = (
+        "import sys; from pagedllm.models import load_model; "
+        f"loaded = load_model({str(tiny_folder)!r}); "
+        "print(loaded.config.num_layers, 'transformers' in sys.modules)"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(TINY["num_hidden_layers"]), "False"]

@@ -48,7 +48,7 @@ def test_tokenizer_and_chat_template_match_hf(smollm2):
     assert tok.decode(tok.encode(PROMPTS[2])) == PROMPTS[2]
     assert smollm2.chat_template == hf_tok.chat_template is not None
     assert tok.apply_chat_template(chat, add_generation_prompt=True) == hf_tok.apply_chat_template(
-        chat, add_generation_prompt=True
+        chat, add_generation_prompt=True, return_dict=False
     )
     assert smollm2.eos_token_ids == [hf_tok.eos_token_id] == [tok.convert_tokens_to_ids("<|im_end|>")]
 

@@ -32,6 +32,7 @@ class Case:
     window: int | None = None
     dtype: torch.dtype = torch.float32
     head_major: bool = False  # cache memory order as pagedllm allocates it on the CPU
+    kv_dtype: torch.dtype | None = None  # the caches' dtype when it is not q's (kv_cache_dtype)
 
 
 DECODE = {
@@ -44,6 +45,7 @@ DECODE = {
     "bf16-gqa3": Case(6, 2, 32, 8, (9, 40, 17, 64), dtype=torch.bfloat16),
     "bf16-mqa-window": Case(4, 1, 64, 4, (70, 3, 22), window=16, dtype=torch.bfloat16),
     "head-major-gqa3": Case(6, 2, 32, 8, (9, 40, 17, 64), head_major=True),
+    "fp32-q-bf16-cache": Case(6, 2, 64, 16, (9, 40, 17, 64), kv_dtype=torch.bfloat16, head_major=True),
     "head-major-bf16-window": Case(
         4, 2, 64, 16, (70, 3, 33), window=16, dtype=torch.bfloat16, head_major=True
     ),
@@ -58,6 +60,7 @@ PREFILL = {
     "bf16-mixed": Case(6, 2, 32, 8, (30, 40, 9), (1, 19, 9), dtype=torch.bfloat16),
     "bf16-window": Case(8, 2, 16, 4, (40, 24), (17, 24), window=8, dtype=torch.bfloat16),
     "head-major-mixed": Case(9, 3, 16, 8, (30, 40, 9, 4, 21), (1, 19, 1, 4, 0), head_major=True),
+    "fp32-q-bf16-cache": Case(6, 2, 32, 8, (30, 40, 9), (1, 19, 9), kv_dtype=torch.bfloat16),
 }
 
 
@@ -67,11 +70,16 @@ def _tolerance(dtype: torch.dtype) -> dict:
 
 def _batch(case: Case):
     query_lens = case.query_lens or (1,) * len(case.context_lens)
-    return random_paged_batch(
+    batch = random_paged_batch(
         list(case.context_lens), list(query_lens), case.num_heads, case.num_kv_heads, case.head_dim,
         case.block_size, case.dtype, seed=len(case.context_lens) + sum(case.context_lens),
         head_major=case.head_major,
     )  # fmt: skip
+    if case.kv_dtype is not None:  # the same strides, another dtype
+        batch.k_cache, batch.v_cache = (
+            torch.empty_like(c, dtype=case.kv_dtype).copy_(c) for c in (batch.k_cache, batch.v_cache)
+        )
+    return batch
 
 
 class _CountedLaunches:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -10,24 +11,36 @@ import openai
 import pytest
 from helpers import openai_client, running_server
 
-from pagedllm import SamplingParams
+from pagedllm import BeamSearchParams, SamplingParams
 from pagedllm.entrypoints.openai.server import build_app
 
 MODEL = "smollm2-135m"
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def server():
-    app = build_app(MODEL, kv_cache_memory="64MiB", max_model_len=1024)
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def server(request):
+    """The server on one process, and as `pagedllm serve --tensor-parallel-size 2` runs it (a worker
+    process holds half of the model: SmolLM2's 3 KV heads split 2 + 1); `llm` is always one process."""
+    app = build_app(MODEL, kv_cache_memory="64MiB", max_model_len=1024, tensor_parallel_size=request.param)
+    engine = app.state.engine.engine
     with running_server(app) as base:
-        yield base, app.state.engine.engine
+        yield base, engine
+    if engine.executor is not None:  # the server's shutdown stopped every worker
+        assert all(proc.poll() is not None for proc in engine.executor.procs.values())
 
 
 @pytest.fixture
 def client(server):
     with openai_client(*server) as client:
         yield client
+
+
+@pytest.fixture
+def logprob_tolerance(server) -> float:
+    """How far the server's logprobs may be from `llm`'s: on two ranks the row-parallel layers' partial
+    sums are added in another order than one process's matmul (float32 rounding, ~1e-5)."""
+    return 1e-5 if server[1].executor is None else 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +106,59 @@ def test_n_with_seed_is_reproducible(client):
     assert first.usage.completion_tokens == 16
 
 
+def test_penalties_reach_the_sampler(client, llm):
+    prompt = "List the days of the week: Monday, Tuesday,"
+    params = dict(presence_penalty=0.5, frequency_penalty=1.5, repetition_penalty=1.2)
+    response = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0,
+        presence_penalty=params["presence_penalty"],
+        frequency_penalty=params["frequency_penalty"],
+        extra_body={"repetition_penalty": params["repetition_penalty"]},
+    )
+    expected = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0, **params))[0].outputs[0]
+    plain = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0))[0].outputs[0]
+    assert response.choices[0].text == expected.text != plain.text
+
+
+def test_beam_search_returns_every_beam_as_a_choice(client, llm):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=10, n=3, extra_body={"use_beam_search": True})
+    response = client.completions.create(**kwargs)
+    beams = llm.beam_search(PROMPT, BeamSearchParams(beam_width=3, max_tokens=10))[0].sequences
+    prompt_len = len(llm.get_tokenizer().encode(PROMPT))
+    tok = llm.get_tokenizer()
+    expected = [tok.decode(b.tokens[prompt_len:], skip_special_tokens=True) for b in beams]
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert [c.text for c in response.choices] == expected
+    assert response.usage.completion_tokens == sum(len(b.tokens) - prompt_len for b in beams)
+    streamed = {}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(3)] == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "name"),
+    [
+        ({"stop": ["."]}, "stop"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"n": 0}, "n"),
+        ({"presence_penalty": 1.0}, "presence_penalty"),
+    ],
+)
+def test_beam_search_refuses_what_it_cannot_honour(client, body, name):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.post(
+            "/completions",
+            body={"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "use_beam_search": True} | body,
+            cast_to=object,
+        )
+    assert info.value.body["param"] == name
+
+
 def test_chat_completion_and_stream(client, llm):
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     response = client.chat.completions.create(
@@ -150,6 +216,11 @@ def test_abandoned_stream_is_aborted(client, server):
         (dict(prompt="hello " * 1100), openai.BadRequestError, "max_model_len=1024"),
         (dict(stream=True, prompt="hello " * 1100), openai.BadRequestError, "max_model_len=1024"),
         (dict(n="two"), openai.BadRequestError, "two"),
+        (dict(max_tokens=1020), openai.BadRequestError, "max_model_len=1024"),
+        (dict(extra_body={"stop_token_ids": [10**6]}), openai.BadRequestError, "stop_token_ids"),
+        (dict(seed=2**70), openai.BadRequestError, "seed"),
+        (dict(presence_penalty=2.5), openai.BadRequestError, "presence_penalty"),
+        (dict(extra_body={"repetition_penalty": 0}), openai.BadRequestError, "repetition_penalty"),
     ],
 )
 def test_bad_completion_requests(client, kwargs, error, names):
@@ -167,16 +238,9 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}
 @pytest.mark.parametrize(
     "endpoint, kwargs, param",
     [  # the README's list of refused fields, then fields the server does not know at all
-        ("completions", dict(echo=True), "echo"),
-        ("completions", dict(presence_penalty=0.5), "presence_penalty"),
-        ("completions", dict(frequency_penalty=-0.5), "frequency_penalty"),
-        ("completions", dict(prompt=["one prompt", "another"]), "prompt"),
-        ("completions", dict(prompt=[[1, 2], [3, 4]]), "prompt"),
-        ("chat", dict(logprobs=True), "logprobs"),
+        ("completions", dict(echo=True, logprobs=1), "echo"),
         ("chat", dict(tools=[TOOL]), "tools"),
-        ("chat", dict(response_format={"type": "json_object"}), "response_format"),
-        ("chat", dict(presence_penalty=1.0), "presence_penalty"),
-        ("chat", dict(top_logprobs=2), "top_logprobs"),
+        ("chat", dict(response_format={"type": "regex"}), "response_format.type"),
         ("chat", dict(messages=[{"role": "user", "content": [IMAGE]}]), "messages.0.content"),
         ("chat", dict(messages=[{"role": "user", "content": "hi", "name": "bob"}]), "messages.0.name"),
         ("completions", dict(suffix="!"), "suffix"),
@@ -243,11 +307,184 @@ def test_metrics(client, server):
     gauges = {
         line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("pagedllm:")
     }
-    assert gauges["pagedllm:weight_memory_bytes"] == engine.weight_bytes  # the model's GGUF blocks: < 100 MiB
-    assert 50 * 2**20 < engine.weight_bytes < 100 * 2**20
+    # Rank 0's: the model's GGUF blocks (< 100 MiB), about half of them on two ranks; 2 of 3 KV heads there.
+    ranks = engine.config.tensor_parallel_size
+    assert gauges["pagedllm:weight_memory_bytes"] == engine.weight_bytes
+    assert 50 * 2**20 / ranks < engine.weight_bytes < 100 * 2**20 / ranks + 10 * 2**20
+    block_bytes = 2 * 30 * engine.model.num_kv_heads * 64 * 4 * 16
+    assert engine.model.num_kv_heads == (3 if ranks == 1 else 2)
     assert (
         gauges["pagedllm:kv_cache_memory_bytes"]
         == engine.kv_cache_bytes
-        == 64 * 2**20 // (46080 * 16) * 46080 * 16
+        == 64 * 2**20 // block_bytes * block_bytes
     )
     assert gauges["pagedllm:kv_cache_blocks"] == engine.num_kv_blocks
+
+
+def test_echo_puts_the_prompt_before_the_completion(client, llm):
+    expected = llm.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0))[0].outputs[0].text
+    kwargs = dict(model=MODEL, max_tokens=6, temperature=0, echo=True)
+    assert client.completions.create(prompt=PROMPT, **kwargs).choices[0].text == PROMPT + expected
+    ids = llm.get_tokenizer().encode(PROMPT)
+    assert client.completions.create(prompt=ids, **kwargs).choices[0].text == PROMPT + expected
+    chunks = list(client.completions.create(prompt=PROMPT, stream=True, **kwargs))
+    assert chunks[0].choices[0].text.startswith(PROMPT)
+    assert "".join(c.choices[0].text for c in chunks) == PROMPT + expected
+
+
+def test_several_prompts_give_choices_prompt_major(client, llm):
+    """vLLM's order: choice i * n + j is the j-th completion of prompt i; usage counts every prompt."""
+    prompts = [PROMPT, "def fib(n):", "1, 2, 3,"]
+    params = SamplingParams(max_tokens=5, temperature=0)
+    expected = llm.generate(prompts, params)
+    kwargs = dict(model=MODEL, prompt=prompts, max_tokens=5, temperature=0, n=2)
+    response = client.completions.create(**kwargs)
+    assert [c.index for c in response.choices] == list(range(6))
+    assert [c.text for c in response.choices] == [o.outputs[0].text for o in expected for _ in range(2)]
+    assert response.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in expected)
+    assert response.usage.completion_tokens == 6 * 5
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(6)] == [c.text for c in response.choices]
+
+
+def test_chat_logprobs_are_the_engines_streamed_or_not(client, llm, logprob_tolerance):
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    response = client.chat.completions.create(**kwargs)
+    expected = llm.chat(messages, SamplingParams(max_tokens=6, temperature=0, logprobs=3))[0].outputs[0]
+    content = response.choices[0].logprobs.content
+    tokenizer = llm.get_tokenizer()
+    assert [e.token for e in content] == [tokenizer.decode([t]) for t in expected.token_ids]
+    for entry, token_id, top in zip(content, expected.token_ids, expected.logprobs, strict=True):
+        assert entry.logprob == pytest.approx(top[token_id], abs=logprob_tolerance)
+        assert entry.bytes == list(entry.token.encode())
+        best3 = sorted(top.values(), reverse=True)[:3]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(best3, abs=logprob_tolerance)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen token is the likeliest
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = [e for c in chunks for e in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_constrains_the_output_to_json(client, llm):
+    """Unconstrained, the model answers in prose; with response_format the text parses as the JSON asked
+    for (json.loads and the schema's own rules are the oracle) and ends with the grammar ("stop")."""
+    messages = [
+        {
+            "role": "user",
+            "content": "Give me a JSON object describing a person called Ada: her name and her age.",
+        }
+    ]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=60, temperature=0)
+    prose = client.chat.completions.create(**kwargs).choices[0].message.content
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(prose)
+    response = client.chat.completions.create(**kwargs, response_format={"type": "json_object"})
+    assert isinstance(json.loads(response.choices[0].message.content), dict)
+    assert response.choices[0].finish_reason == "stop"
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    response = client.chat.completions.create(**kwargs, response_format=schema_format)
+    person = json.loads(response.choices[0].message.content)
+    assert sorted(person) == ["age", "name"]
+    assert isinstance(person["name"], str) and isinstance(person["age"], int)
+    chunks = client.chat.completions.create(**kwargs, response_format=schema_format, stream=True)
+    assert json.loads("".join(c.choices[0].delta.content or "" for c in chunks)) == person
+    # The offline API takes the same grammar through SamplingParams and gives the same greedy text.
+    from pagedllm import GuidedDecodingParams
+
+    offline = llm.chat(
+        messages,
+        SamplingParams(max_tokens=60, temperature=0, guided_decoding=GuidedDecodingParams(json=PERSON)),
+    )
+    assert offline[0].outputs[0].text == response.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    "response_format, words",
+    [
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}, "foo"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "json_schema.schema"),
+    ],
+)
+def test_unusable_response_format_is_a_bad_request(client, response_format, words):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"response_format": response_format}
+        )
+    assert info.value.body["param"] == "response_format"
+    assert words in info.value.body["message"]
+
+
+def _post(base: str, path: str, body: bytes, content_type: str = "application/json") -> tuple[int, dict]:
+    request = urllib.request.Request(f"{base}{path}", data=body, headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@pytest.mark.parametrize(
+    "body, content_type, words",
+    [
+        (
+            b'{"prompt": "hi", "max_tokens": ',
+            "application/json",
+            "not valid JSON: Expecting value at character 31",
+        ),
+        (b'{"prompt": "hi",}', "application/json", "not valid JSON: Expecting property name"),
+        (b"[1, 2]", "application/json", "must be a JSON object"),
+        (b'{"prompt": "hi"}', "text/plain", "must be a JSON object (Content-Type: application/json)"),
+    ],
+)
+def test_malformed_bodies_are_explained_in_words(client, server, body, content_type, words):
+    status, reply = _post(server[0], "/v1/completions", body, content_type)
+    assert status == 400
+    assert words in reply["error"]["message"], reply
+    assert reply["error"]["code"] == 400 and reply["error"]["type"] == "BadRequestError"
+
+
+def test_unknown_routes_answer_in_openai_shape(client, server):
+    status, reply = _post(server[0], "/v1/nothing", b"{}")
+    assert (
+        status == 404
+        and reply["error"]["type"] == "NotFoundError"
+        and "/v1/nothing" in reply["error"]["message"]
+    )
+    try:
+        urllib.request.urlopen(f"{server[0]}/v1/completions")
+    except urllib.error.HTTPError as error:
+        assert error.code == 405 and json.loads(error.read())["error"]["code"] == 405
+
+
+def test_prefix_cache_metrics_count_a_repeated_prompt(client, server, llm):
+    base, _ = server
+    names = ("pagedllm:prefix_cache_queries_total", "pagedllm:prefix_cache_hits_total")
+
+    def counters() -> list[float]:
+        lines = urllib.request.urlopen(f"{base}/metrics").read().decode().splitlines()
+        return [float(next(x for x in lines if x.startswith(name + " ")).split()[-1]) for name in names]
+
+    prompt = "A prefix-cache test: the quick brown fox jumps over the lazy dog, twice. " * 6
+    num_tokens = len(llm.get_tokenizer().encode(prompt))
+    before = counters()
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    expected = [before[0] + 2 * num_tokens, before[1] + (num_tokens - 1) // 16 * 16]
+    deadline = time.monotonic() + 5  # the engine thread updates /metrics right after the step
+    while counters() != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert counters() == expected

@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--output-len must be at least 3, got {args.output_len}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from pagedllm.models.loader import gguf_file, read_config, resolve_folder
+    from pagedllm.models.loader import gguf_file, read_config, resolve_checkpoint
 
     gguf = gguf_file(args.model)
     if args.llama_cpp:
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if gguf is None:
             parser.error(f"--llama-cpp runs a GGUF file; model {args.model!r} is not one")
-    vocab = read_config(resolve_folder(args.model)).vocab_size
+    vocab = read_config(resolve_checkpoint(args.model)).vocab_size
     prompts = make_prompts(args.prompt_lens, vocab, args.seed)
     warmup = make_prompts([16], vocab, args.seed + 1)[0]
     systems = [run_pagedllm(args, q, prompts, warmup) for q in args.quantization]

@@ -110,9 +110,9 @@ METHODS: dict[str, Method] = {
 
 def model_shapes(model: str) -> tuple[dict[str, tuple[int, int]], int, tuple[int, int]]:
     """(N, K) of one decoder layer's projections, the layer count, and the LM head's (N, K)."""
-    from pagedllm.models.loader import read_config, resolve_folder
+    from pagedllm.models.loader import read_config, resolve_checkpoint
 
-    cfg = read_config(resolve_folder(model))
+    cfg = read_config(resolve_checkpoint(model))
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     layer = {
         "qkv": (q + 2 * kv, cfg.hidden_size),

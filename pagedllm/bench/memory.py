@@ -31,8 +31,10 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pagedllm.bench.table import aligned
 from pagedllm.bench.trace import WORKLOADS, Request, make_trace
 from pagedllm.kv import ContiguousAllocator, KVAllocator, KVUsage, NoFreeBlocks, PagedAllocator, SlotState
+from pagedllm.viz import require_matplotlib
 
 LAYOUTS = [("paged", None), ("contiguous", "max"), ("contiguous", "pow2"), ("contiguous", "oracle")]
 
@@ -278,8 +280,7 @@ def format_table(info: dict, rows: list[LayoutResult]) -> str:
         if r.alloc_ops is not None:
             cells += [str(r.alloc_ops), f"{r.alloc_ops_per_s:,.0f}", f"{r.replay_s:.2f}"]
         table.append(cells)
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in table]
+    lines += aligned(table)
     paged = rows[0]
     for r in rows[1:]:
         if paged.live_fraction and r.live_fraction:
@@ -312,8 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.plot:
+            require_matplotlib()  # before the replay, not after it
         info, rows, snapshots = run(args)
-    except ValueError as error:
+    except (ImportError, ValueError) as error:
         parser.exit(2, f"pagedllm bench memory: error: {error}\n")
     if args.json:
         print(json.dumps({"config": info, "rows": [asdict(r) for r in rows]}, indent=2))

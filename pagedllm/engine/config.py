@@ -38,7 +38,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "cpu"
     block_size: int = 16
-    kv_cache_memory: int | str = "1GiB"  # KV cache size; ignored when num_kv_blocks or memory_budget is given
+    # KV cache size (of each rank); ignored when num_kv_blocks or memory_budget is given
+    kv_cache_memory: int | str = "1GiB"
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16 halves K/V memory (fp32 math)
     num_kv_blocks: int | None = None
     # Weights and KV cache together (vLLM's gpu_memory_utilization, in bytes): the KV cache gets what the
     # loaded weights leave, so smaller (quantized) weights mean more KV blocks.
@@ -51,14 +53,33 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     kv_layout: Literal["paged", "contiguous"] = "paged"
     contiguous_reserve: Literal["max", "pow2"] = "max"
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True  # as vLLM v1; the contiguous layout has no cache and ignores it
+    enable_chunked_prefill: bool = True  # as vLLM v1: long prompts are prefilled over several steps
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     watermark: float = 0.01  # share of KV blocks an admission must leave free (vLLM's 1%)
     seed: int = 0
+    generation_config: str = "auto"  # sampling defaults: auto (the model folder's), vllm (none) or a folder
+    # Tensor parallelism: ranks, where they meet (tcp://HOST:PORT or env://; default: this machine, or
+    # torchrun's), over how many machines, and how long rank 0 waits for a rank in a collective (seconds).
+    tensor_parallel_size: int = 1
+    distributed_init_method: str | None = None
+    nnodes: int = 1
+    distributed_timeout: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            why = (
+                f"this torch ({torch.__version__}) is built without CUDA"
+                if torch.version.cuda is None
+                else ("no CUDA GPU is visible")
+            )
+            raise ValueError(f"device={self.device!r}: {why}; use device='cpu'")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}"
+            )
         if self.kv_layout not in ("paged", "contiguous"):
             raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
         if self.contiguous_reserve not in ("max", "pow2"):
@@ -66,7 +87,8 @@ class EngineConfig:
                 f"contiguous_reserve must be 'max' or 'pow2', got {self.contiguous_reserve!r} ('oracle' "
                 "needs each request's true output length: only `pagedllm bench memory` knows it)"
             )
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "nnodes")
+        for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -82,9 +104,27 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be one of {list(QUANTIZATION_CHOICES)}, got {self.quantization!r}"
             )
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} does not split over nnodes={self.nnodes}"
+            )
+        if self.nnodes > 1 and self.distributed_init_method is None:
+            raise ValueError(f"nnodes={self.nnodes} needs distributed_init_method='tcp://HOST:PORT'")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout!r}")
+
+    @property
+    def is_parallel(self) -> bool:
+        """Whether the model is split over several ranks (tensor parallelism)."""
+        return self.tensor_parallel_size > 1
 
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The dtype K/V are stored in (attention computes in float32 either way)."""
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else DTYPES[self.kv_cache_dtype]

@@ -3,14 +3,37 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pagedllm import ops
 from pagedllm.engine.scheduler import SchedulerOutput
-from pagedllm.engine.sequence import Sequence
 from pagedllm.models.attention import AttentionMetadata
+
+
+@dataclass
+class StepInputs:
+    """One step's work as plain arrays: the flattened batch's indices and the KV block moves before it.
+
+    Built once by the engine's rank; under tensor parallelism every rank runs its shard on the same copy.
+    """
+
+    input_ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    block_tables: np.ndarray  # [num_seqs, max_blocks] int32
+    context_lens: np.ndarray  # [num_seqs] int32
+    query_start_loc: np.ndarray  # [num_seqs + 1] int32
+    max_query_len: int
+    swap_out: np.ndarray  # [n, 2] int64 (device block, host block)
+    swap_in: np.ndarray  # [n, 2] int64 (host block, device block)
+    copies: np.ndarray  # [n, 2] int64 copy-on-write (src, dst)
+
+
+def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
+    return np.array(pairs, np.int64).reshape(-1, 2)
 
 
 class ModelRunner:
@@ -32,9 +55,10 @@ class ModelRunner:
     ):
         self.model = model
         self.device = torch.device(device)
-        self.block_size = block_size
+        self.num_blocks, self.block_size, self.num_host_blocks = num_blocks, block_size, num_host_blocks
+        self.kv_dtype = dtype
         cfg = model.config
-        geometry = (block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        geometry = (block_size, model.num_kv_heads, cfg.head_dim, dtype)  # this rank's KV heads
         self.kv_caches = ops.allocate_kv_caches(cfg.num_layers, num_blocks, *geometry, self.device)
         self.host_kv_caches = (
             ops.allocate_kv_caches(
@@ -44,47 +68,66 @@ class ModelRunner:
             else []
         )
 
-    def move_blocks(self, out: SchedulerOutput) -> None:
+    def move_blocks(self, step: StepInputs) -> None:
         """Swap-outs first (their device blocks may be reused this step), then swap-ins, then CoW copies."""
+        swap_out, swap_in, copies = (pairs.tolist() for pairs in (step.swap_out, step.swap_in, step.copies))
         for layer, (k, v) in enumerate(self.kv_caches):
-            if out.swap_out:
-                ops.swap_blocks(k, v, *self.host_kv_caches[layer], out.swap_out)
-            if out.swap_in:
-                ops.swap_blocks(*self.host_kv_caches[layer], k, v, out.swap_in)
-            if out.copies:
-                ops.copy_blocks(k, v, out.copies)
+            if swap_out:
+                ops.swap_blocks(k, v, *self.host_kv_caches[layer], swap_out)
+            if swap_in:
+                ops.swap_blocks(*self.host_kv_caches[layer], k, v, swap_in)
+            if copies:
+                ops.copy_blocks(k, v, copies)
+
+    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> torch.Tensor:
+        """Compute every scheduled sequence's new tokens; return float32 logits of each one's last
+        computed token (the engine ignores those of a prompt whose prefill is not complete yet)."""
+        return self.execute_step(self.prepare_inputs(out, block_tables))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> torch.Tensor:
-        """Compute every scheduled sequence's new tokens; return float32 logits of each one's last token."""
-        self.move_blocks(out)
-        input_ids, positions, meta, last_rows = self.prepare_inputs(out.scheduled, block_tables)
-        hidden = self.model(input_ids, positions, meta)
+    def execute_step(self, step: StepInputs) -> torch.Tensor | None:
+        """Move blocks, run the forward pass; the logits (None on a tensor-parallel rank other than 0)."""
+        self.move_blocks(step)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(step.slot_mapping),
+            block_tables=self._tensor(step.block_tables),
+            context_lens=self._tensor(step.context_lens),
+            query_start_loc=self._tensor(step.query_start_loc),
+            max_query_len=step.max_query_len,
+            kv_caches=self.kv_caches,
+        )
+        hidden = self.model(self._tensor(step.input_ids), self._tensor(step.positions), meta)
+        last_rows = self._tensor(step.query_start_loc[1:].astype(np.int64) - 1)
         return self.model.compute_logits(hidden[last_rows])
 
-    def prepare_inputs(
-        self, seqs: list[Sequence], block_tables: list[list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """The flattened batch: token ids, positions, attention metadata, and each sequence's last row.
+    def prepare_inputs(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepInputs:
+        """The step's arrays for the scheduled sequences, whose KV blocks are given by `block_tables`.
 
-        Sequence s computes its tokens [num_cached_tokens, num_tokens); index arithmetic runs in numpy,
-        one array operation per batch rather than one Python operation per token.
+        Sequence s computes out.num_new_tokens[s] tokens from its num_cached_tokens on (the rest, or one
+        chunk of a long prompt); index arithmetic runs in numpy, one array operation per batch rather
+        than one Python operation per token.
         """
+        seqs = out.scheduled
         starts = np.fromiter((seq.num_cached_tokens for seq in seqs), np.int64, len(seqs))
-        ends = np.fromiter((seq.num_tokens for seq in seqs), np.int64, len(seqs))
-        counts = ends - starts
+        counts = np.fromiter((out.num_new_tokens[seq.seq_id] for seq in seqs), np.int64, len(seqs))
+        ends = starts + counts
         query_start_loc = np.zeros(len(seqs) + 1, np.int32)
         np.cumsum(counts, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
         tables = np.zeros((len(seqs), max(len(t) for t in block_tables)), np.int32)
         for row, table in zip(tables, block_tables, strict=True):
             row[: len(table)] = table
-        if num_tokens == len(seqs):  # decode: one token per sequence, its last
+        if num_tokens == len(seqs) and all(
+            seq.num_tokens == end for seq, end in zip(seqs, ends, strict=True)
+        ):
+            # decode: one token per sequence, its last
             input_ids = np.fromiter((seq.token_ids[-1] for seq in seqs), np.int64, len(seqs))
             positions, owner = starts, np.arange(len(seqs))
         else:
             input_ids = np.fromiter(
-                itertools.chain.from_iterable(seq.token_ids[seq.num_cached_tokens :] for seq in seqs),
+                itertools.chain.from_iterable(
+                    seq.token_ids[start:end] for seq, start, end in zip(seqs, starts, ends, strict=True)
+                ),
                 np.int64,
                 num_tokens,
             )
@@ -92,16 +135,18 @@ class ModelRunner:
             positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], counts) + starts[owner]
         bs = self.block_size
         slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            block_tables=self._tensor(tables),
-            context_lens=self._tensor(ends.astype(np.int32)),
-            query_start_loc=self._tensor(query_start_loc),
+        return StepInputs(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slots,
+            block_tables=tables,
+            context_lens=ends.astype(np.int32),
+            query_start_loc=query_start_loc,
             max_query_len=int(counts.max()),
-            kv_caches=self.kv_caches,
+            swap_out=_pairs(out.swap_out),
+            swap_in=_pairs(out.swap_in),
+            copies=_pairs(out.copies),
         )
-        last_rows = self._tensor(query_start_loc[1:].astype(np.int64) - 1)
-        return self._tensor(input_ids), self._tensor(positions), meta, last_rows
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)

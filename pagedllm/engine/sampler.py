@@ -1,12 +1,22 @@
-"""Turn each sequence's next-token logits into a token: greedy, or temperature / top-k / top-p / min-p."""
+"""Turn each sequence's next-token logits into a token: greedy, or temperature / top-k / top-p / min-p.
+
+In vLLM's order: log-probabilities (when asked for) come from the model's raw logits; then tokens that
+may not come yet are banned, the presence / frequency / repetition penalties are applied, and the
+token is chosen from what is left (greedy takes the penalized argmax too).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.engine.guided import Guide
 
 
 @dataclass
@@ -16,6 +26,9 @@ class SampleRow:
     params: SamplingParams
     generator: torch.Generator | None = None  # seeded requests sample reproducibly
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS before min_tokens is reached
+    prompt_token_ids: Sequence[int] = ()  # read by the penalties only
+    output_token_ids: Sequence[int] = ()
+    guide: Guide | None = None  # guided decoding: only tokens its grammar allows next
 
 
 @dataclass
@@ -44,16 +57,51 @@ def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
         sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         # Keep the smallest head of the distribution whose mass reaches top_p (always the first token).
         drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+        drop[:, 0] = False  # even a top_p too small for float32 (it rounds to 0) keeps the likeliest token
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return logits.softmax(dim=-1)
 
 
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """vLLM's penalties, in place: a token seen in the prompt or the output has its logit divided by
+    repetition_penalty if positive, multiplied if not (Hugging Face's RepetitionPenaltyLogitsProcessor);
+    then each output token loses frequency_penalty per occurrence and presence_penalty once (OpenAI)."""
+    vocab, finfo = logits.shape[1], torch.finfo(logits.dtype)
+    for i, row in enumerate(rows):
+        params = row.params
+        if not params.penalized:
+            continue
+        output = torch.tensor(row.output_token_ids, dtype=torch.int64, device=logits.device)
+        counts = torch.bincount(output, minlength=vocab).to(logits.dtype)
+        if params.repetition_penalty != 1.0:
+            seen = counts > 0
+            seen[torch.tensor(row.prompt_token_ids, dtype=torch.int64, device=logits.device)] = True
+            # Any positive penalty is valid: keep it and its inverse representable in the logits' dtype.
+            rp = min(max(params.repetition_penalty, finfo.tiny), finfo.max)
+            penalty = torch.where(logits[i] > 0, 1.0 / rp, rp)
+            logits[i] = torch.where(seen, logits[i] * penalty, logits[i])
+        logits[i] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    # An extreme penalty can overflow a logit: +inf becomes the largest finite value (a certain token).
+    return logits.nan_to_num_(nan=float("-inf"), posinf=finfo.max, neginf=float("-inf"))
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
-    """logits [num_seqs, vocab] (float32) -> one Sample per row."""
+    """logits [num_seqs, vocab] (float32; bans and penalties modify it in place) -> one Sample per row."""
     logits = logits.float()
+    for i, row in enumerate(rows):  # grammar masks first (vLLM applies them before its sampler)
+        if row.guide is not None:
+            row.guide.mask(logits[i : i + 1])
+    # Log-probabilities only for the rows that asked: a full-vocabulary log-softmax per step is not free.
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    logprobs = logits[wanted].log_softmax(dim=-1) if wanted else None  # raw: before bans and penalties
     for i, row in enumerate(rows):
         if row.banned_token_ids:
-            logits[i, list(row.banned_token_ids)] = float("-inf")
+            banned = list(row.banned_token_ids)
+            allowed = logits[i, banned].clone()
+            logits[i, banned] = float("-inf")
+            if row.guide is not None and torch.isneginf(logits[i]).all():
+                logits[i, banned] = allowed  # the grammar allows only what min_tokens bans: the grammar wins
+    apply_penalties(logits, rows)
     chosen = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
@@ -61,14 +109,10 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
         for j, i in enumerate(random_rows):
             chosen[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
     samples = [Sample(token_id) for token_id in chosen.tolist()]
-    # Log-probabilities only for the rows that asked: a full-vocabulary log-softmax per step is not free.
-    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    if wanted:
-        logprobs = logits[wanted].log_softmax(dim=-1)
-        for j, i in enumerate(wanted):
-            smp = samples[i]
-            smp.logprob = logprobs[j, smp.token_id].item()
-            values, ids = logprobs[j].topk(rows[i].params.logprobs)
-            smp.top_logprobs = dict(zip(ids.tolist(), values.tolist(), strict=True))
-            smp.top_logprobs[smp.token_id] = smp.logprob
+    for j, i in enumerate(wanted):
+        smp = samples[i]
+        smp.logprob = logprobs[j, smp.token_id].item()
+        values, ids = logprobs[j].topk(rows[i].params.logprobs)
+        smp.top_logprobs = dict(zip(ids.tolist(), values.tolist(), strict=True))
+        smp.top_logprobs[smp.token_id] = smp.logprob
     return samples

@@ -1,9 +1,18 @@
 """Continuous batching: each step, decode every running sequence and admit waiting ones while they fit.
 
+Each step has a budget of `max_num_batched_tokens` tokens, spent as vLLM v1 spends it: first one token
+for every running sequence that decodes, then the rest on prefills, oldest first: running sequences
+whose prompt is part way through, then waiting ones in arrival order. With chunked prefill a prompt
+that does not fit the rest of the budget is cut there and continues in the next steps, so a long
+prompt never stalls the running decodes for more than one step's budget; without it a prompt is
+prefilled whole, in a step of its own if it exceeds the budget.
+
 The scheduler asks the KV allocator for room and never reaches inside it. When a running sequence
 needs a block and none is free, the most recently admitted sequence is preempted: by recompute (its
 blocks are freed; it re-enters the waiting queue and is prefilled again later) or by swap (its blocks
-move to the host pool and come back when room frees up).
+move to the host pool and come back when room frees up). A beam whose next token waits on a sibling's
+(`Sequence.awaiting`) has nothing to compute: running, it holds its blocks, and when nothing else can
+run it is freed to make room; waiting, it is not admitted until its search has chosen its next token.
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ class SchedulerOutput:
     """One step's work: what to compute and which KV block copies must happen first."""
 
     decodes: list[Sequence] = field(default_factory=list)  # one new token each
-    prefills: list[Sequence] = field(default_factory=list)  # every uncached token each
+    prefills: list[Sequence] = field(default_factory=list)  # a chunk of uncached tokens each
+    num_new_tokens: dict[str, int] = field(default_factory=dict)  # seq_id -> tokens computed this step
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
@@ -39,7 +49,11 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(seq.num_new_tokens for seq in self.scheduled)
+        return sum(self.num_new_tokens.values())
+
+    def add(self, queue: list[Sequence], seq: Sequence, num_new_tokens: int) -> None:
+        queue.append(seq)
+        self.num_new_tokens[seq.seq_id] = num_new_tokens
 
 
 class Scheduler:
@@ -53,6 +67,7 @@ class Scheduler:
         max_num_batched_tokens: int = 8192,
         preemption_mode: PreemptionMode = "recompute",
         watermark: float = 0.01,
+        enable_chunked_prefill: bool = True,
     ):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
@@ -64,6 +79,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
         self.watermark = watermark  # share of blocks a new admission must leave free (vLLM's 1%)
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -79,8 +95,13 @@ class Scheduler:
         self.waiting.append(seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Start `child` as a copy of running `parent` (parallel sampling): paged blocks are shared
-        copy-on-write; a contiguous slab is copied slot by slot at the start of the next step."""
+        """Start `child` as a copy of `parent` (parallel sampling, beam search). A running parent's
+        paged blocks are shared copy-on-write (a contiguous slab is copied slot by slot at the start of
+        the next step); the child of a preempted parent waits beside it to be prefilled."""
+        if parent.status is not SequenceStatus.RUNNING:
+            child.status = SequenceStatus.WAITING
+            self.waiting.appendleft(child)
+            return
         self._fork_copies += self.allocator.fork(parent.seq_id, child.seq_id)
         child.num_cached_tokens = parent.num_cached_tokens
         child.status = SequenceStatus.RUNNING
@@ -101,20 +122,43 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(copies=self._fork_copies)
         self._fork_copies = []
-        self._schedule_decodes(out)
+        prefilling = self._schedule_decodes(out)
         if not out.preempted:
             self._schedule_swap_ins(out)
+        budget = self._schedule_prefill_chunks(prefilling, out, self.max_num_batched_tokens - out.num_tokens)
         if not out.preempted and not self.swapped:
-            self._schedule_prefills(out)
+            self._schedule_prefills(out, budget)
+        while not out.scheduled and self.running and self._has_work_waiting():
+            # Every running sequence is a beam waiting for a sibling that is not in the cache: make room.
+            self._preempt(self.running[-1], out, swap=False)
+            self._schedule_swap_ins(out)
+            if not self.swapped:
+                self._schedule_prefills(out, budget)
         return out
 
-    def _schedule_decodes(self, out: SchedulerOutput) -> None:
-        """Give every running sequence a slot for its newest token, preempting from the back if needed."""
+    def _has_work_waiting(self) -> bool:
+        return bool(self.swapped) or any(not seq.awaiting for seq in self.waiting)
+
+    def update_after_step(self, out: SchedulerOutput) -> list[int]:
+        """After the forward pass: count each scheduled sequence's new tokens as cached; returns the
+        positions in `out.scheduled` of those that now need a next token (all but unfinished prefills)."""
+        rows = []
+        for row, seq in enumerate(out.scheduled):
+            seq.num_cached_tokens += out.num_new_tokens[seq.seq_id]
+            if seq.num_cached_tokens == seq.num_tokens:
+                rows.append(row)
+        return rows
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> list[Sequence]:
+        """Give each running sequence a slot for its newest token, preempting from the back if needed;
+        one new token is a decode. Returns the running sequences with more to compute (a prompt part
+        way through its prefill) or nothing (a beam waiting for its siblings)."""
         queue = deque(self.running)
         self.running = []
+        others = []
         while queue:
             seq = queue.popleft()
-            while not self.allocator.can_append(seq.seq_id):
+            while self._lacks_a_slot(seq) and not self.allocator.can_append(seq.seq_id):
                 if queue:
                     self._preempt(queue.pop(), out)
                     continue
@@ -124,9 +168,18 @@ class Scheduler:
                     out.ignored.append(seq)
                 break
             else:
-                out.copies += self.allocator.append(seq.seq_id, seq.token_ids[-1])
+                if self._lacks_a_slot(seq):
+                    out.copies += self.allocator.append(seq.seq_id, seq.token_ids[-1])
                 self.running.append(seq)
-                out.decodes.append(seq)
+                if seq.num_tokens - seq.num_cached_tokens == 1:
+                    out.add(out.decodes, seq, 1)
+                else:
+                    others.append(seq)
+        return others
+
+    def _lacks_a_slot(self, seq: Sequence) -> bool:
+        """The sequence sampled a token the allocator has no slot for yet."""
+        return self.allocator.num_tokens(seq.seq_id) < seq.num_tokens
 
     def _schedule_swap_ins(self, out: SchedulerOutput) -> None:
         while self.swapped and len(self.running) < self.max_num_seqs:
@@ -139,53 +192,72 @@ class Scheduler:
             self.swapped.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            if self.allocator.can_append(seq.seq_id):  # else it decodes from the next step on
+            if self._lacks_a_slot(seq) and self.allocator.can_append(seq.seq_id):
                 out.copies += self.allocator.append(seq.seq_id, seq.token_ids[-1])
-                out.decodes.append(seq)
+                out.add(out.decodes, seq, 1)  # else it continues from the next step on
 
-    def _schedule_prefills(self, out: SchedulerOutput) -> None:
-        budget = self.max_num_batched_tokens - len(out.decodes)
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            max_new = seq.max_new_tokens(self.max_model_len)
-            if seq.num_tokens > budget and (out.prefills or out.decodes):
+    def _schedule_prefill_chunks(self, seqs: list[Sequence], out: SchedulerOutput, budget: int) -> int:
+        """Continue the prefills in progress, oldest first, within the budget; returns what is left."""
+        for seq in seqs:
+            num_new = min(seq.num_tokens - seq.num_cached_tokens, budget)
+            if num_new > 0:
+                self.allocator.cache_blocks(seq.seq_id, seq.num_cached_tokens + num_new)
+                out.add(out.prefills, seq, num_new)
+                budget -= num_new
+        return budget
+
+    def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences first come first served while they fit. A beam awaiting its search's
+        choice of its next token has nothing to compute yet: it is passed over."""
+        for seq in [seq for seq in self.waiting if not seq.awaiting]:
+            if (
+                len(self.running) >= self.max_num_seqs
+                or budget <= 0
+                or (not self.enable_chunked_prefill and seq.num_tokens > budget and out.scheduled)
+            ):
                 return
+            max_new = seq.max_new_tokens(self.max_model_len)
             if not self.allocator.can_allocate(seq.token_ids, max_new) or (
                 self.running and not self._leaves_headroom(seq)
             ):
-                if not self.running and not self.swapped:
-                    # Nothing will ever free up room: this request cannot fit the cache at all.
-                    logger.warning(
-                        "request %s (%d tokens) cannot fit the KV cache", seq.request_id, seq.num_tokens
-                    )
-                    self.waiting.popleft()
-                    out.ignored.append(seq)
-                    continue
-                return
-            self.waiting.popleft()
-            cached = self.allocator.allocate(seq.seq_id, seq.token_ids, max_new)
+                if self.running or self.swapped:
+                    return
+                # Nothing will ever free up room: this request cannot fit the cache at all.
+                logger.warning(
+                    "request %s (%d tokens) cannot fit the KV cache", seq.request_id, seq.num_tokens
+                )
+                self.waiting.remove(seq)
+                out.ignored.append(seq)
+                continue
+            self.waiting.remove(seq)
+            cached = self.allocator.allocate(seq.seq_id, seq.token_ids, max_new, num_computed=0)
             seq.num_cached_tokens = cached
             if not seq.output_token_ids:
                 seq.num_prefix_hits = cached
                 if self.allocator.enable_prefix_caching:
                     self.prefix_cache_queries += seq.num_tokens
                     self.prefix_cache_hits += cached
+            num_new = seq.num_tokens - cached
+            if self.enable_chunked_prefill:
+                num_new = min(num_new, budget)
+            self.allocator.cache_blocks(seq.seq_id, cached + num_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.prefills.append(seq)
-            budget -= seq.num_new_tokens
+            out.add(out.prefills, seq, num_new)
+            budget -= num_new
 
     def _leaves_headroom(self, seq: Sequence) -> bool:
         """Admitting seq keeps a watermark of blocks free for the running sequences to grow into."""
         needed = -(-seq.num_tokens // self.allocator.block_size)
         return self.allocator.num_free_blocks - needed >= self.watermark * self.allocator.num_total_blocks
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, swap: bool | None = None) -> None:
+        """Swap the sequence out (by default in swap mode), or free it to be prefilled again first."""
         self.num_preemptions += 1
         out.preempted.append(seq)
         if seq in self.running:
             self.running.remove(seq)
-        if self.preemption_mode == "swap":
+        if self.preemption_mode == "swap" if swap is None else swap:
             try:
                 copies = self.allocator.swap_out(seq.seq_id)
             except NoFreeBlocks:  # the host pool is full too: fall back to recompute

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.engine.guided import Guide
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # not in the KV cache: needs a prefill of all its tokens
-    RUNNING = "running"  # in the KV cache, decoding
+    RUNNING = "running"  # in the KV cache: prefilling (maybe in chunks), then decoding
     SWAPPED = "swapped"  # its blocks sit in the host pool
     FINISHED = "finished"
 
@@ -28,7 +32,8 @@ class Sequence:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     status: SequenceStatus = SequenceStatus.WAITING
-    num_cached_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # tokens whose K/V are in the cache (computed in an earlier step)
+    awaiting: bool = False  # a computed beam whose next token its beam search has not chosen yet
     num_prefix_hits: int = 0  # prompt tokens served by the prefix cache at first admission
     arrival_step: int = 0
     finish_reason: str | None = None
@@ -37,6 +42,7 @@ class Sequence:
     # Incremental detokenizer state: tokens before prefix_offset are already in `text`.
     prefix_offset: int = 0
     read_offset: int = 0
+    guide: Guide | None = None  # its place in the request's grammar (guided decoding)
 
     @property
     def token_ids(self) -> list[int]:
@@ -45,11 +51,6 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_new_tokens(self) -> int:
-        """Tokens this step must compute: all uncached ones (a whole prompt, or the last sampled token)."""
-        return self.num_tokens - self.num_cached_tokens
 
     @property
     def is_finished(self) -> bool:

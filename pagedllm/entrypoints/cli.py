@@ -1,72 +1,192 @@
-"""The `pagedllm` command: generate text, serve, run a benchmark, or draw the KV cache."""
+"""The `pagedllm` command: generate text, serve a model, run a benchmark, or draw the KV cache."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import logging
+import os
 import sys
 
-BENCHMARKS = {
-    "memory": "pagedllm.bench.memory",  # paged vs contiguous KV waste, no model needed
-    "kernel": "pagedllm.bench.kernel",  # paged vs contiguous attention kernels
-    "throughput": "pagedllm.bench.throughput",  # paged vs contiguous (vs HF) on a real model
-    "snapshot": "pagedllm.bench.snapshot",  # what the dashboard's GET /v1/kv costs next to a step
-    "latency": "pagedllm.bench.latency",  # one user: time to first token, decode tok/s (vs llama.cpp)
-    "quality": "pagedllm.bench.quality",  # perplexity and greedy agreement per weight storage
-    "linear": "pagedllm.bench.linear",  # the matmul kernels and libraries on the model's shapes
+BENCHMARKS = {  # name: (module, what it measures)
+    "memory": ("pagedllm.bench.memory", "KV slots holding live tokens, paged vs contiguous (no model)"),
+    "kernel": ("pagedllm.bench.kernel", "paged decode attention vs in-order blocks vs dense SDPA"),
+    "throughput": (
+        "pagedllm.bench.throughput",
+        "the engine offline: paged vs contiguous slabs (vs HF, vLLM)",
+    ),
+    "chunked-prefill": ("pagedllm.bench.chunked_prefill", "decode stalls when a long prompt arrives"),
+    "sharing": ("pagedllm.bench.sharing", "KV memory saved by sharing blocks (parallel sampling, beams)"),
+    "snapshot": ("pagedllm.bench.snapshot", "what the dashboard's GET /v1/kv costs next to an engine step"),
+    "serve": ("pagedllm.bench.serve", "load generator and soak test for any OpenAI-compatible server"),
+    "latency": ("pagedllm.bench.latency", "one user: time to first token, decode tok/s (vs llama.cpp)"),
+    "quality": ("pagedllm.bench.quality", "perplexity and greedy agreement per weight storage"),
+    "linear": ("pagedllm.bench.linear", "the matmul kernels and libraries on the model's shapes"),
 }
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from pagedllm import LLM, SamplingParams
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, unless the help already says it (or there is none)."""
 
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len,
-        **{name: getattr(args, name) for name in WEIGHT_ARGS},
-    )
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
-    )
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _defaults(cls) -> dict:
+    """A dataclass's field defaults: the CLI shows the same ones the Python API uses."""
+    import dataclasses
+
+    return {f.name: f.default for f in dataclasses.fields(cls)}
+
+
+def _checked(make, **flags):
+    """make(**flags), a bad value named as the user typed it (`max_tokens ...` -> `--max-tokens ...`)."""
+    try:
+        return make(**flags)
+    except ValueError as error:
+        name, _, rest = str(error).partition(" ")
+        if name in flags:
+            raise ValueError(f"--{name.replace('_', '-')} {rest}") from None
+        raise
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pagedllm import BeamSearchParams, SamplingParams
+
+    # Everything the user typed is checked before the model loads (seconds), and named as typed.
+    for i, prompt in enumerate(args.prompt, 1):
+        if not prompt.strip():
+            where = f"prompt {i} " if len(args.prompt) > 1 else "the prompt "
+            raise ValueError(f"{where}is empty (got {prompt!r})")
+    if args.beam_width and args.chat:
+        raise ValueError("--beam-width does not combine with --chat")
+    if args.beam_width:
+        params = _checked(
+            BeamSearchParams,
+            beam_width=args.beam_width,
+            max_tokens=args.max_tokens,
+            length_penalty=args.length_penalty,
+        )
+    else:
+        params = _checked(
+            SamplingParams,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            repetition_penalty=args.repetition_penalty,
+        )
+    from pagedllm import LLM
+
+    llm = LLM(args.model, **_engine_kwargs(args))
+    if args.beam_width:
+        for prompt, output in zip(args.prompt, llm.beam_search(args.prompt, params), strict=True):
+            if len(args.prompt) > 1:
+                print(f"--- {prompt}")
+            for i, beam in enumerate(output.sequences):
+                print(f"[beam {i}, cumulative logprob {beam.cum_logprob:.3f}] {beam.text}")
+        return 0
     if args.chat:
-        outputs = llm.chat([{"role": "user", "content": p} for p in args.prompt], params)
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
     else:
         outputs = llm.generate(args.prompt, params)
-    for output in outputs:
+    for prompt, output in zip(args.prompt, outputs, strict=True):
         if len(outputs) > 1:
-            print(f"--- {output.prompt if output.prompt is not None else '(chat)'}")
+            print(f"--- {prompt}")
         print(output.outputs[0].text if args.chat else output.prompt + output.outputs[0].text)
     return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.limits import ServerLimits
     from pagedllm.entrypoints.openai.server import main as serve
 
+    limits = ServerLimits(
+        api_key=args.api_key,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_n=args.max_n,
+        max_logprobs=args.max_logprobs,
+    )
     return serve(
         args.model,
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
-        dtype=args.dtype,
-        device=args.device,
-        kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len,
-        **{name: getattr(args, name) for name in KV_ARGS + WEIGHT_ARGS},
+        limits=limits,
+        shutdown_timeout=args.shutdown_timeout,
+        generation_config=args.generation_config,
+        **_engine_kwargs(args),
+        **{name: getattr(args, name) for name in KV_ARGS},
     )
 
 
-WEIGHT_ARGS = ("quantization", "memory_budget")
+PARALLEL_ARGS = ("tensor_parallel_size", "distributed_init_method", "nnodes", "distributed_timeout")
 
 
-def add_weight_args(parser: argparse.ArgumentParser) -> None:
-    """How the weights are stored, and a memory budget they share with the KV cache (EngineConfig names)."""
+ENGINE_ARGS = (
+    "dtype",
+    "device",
+    "kv_cache_memory",
+    "kv_cache_dtype",
+    "max_model_len",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "quantization",
+    "memory_budget",
+    *PARALLEL_ARGS,
+)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name in ENGINE_ARGS}
+
+
+def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
+    """EngineConfig settings, spelled as vLLM's CLI spells them, with EngineConfig's defaults."""
+    parser.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf file")
+    parser.add_argument(
+        "--dtype", default=defaults["dtype"], help="auto (float32 on CPU), float32, bfloat16 or float16"
+    )
+    parser.add_argument("--device", default=defaults["device"], help="cpu or cuda")
+    parser.add_argument(
+        "--kv-cache-memory", default=defaults["kv_cache_memory"], help="KV cache size, e.g. 512MiB"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=defaults["kv_cache_dtype"],
+        choices=["auto", "float32", "bfloat16"],
+        help="auto: the model's dtype",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=defaults["max_num_batched_tokens"],
+        help="tokens per step (prefill chunk budget)",
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=defaults["enable_prefix_caching"],
+        help="reuse the KV blocks of prompt prefixes seen before",
+    )
+    parser.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=defaults["enable_chunked_prefill"],
+        help="prefill long prompts in chunks alongside the running decodes",
+    )
     parser.add_argument(
         "--quantization",
-        default="auto",
+        default=defaults["quantization"],
         choices=["auto", "none", "int8", "int4", "gguf"],
         help="weight storage: auto keeps a GGUF file's own quantized blocks (gguf), else none; int8 / int4 "
         "quantize at load time (weight-only)",
@@ -77,56 +197,152 @@ def add_weight_args(parser: argparse.ArgumentParser) -> None:
         help="weights + KV cache, e.g. 1GiB: the KV cache gets what the weights leave (overrides "
         "--kv-cache-memory)",
     )
+    _add_parallel_args(parser, defaults)
 
 
-KV_ARGS = ("block_size", "max_num_seqs", "kv_layout", "contiguous_reserve", "enable_prefix_caching")
+KV_ARGS = ("block_size", "max_num_seqs", "kv_layout", "contiguous_reserve")
 
 
-def _add_kv_args(parser: argparse.ArgumentParser) -> None:
+def _add_kv_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
     """The KV cache's shape and batch limit (EngineConfig names): what the dashboard helps to tune."""
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step at most")
-    parser.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
-    parser.add_argument("--contiguous-reserve", default="max", choices=["max", "pow2"], help="slab size")
-    parser.add_argument("--enable-prefix-caching", action="store_true", help="reuse cached prompt blocks")
+    parser.add_argument("--block-size", type=int, default=defaults["block_size"], help="tokens per KV block")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=defaults["max_num_seqs"], help="sequences per step at most"
+    )
+    parser.add_argument("--kv-layout", default=defaults["kv_layout"], choices=["paged", "contiguous"])
+    parser.add_argument(
+        "--contiguous-reserve",
+        default=defaults["contiguous_reserve"],
+        choices=["max", "pow2"],
+        help="slab size",
+    )
+
+
+def _add_server_args(parser: argparse.ArgumentParser, limits: dict) -> None:
+    """What a server left running needs: sampling defaults, an API key, limits, a graceful shutdown."""
+    parser.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling fields a request leaves unset: auto (the model's generation_config.json), "
+        "vllm (vLLM's own), or a folder holding one (default: auto)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1/* (default: $PAGEDLLM_API_KEY, else none)",
+    )
+    parser.add_argument(
+        "--max-request-body-bytes", type=int, default=limits["max_request_body_bytes"], help="larger get 413"
+    )
+    parser.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=limits["max_concurrent_requests"],
+        help="/v1 requests in flight at once; more get 429",
+    )
+    parser.add_argument("--max-n", type=int, default=limits["max_n"], help="completions per prompt at most")
+    parser.add_argument(
+        "--max-logprobs", type=int, default=limits["max_logprobs"], help="logprobs / top_logprobs at most"
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: seconds running requests may take to finish before they are aborted",
+    )
+
+
+def _add_parallel_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
+    """Tensor parallelism over processes and machines (the same command on every machine, but --node-rank)."""
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=defaults["tensor_parallel_size"],
+        help="ranks the model is split over",
+    )
+    parser.add_argument(
+        "--distributed-init-method",
+        default=defaults["distributed_init_method"],
+        help="tcp://HOST:PORT of node 0 (several machines)",
+    )
+    parser.add_argument("--nnodes", type=int, default=defaults["nnodes"], help="machines the ranks run on")
+    parser.add_argument(
+        "--node-rank", type=int, default=0, help="this machine's index; > 0 runs its ranks as workers only"
+    )
+    parser.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=defaults["distributed_timeout"],
+        help="seconds rank 0 waits for a rank in a step",
+    )
+
+
+def _worker_node(args: argparse.Namespace) -> int | None:
+    """Run this process's ranks as workers if it is not where rank 0 runs (None: it is)."""
+    from pagedllm.engine.parallel import worker
+
+    if "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ["RANK"]) > 0:  # started by torchrun
+        return worker.run_torchrun_rank()
+    if args.node_rank == 0:
+        return None
+    if not 0 < args.node_rank < args.nnodes or args.distributed_init_method is None:
+        raise ValueError(
+            f"--node-rank {args.node_rank} needs --nnodes > {args.node_rank} and --distributed-init-method"
+        )
+    return worker.run_node(
+        args.distributed_init_method, args.tensor_parallel_size, args.nnodes, args.node_rank
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pagedllm.engine.config import EngineConfig
+    from pagedllm.entrypoints.openai.limits import ServerLimits
+
+    defaults = _defaults(EngineConfig)  # the CLI's engine defaults are EngineConfig's, as in the README
     parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="complete one or more prompts and print the text")
+    gen = sub.add_parser(
+        "generate", help="complete one or more prompts and print the text", formatter_class=_HelpFormatter
+    )
     gen.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
-    gen.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf file")
     gen.add_argument("--chat", action="store_true", help="send each prompt as a user chat message")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    gen.add_argument("--device", default="cpu")
-    gen.add_argument("--kv-cache-memory", default="256MiB")
-    gen.add_argument("--max-model-len", type=int, default=None)
-    add_weight_args(gen)
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's presence penalty")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's frequency penalty")
+    gen.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="Hugging Face's repetition penalty"
+    )
+    gen.add_argument("--beam-width", type=int, default=0, help="beam search with this many beams (0: off)")
+    gen.add_argument("--length-penalty", type=float, default=1.0, help="beam search length penalty")
+    _add_engine_args(gen, defaults)
     gen.set_defaults(func=_generate)
 
-    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    serve.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf file")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve = sub.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible HTTP API", formatter_class=_HelpFormatter
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port")
     serve.add_argument(
         "--served-model-name", default=None, help="the model name clients use (default: --model)"
     )
-    serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    serve.add_argument("--device", default="cpu")
-    serve.add_argument("--kv-cache-memory", default="1GiB")
-    serve.add_argument("--max-model-len", type=int, default=None)
-    _add_kv_args(serve)
-    add_weight_args(serve)
+    _add_engine_args(serve, defaults)
+    _add_kv_args(serve, defaults)
+    _add_server_args(serve, _defaults(ServerLimits))
     serve.set_defaults(func=_serve)
 
-    bench = sub.add_parser("bench", help="run a benchmark (options after the name go to it)")
-    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    lines = "\n".join(f"  {name:<16} {line}" for name, (_, line) in BENCHMARKS.items())
+    bench = sub.add_parser(
+        "bench",
+        help=f"run a benchmark: {', '.join(BENCHMARKS)} (options after the name go to it)",
+        description=f"benchmarks (`pagedllm bench NAME --help` for each one's options):\n{lines}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("name", choices=list(BENCHMARKS), help="which benchmark")
     sub.add_parser("viz", help="draw the KV cache of a real run, paged vs contiguous (pagedllm viz --help)")
     return parser
 
@@ -137,11 +353,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("pagedllm").setLevel(logging.INFO)  # e.g. how many KV blocks fit
     parser = build_parser()
     if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHMARKS:
-        return importlib.import_module(BENCHMARKS[argv[1]]).main(argv[2:])
+        return importlib.import_module(BENCHMARKS[argv[1]][0]).main(argv[2:])
     if argv[:1] == ["viz"]:
         return importlib.import_module("pagedllm.viz.report").main(argv[1:])
     args = parser.parse_args(argv)
     try:
+        if hasattr(args, "node_rank") and (code := _worker_node(args)) is not None:
+            return code
         return args.func(args)
     except (ValueError, FileNotFoundError, ImportError) as error:
         parser.exit(2, f"pagedllm: error: {error}\n")

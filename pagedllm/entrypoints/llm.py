@@ -9,8 +9,8 @@ from tqdm import tqdm
 
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | list[int] | dict
 
@@ -29,6 +29,10 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (vLLM's), used when none given."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -37,7 +41,44 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
         prompts = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompts))
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        return self._generate(prompts, _as_params_list(sampling_params, len(prompts)), use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt, the beams of all prompts batched with one another in the engine
+        (see pagedllm.engine.beam_search for the search's definition); outputs in prompt order."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        prompts = _as_prompt_list(prompts)
+        outputs = self._generate(prompts, [params] * len(prompts), use_tqdm)
+        tokenizer = self.get_tokenizer()
+        results = []
+        for output in outputs:
+            sequences = []
+            for beam in output.outputs:
+                tokens = output.prompt_token_ids + beam.token_ids
+                text = (
+                    tokenizer.decode(tokens, skip_special_tokens=params.skip_special_tokens)
+                    if tokenizer
+                    else ""
+                )
+                sequences.append(
+                    BeamSearchSequence(
+                        tokens, beam.cumulative_logprob, text, beam.finish_reason, beam.stop_reason
+                    )
+                )
+            results.append(BeamSearchOutput(sequences))
+        return results
+
+    def _generate(
+        self, prompts: list[PromptType], params: list[SamplingParams | BeamSearchParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         request_ids = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
@@ -106,8 +147,6 @@ def _prompt_input(prompt: PromptType) -> str | list[int]:
 
 
 def _as_params_list(params, num_prompts: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * num_prompts
     if isinstance(params, SamplingParams):
         return [params] * num_prompts
     params = list(params)

@@ -127,6 +127,7 @@ class ContiguousAllocator:
         *,
         true_output_len: int | None = None,
         extra_key: str | None = None,
+        num_computed: int | None = None,
     ) -> int:
         """Reserve the request's slab first fit and place the prompt at its start; returns 0 (no cache).
 
@@ -140,6 +141,10 @@ class ContiguousAllocator:
         self._live += len(prompt_token_ids)
         self._refused = 0
         return 0
+
+    def cache_blocks(self, seq_id: Hashable, num_tokens: int) -> None:
+        """No prefix cache: nothing to do."""
+        self._slab(seq_id)
 
     def can_append(self, seq_id: Hashable) -> bool:
         slab = self._slab(seq_id)

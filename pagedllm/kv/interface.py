@@ -66,6 +66,7 @@ class KVAllocator(Protocol):
     """
 
     block_size: int
+    enable_prefix_caching: bool
 
     @property
     def num_total_blocks(self) -> int: ...
@@ -92,7 +93,10 @@ class KVAllocator(Protocol):
         *,
         true_output_len: int | None = None,
         extra_key: str | None = None,
+        num_computed: int | None = None,
     ) -> int: ...
+
+    def cache_blocks(self, seq_id: Hashable, num_tokens: int) -> None: ...
 
     def can_append(self, seq_id: Hashable) -> bool: ...
 

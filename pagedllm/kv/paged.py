@@ -41,6 +41,7 @@ class _Seq:
     blocks: list[Block]  # empty while swapped out
     block_hashes: list[bytes] = field(default_factory=list)  # only with prefix caching
     extra_key: str | None = None
+    num_cached_blocks: int = 0  # leading blocks computed and findable in the prefix cache
     host_blocks: list[int] | None = None  # set while swapped out
 
 
@@ -116,11 +117,15 @@ class PagedAllocator:
         *,
         true_output_len: int | None = None,
         extra_key: str | None = None,
+        num_computed: int | None = None,
     ) -> int:
         """Give the prompt its blocks; returns how many leading prompt tokens were already cached.
 
         The hit is whole blocks only and never the whole prompt (its last token is always computed).
         `max_new_tokens` and `true_output_len` are only checked: paged memory grows on demand.
+        With prefix caching, the full blocks within the first `num_computed` prompt tokens (default:
+        all) become findable at once: their K/V is written this step. A prompt prefilled in chunks
+        passes its first chunk's end here and each later chunk's end to `cache_blocks`.
         """
         if seq_id in self._seqs:
             raise duplicate(seq_id)
@@ -135,11 +140,22 @@ class PagedAllocator:
             self.pool.touch(block)
         seq = _Seq(list(prompt_token_ids), hits + [self.pool.allocate() for _ in range(num_new)])
         seq.block_hashes, seq.extra_key = hashes, extra_key
+        seq.num_cached_blocks = len(hits)
         for i in range(len(hits), len(seq.blocks)):
             self._fill(seq, i)
         self._seqs[seq_id] = seq
         self._resident_tokens += len(seq.token_ids)
+        self.cache_blocks(seq_id, len(seq.token_ids) if num_computed is None else num_computed)
         return len(hits) * self.block_size
+
+    def cache_blocks(self, seq_id: Hashable, num_tokens: int) -> None:
+        """The first `num_tokens` tokens of the sequence are computed (or are by the end of this step):
+        make their full blocks findable by other prompts. Does nothing without prefix caching."""
+        seq = self._resident(seq_id)
+        end = min(num_tokens // self.block_size, len(seq.block_hashes))
+        for i in range(seq.num_cached_blocks, end):
+            self.pool.cache(seq.blocks[i], seq.block_hashes[i])
+        seq.num_cached_blocks = max(seq.num_cached_blocks, end)
 
     def _plan(self, prompt: Sequence[int], extra_key: str | None) -> tuple[list[bytes], list[Block], int]:
         """Hashes of the prompt's full blocks, the cached blocks to reuse, and the count of new blocks."""
@@ -163,10 +179,10 @@ class PagedAllocator:
         return num_new + sum(block.ref_cnt == 0 for block in reused) <= self.pool.num_free
 
     def _fill(self, seq: _Seq, i: int) -> None:
-        """Count the tokens of a freshly taken block i as written, and cache it if full."""
+        """Count the tokens of a freshly taken block i as written; cache it if its K/V was computed."""
         bs = self.block_size
         self.pool.write(seq.blocks[i], min(bs, len(seq.token_ids) - i * bs))
-        if i < len(seq.block_hashes):
+        if i < seq.num_cached_blocks:
             self.pool.cache(seq.blocks[i], seq.block_hashes[i])
 
     # -- decode ----------------------------------------------------------------------------------------
@@ -196,7 +212,7 @@ class PagedAllocator:
         if self.enable_prefix_caching and offset == bs - 1:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             seq.block_hashes.append(hash_block(parent, seq.token_ids[-bs:], seq.extra_key))
-            pool.cache(seq.blocks[-1], seq.block_hashes[-1])
+            self.cache_blocks(seq_id, len(seq.token_ids))
         return copies
 
     def _needs_block(self, seq: _Seq) -> bool:
@@ -213,7 +229,11 @@ class PagedAllocator:
         for block in parent.blocks:
             self.pool.touch(block)
         self._seqs[child_id] = _Seq(
-            list(parent.token_ids), list(parent.blocks), list(parent.block_hashes), parent.extra_key
+            list(parent.token_ids),
+            list(parent.blocks),
+            list(parent.block_hashes),
+            parent.extra_key,
+            num_cached_blocks=parent.num_cached_blocks,
         )
         self._resident_tokens += len(parent.token_ids)
         return []

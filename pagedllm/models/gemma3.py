@@ -14,18 +14,20 @@ from torch import nn
 from pagedllm.models.attention import AttentionMetadata
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, RotaryEmbedding
+from pagedllm.models.parallel import SINGLE, TensorParallel
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel):
         super().__init__()
         norm = partial(RMSNorm, eps=config.rms_norm_eps, unit_offset=True)
         self.is_sliding = config.layer_types[layer_idx] == "sliding_attention"
         self.input_layernorm = norm(config.hidden_size)
-        self.self_attn = Attention(config, layer_idx, scale=config.query_pre_attn_scalar**-0.5, qk_norm=norm)
+        scale = config.query_pre_attn_scalar**-0.5
+        self.self_attn = Attention(config, layer_idx, scale, qk_norm=norm, tp=tp)
         self.post_attention_layernorm = norm(config.hidden_size)
         self.pre_feedforward_layernorm = norm(config.hidden_size)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp=tp)
         self.post_feedforward_layernorm = norm(config.hidden_size)
 
     def forward(
@@ -43,13 +45,13 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    def __init__(self, config: ModelConfig):
-        super().__init__(config)
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
+        super().__init__(config, tp)
         max_pos = config.max_position_embeddings
         self.local_rotary = RotaryEmbedding(config.head_dim, max_pos, config.rope_local_theta, None)
         self.global_rotary = RotaryEmbedding(config.head_dim, max_pos, config.rope_theta, config.rope_scaling)
         self.embed_scale = config.hidden_size**0.5
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
 
     def forward(

@@ -145,6 +145,17 @@ class GGUFBlocks:
 
         return torch.from_numpy(np.ascontiguousarray(dequantize(self.raw, self.qtype), dtype=np.float32))
 
+    def narrow(self, dim: int, start: int, length: int) -> GGUFBlocks | torch.Tensor:
+        """Rows [start, start + length) (dim 0) or columns (dim 1) of the tensor: still in blocks where the
+        columns are whole blocks, else dequantized (a tensor-parallel rank's part of a weight)."""
+        if dim == 0:
+            return GGUFBlocks(self.raw[start : start + length], self.qtype)
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        if start % block or length % block:
+            return self.dequantize().narrow(1, start, length)
+        columns = self.raw[:, start // block * size : (start + length) // block * size]
+        return GGUFBlocks(np.ascontiguousarray(columns), self.qtype)
+
     def unpack(self) -> Unpacked:
         """The exact (q, scales, mins) form; ValueError for a block type not kept."""
         if self.qtype not in _UNPACK:

@@ -1,7 +1,8 @@
 """Building blocks shared by the model families: norm, rotary embedding, MLP, attention, LM head.
 
 The elementwise work goes through pagedllm.ops (fused C++ kernels on the CPU, PyTorch elsewhere); the
-matmuls through Linear layers, whose LinearMethod decides how weights are stored and multiplied.
+matmuls through Linear layers, whose LinearMethod decides how weights are stored and multiplied. Each
+block holds this rank's part of a tensor-parallel group (models/parallel.py; all of it for one rank).
 """
 
 from __future__ import annotations
@@ -11,24 +12,21 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm import ops
 from pagedllm.models.attention import AttentionMetadata, PagedAttention
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.linear import Linear, LMHead, MergedLinear
-
-
-class Embedding(nn.Module):
-    """Token id -> row of the (uninitialised until loaded) embedding table."""
-
-    def __init__(self, vocab_size: int, hidden_size: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+from pagedllm.models.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    LMHead,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    attention_heads,
+    split,
+)
 
 
 class RMSNorm(nn.Module):
@@ -80,13 +78,21 @@ class RotaryEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul; a rank holds a slice of the
+    intermediate features (rows of gate and up, columns of down)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        act: str,
+        bias: bool = False,
+        tp: TensorParallel = SINGLE,
+    ):
         super().__init__()
-        shards = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
-        self.gate_up_proj = MergedLinear(hidden_size, shards, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        part = split(intermediate_size, tp.size, tp.rank)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, {"gate_proj": part, "up_proj": part}, bias=bias)
+        self.down_proj = RowParallelLinear(part, hidden_size, tp, bias=bias)
         self.act = act
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -95,7 +101,10 @@ class GatedMLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """Self-attention over the paged cache: fused qkv, optional per-head QK-norm, RoPE, output projection."""
+    """Self-attention over the paged cache: fused qkv, optional per-head QK-norm, RoPE, output projection.
+
+    A rank computes its query heads and the KV heads they read (models/parallel.py: attention_heads).
+    """
 
     def __init__(
         self,
@@ -103,14 +112,15 @@ class Attention(nn.Module):
         layer_idx: int,
         scale: float,
         qk_norm: Callable[[int], nn.Module] | None = None,
+        tp: TensorParallel = SINGLE,
     ):
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        shards = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
-        self.qkv_proj = MergedLinear(config.hidden_size, shards, bias=config.qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
+        heads = attention_heads(config.num_heads, config.num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads = heads.q.size, heads.kv.size
+        self.head_dim = d = config.head_dim
+        parts = {"q_proj": heads.q.scaled(d), "k_proj": heads.kv.scaled(d), "v_proj": heads.kv.scaled(d)}
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, parts, bias=config.qkv_bias)
+        self.o_proj = RowParallelLinear(heads.q.scaled(d), config.hidden_size, tp, bias=config.o_bias)
         self.q_norm = qk_norm(self.head_dim) if qk_norm else None
         self.k_norm = qk_norm(self.head_dim) if qk_norm else None
         self.attn = PagedAttention(layer_idx, scale, config.layer_sliding_window(layer_idx))
@@ -139,27 +149,31 @@ class Attention(nn.Module):
 class CausalLM(nn.Module):
     """What every family shares: token embedding, LM head (tied to the embedding or not), float32 logits.
 
-    A tied model has no embedding table of its own: the LM head's weight, stored however its
-    LinearMethod stores it (quantized, say), serves the embedding lookups too."""
+    Both hold the rank's slice of the vocabulary; `num_kv_heads` is what this rank's KV cache holds. A
+    tied model has no embedding table of its own: the LM head's weight, stored however its LinearMethod
+    stores it (quantized, say), serves the embedding lookups too.
+    """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.config = config
-        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
-        self.lm_head.serves_embedding = config.tie_word_embeddings
+        self.tp = tp
+        self.num_kv_heads = attention_heads(config.num_heads, config.num_kv_heads, tp).kv.size
+        vocab = split(config.vocab_size, tp.size, tp.rank)
         tied = config.tie_word_embeddings
-        self.embed_tokens = None if tied else Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = None if tied else VocabParallelEmbedding(vocab, config.hidden_size, tp)
+        self.lm_head = LMHead(config.hidden_size, vocab, tp, serves_embedding=tied)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids -> embedding rows."""
         if self.embed_tokens is None:
-            return self.lm_head.method.embedding(self.lm_head, input_ids)
+            return self.lm_head.embed(input_ids)
         return self.embed_tokens(input_ids)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] final hidden states -> [N, vocab] float32 logits."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] final hidden states -> [N, vocab] float32 logits (on rank 0; None on the others)."""
         logits = self.lm_head(hidden).float()
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits
+        return self.tp.gather(logits, self.config.vocab_size)

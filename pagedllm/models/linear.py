@@ -55,12 +55,6 @@ class MergedLinear(Linear):
         self.shards = shards
 
 
-class LMHead(Linear):
-    """The projection of final hidden states to vocabulary logits. Quantizing methods may store it wider
-    than the decoder layers (int4 keeps it int8: SmolLM2's perplexity on the quality text was +6.9% over
-    float32 with a 4-bit head and tied embedding, +0.3% with an 8-bit one)."""
-
-
 class LinearMethod:
     """How a Linear layer's weight is loaded (load_weight), stored (process, once after loading) and
     multiplied (apply); `embedding` reads rows of it for a tied token embedding."""

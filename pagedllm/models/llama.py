@@ -11,17 +11,20 @@ from torch import nn
 from pagedllm.models.attention import AttentionMetadata
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, RotaryEmbedding
+from pagedllm.models.parallel import SINGLE, TensorParallel
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h))."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx, scale=config.head_dim**-0.5)
+        self.self_attn = Attention(config, layer_idx, scale=config.head_dim**-0.5, tp=tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
+        self.mlp = GatedMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias, tp=tp
+        )
 
     def forward(
         self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata
@@ -32,12 +35,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    def __init__(self, config: ModelConfig):
-        super().__init__(config)
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
+        super().__init__(config, tp)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -14,8 +16,10 @@ from torch import nn
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.gguf_loader import cache_root, converted_folder, gguf_blocks
 from pagedllm.models.linear import LinearMethod, process_linear_layers, set_linear_method, weight_bytes
+from pagedllm.models.parallel import SINGLE, TensorParallel
 from pagedllm.models.quantization import GGUFLinear, linear_method_for
 from pagedllm.models.registry import model_class
+from pagedllm.models.tokenizer import Tokenizer, load_tokenizer
 from pagedllm.models.weights import load_weights
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -24,7 +28,7 @@ DEFAULT_MODEL = "smollm2-135m"
 @dataclass
 class LoadedModel:
     model: nn.Module  # forward(input_ids, positions, meta) -> hidden; compute_logits(hidden) -> logits
-    tokenizer: object | None  # a transformers PreTrainedTokenizerFast; None if the folder has none
+    tokenizer: Tokenizer | None  # None if the folder has none
     config: ModelConfig
     name: str  # what the caller asked for
     path: Path  # the Hugging Face style folder the weights came from (the cache folder for a GGUF)
@@ -64,7 +68,7 @@ def _gemma3_gguf() -> Path:
 BUILTIN_MODELS = {"smollm2-135m": _smollm2_gguf, "gemma3-270m": _gemma3_gguf}
 
 
-def resolve_folder(model: str) -> Path:
+def resolve_checkpoint(model: str) -> Path:
     """The Hugging Face style folder for a built-in name, a folder path or a .gguf path (converted once)."""
     gguf = gguf_file(model)
     return converted_folder(gguf) if gguf is not None else Path(model).expanduser()
@@ -85,12 +89,26 @@ def gguf_file(model: str) -> Path | None:
     )
 
 
+CONFIG_CACHE_VERSION = 1  # bump when ModelConfig or its parsing changes
+
+
 def read_config(folder: Path) -> ModelConfig:
-    """ModelConfig from config.json, with end-of-sequence ids from generation_config.json added."""
+    """ModelConfig from config.json, with end-of-sequence ids from generation_config.json added.
+
+    Parsing goes through transformers' config classes (they know each family's defaults), which costs
+    over a second of imports; the result is cached under the cache root, keyed by the file's content.
+    """
     path = folder / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {folder}")
-    config = ModelConfig.from_hf_dict(json.loads(path.read_text()))
+    text = path.read_text()
+    key = hashlib.sha256(f"{CONFIG_CACHE_VERSION}:{text}".encode()).hexdigest()[:16]
+    cached = cache_root() / "configs" / f"{key}.json"
+    if cached.is_file():
+        config = ModelConfig(**json.loads(cached.read_text()))
+    else:
+        config = ModelConfig.from_hf_dict(json.loads(text))
+        _write_atomically(cached, json.dumps(asdict(config)))
     generation = folder / "generation_config.json"
     if generation.is_file():
         eos = json.loads(generation.read_text()).get("eos_token_id")
@@ -98,6 +116,14 @@ def read_config(folder: Path) -> ModelConfig:
             if token_id not in config.eos_token_ids:
                 config.eos_token_ids.append(token_id)
     return config
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write via a temporary file and a rename, so a concurrent reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+        tmp.write(text)
+    Path(tmp.name).replace(path)
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -131,16 +157,19 @@ def load_model(
     device: str | torch.device = "cpu",
     linear_method: LinearMethod | None = None,
     quantization: str | None = "auto",
+    tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
     """Load weights, config and tokenizer; the linear method (default: the one `quantization` names, see
     quantization.linear_method_for: "auto" keeps a GGUF file's own blocks) receives every matmul weight
-    and prepares its storage. The model is in eval mode with gradients off."""
+    and prepares its storage. The model is in eval mode with gradients off.
+
+    With a tensor-parallel `tp`, the model holds rank tp.rank's part of every sharded weight."""
     gguf = gguf_file(model)
-    folder = resolve_folder(model)
+    folder = resolve_checkpoint(model)
     config = read_config(folder)
     cls = model_class(config.architecture)
     with torch.device(device):
-        module = cls(config)  # parameters uninitialised (torch.empty): every one is loaded below
+        module = cls(config, tp)  # parameters uninitialised (torch.empty): every one is loaded below
     module.to(dtype)
     method = linear_method or linear_method_for(quantization, device, dtype, gguf=gguf is not None)
     set_linear_method(module, method)
@@ -152,13 +181,5 @@ def load_model(
     module.eval().requires_grad_(False)
     process_linear_layers(module)
     return LoadedModel(
-        module, _load_tokenizer(folder), config, model, folder, method.name, weight_bytes(module)
+        module, load_tokenizer(folder), config, model, folder, method.name, weight_bytes(module)
     )
-
-
-def _load_tokenizer(folder: Path):
-    if not (folder / "tokenizer.json").is_file():
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder))

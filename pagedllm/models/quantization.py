@@ -26,10 +26,10 @@ from pagedllm.models.linear import (
     KernelLinear,
     Linear,
     LinearMethod,
-    LMHead,
     StoredWeight,
     default_linear_method,
 )
+from pagedllm.models.parallel import LMHead
 
 QUANTIZATIONS = ("int8", "int4", "gguf")
 INT4_GROUP = 32

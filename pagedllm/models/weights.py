@@ -1,8 +1,12 @@
-"""Copy checkpoint tensors (Hugging Face names) into a model's parameters, fused projections included."""
+"""Copy checkpoint tensors (Hugging Face names) into a model's parameters, fused projections included.
+
+Under tensor parallelism a layer holds part of a checkpoint tensor: its `checkpoint_part(pname, shard)`
+says which (models/parallel.py), and only that part is copied.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +14,7 @@ import torch
 from torch import nn
 
 from pagedllm.models.linear import Linear, MergedLinear, dense_tensor
+from pagedllm.models.parallel import Part
 
 # Prefixes of checkpoint names: the language model's own, and those of parts we do not run.
 _LM_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
@@ -31,50 +36,62 @@ def module_name(checkpoint_name: str) -> str | None:
     return checkpoint_name
 
 
-@dataclass
-class _Target:
-    shape: tuple[int, ...]  # the shape the checkpoint tensor must have
-    load: Callable[[Any], None]  # puts a checkpoint tensor in its place
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes: rows [row, row + shape[0]) of `param`, or of `layer`'s weight
+    (through its LinearMethod, which may keep a quantized tensor as it is), filled from `part` of the
+    tensor (None: all of it). No shape: this rank holds none of it (a row-parallel bias off rank 0)."""
 
+    shape: tuple[int, ...] | None = None  # this rank's rows of the tensor
+    row: int = 0
+    part: Part | None = None
+    param: torch.Tensor | None = None
+    layer: Linear | None = None
 
-def _copy_rows(param: torch.Tensor, row: int) -> Callable[[Any], None]:
-    def load(tensor) -> None:
-        tensor = dense_tensor(tensor)
+    def expected_shape(self) -> tuple[int, ...]:
+        shape = list(self.shape)
+        if self.part is not None:
+            shape[self.part.dim] = self.part.total
+        return tuple(shape)
+
+    def fill(self, tensor) -> None:
+        if self.part is not None and self.part.size != self.part.total:
+            tensor = self.part.take(tensor)
+        if self.layer is not None:
+            self.layer.method.load_weight(self.layer, self.row, tensor)
+            return
         with torch.no_grad():
-            param[row : row + tensor.shape[0]].copy_(tensor)
-
-    return load
+            self.param[self.row : self.row + self.shape[0]].copy_(dense_tensor(tensor))
 
 
-def _linear_weight(layer: Linear, row: int) -> Callable[[Any], None]:
-    return lambda tensor: layer.method.load_weight(layer, row, tensor)
+def _join(*names: str) -> str:
+    return ".".join(name for name in names if name)
 
 
-def _targets(model: nn.Module) -> dict[str, _Target]:
-    """Checkpoint-style name -> where that tensor goes. A Linear's weight goes through its method (which
-    may keep a quantized tensor as it is); fused projections take each shard's rows in turn."""
+def _targets(model: nn.Module) -> dict[str, Target]:
+    """Checkpoint-style name -> the Target it fills. A Linear's weight goes to its method (which may hold
+    no dense weight); fused projections take each shard's rows in turn."""
     targets = {}
     for prefix, module in model.named_modules():
+        part_of = getattr(module, "checkpoint_part", lambda pname, shard: None)
+        for pname in getattr(module, "skipped", ()):
+            targets[_join(prefix, pname)] = Target()
+        params = dict(module.named_parameters(recurse=False))
         if isinstance(module, Linear):
-            parts = [(prefix, module.out_features)]
-            if isinstance(
-                module, MergedLinear
-            ):  # layers.0.self_attn.qkv_proj -> layers.0.self_attn.q_proj, ...
+            params["weight"] = None  # the method's to fill, whatever it keeps
+        for pname, param in params.items():
+            where = {"param": param} if param is not None else {"layer": module}
+            width = tuple(param.shape[1:]) if param is not None else (module.in_features,)
+            if isinstance(module, MergedLinear):  # layers.0.self_attn.qkv_proj -> layers.0.self_attn.q_proj
                 parent = prefix.rpartition(".")[0]
-                parts = [
-                    (f"{parent}.{shard}" if parent else shard, rows) for shard, rows in module.shards.items()
-                ]
-            row = 0
-            for name, rows in parts:
-                targets[f"{name}.weight"] = _Target((rows, module.in_features), _linear_weight(module, row))
-                if module.bias is not None:
-                    targets[f"{name}.bias"] = _Target((rows,), _copy_rows(module.bias, row))
-                row += rows
-            continue
-        for pname, param in module.named_parameters(recurse=False):
-            targets[f"{prefix}.{pname}" if prefix else pname] = _Target(
-                tuple(param.shape), _copy_rows(param, 0)
-            )
+                row = 0
+                for shard, rows in module.shards.items():
+                    part = part_of(pname, shard)
+                    targets[_join(parent, shard, pname)] = Target((rows, *width), row, part, **where)
+                    row += rows
+            else:
+                rows = module.out_features if param is None else param.shape[0]
+                targets[_join(prefix, pname)] = Target((rows, *width), 0, part_of(pname, None), **where)
     return targets
 
 
@@ -93,13 +110,15 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]]) -> None:
         if name not in targets:
             raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no place in {type(model).__name__}")
         target = targets[name]
-        if tuple(tensor.shape) != target.shape:
+        loaded.add(name)
+        if target.shape is None:
+            continue
+        if tuple(tensor.shape) != target.expected_shape():
             raise ValueError(
                 f"checkpoint tensor {checkpoint_name!r} has shape {tuple(tensor.shape)}, "
-                f"but the config implies {target.shape}"
+                f"but the config implies {target.expected_shape()}"
             )
-        target.load(tensor)
-        loaded.add(name)
+        target.fill(tensor)
     missing = sorted(targets.keys() - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

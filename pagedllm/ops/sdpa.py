@@ -48,8 +48,13 @@ def paged_prefill_attention(
         first_block, end_block = key_lo // block_size, -(-context_len // block_size)
         ids = block_tables[s, first_block:end_block]
         skip = key_lo - first_block * block_size
-        k = k_cache.index_select(0, ids).flatten(0, 1)[skip : skip + context_len - key_lo].transpose(0, 1)
-        v = v_cache.index_select(0, ids).flatten(0, 1)[skip : skip + context_len - key_lo].transpose(0, 1)
+        k, v = (
+            cache.index_select(0, ids)
+            .flatten(0, 1)[skip : skip + context_len - key_lo]
+            .transpose(0, 1)
+            .to(q.dtype)
+            for cache in (k_cache, v_cache)
+        )  # a cache stored in another dtype than q (kv_cache_dtype) is widened here
         # [q_len, Hkv * G, D] -> [Hkv, q_len * G, D]: each kv head attends for its whole group at once.
         rows = q[starts[s] : starts[s + 1]].view(q_len, num_kv_heads, group, head_dim).transpose(0, 1)
         rows = rows.reshape(num_kv_heads, q_len * group, head_dim)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from pagedllm.bench.throughput import parse_range
 from pagedllm.kv import KVUsage
+from pagedllm.viz import require_matplotlib
 
 NUM_SAMPLES = 3  # of the first request
 
@@ -185,9 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--output-len must be LO-HI with 1 <= LO <= HI, got {args.output_len!r}")
     try:
+        require_matplotlib()
         from pagedllm.viz import figures
     except ImportError as error:
-        parser.exit(2, f"pagedllm viz: error: drawing needs matplotlib ({error})\n")
+        parser.exit(2, f"pagedllm viz: error: {error}\n")
     from pagedllm.engine.config import EngineConfig
     from pagedllm.engine.llm_engine import load_shared_model
 

@@ -1,4 +1,9 @@
-"""AsyncEngine: one thread owns the LLMEngine and steps it; asyncio callers get each request's outputs."""
+"""AsyncEngine: one thread owns the LLMEngine and steps it; asyncio callers get each request's outputs.
+
+The engine thread is where the compute happens, so the event loop's share of the machine is kept small:
+after each step, all of that step's outputs cross to the event loop in one call (one wake-up per step,
+not one per request).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,11 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai.errors import ShuttingDown
 from pagedllm.entrypoints.openai.metrics import EngineMetrics, RequestTimes
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -26,8 +32,32 @@ class _Stream:
     times: RequestTimes
     num_generated: int = 0
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+class RequestStream:
+    """A request's outputs, in order, until it finishes. `aclose()` aborts it if it is still running, so
+    its KV blocks go back to the pool; every caller closes its streams when done or gone."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream):
+        self.engine, self.request_id, self._stream = engine, request_id, stream
+        self._finished = self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished:
+            raise StopAsyncIteration
+        item = await self._stream.queue.get()
+        if isinstance(item, BaseException):
+            self._finished = True
+            raise item
+        self._finished = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.engine.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -46,10 +76,12 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self) -> None:
+        """Abort whatever still runs, stop the thread; afterwards every KV block is free."""
         with self._wakeup:
             self._stopped = True
             self._wakeup.notify()
         self._thread.join()
+        self.engine.shutdown()
 
     def _submit(self, fn: Callable[[], None]) -> None:
         with self._wakeup:
@@ -72,29 +104,42 @@ class AsyncEngine:
         self._submit(call)
         return await future
 
-    async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its outputs until finished; closing or cancelling the iterator aborts
-        it, so its KV blocks go back to the pool. A bad prompt raises ValueError before any output."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), RequestTimes(time.monotonic()))
+    async def add(
+        self,
+        request_ids: list[str],
+        prepare: Callable[[LLMEngine], list[tuple[str | list[int], SamplingParams]]],
+    ) -> list[RequestStream]:
+        """prepare(engine) -> one (prompt, params) per request id, then add them all: one call on the
+        engine thread, so tokenizing, checking and admission cost no extra step. An exception from
+        `prepare` or a refused prompt (ValueError) is raised here, and then no request was added."""
+        loop, arrival = asyncio.get_running_loop(), time.monotonic()
+        streams = [_Stream(loop, asyncio.Queue(), RequestTimes(arrival)) for _ in request_ids]
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt, params)
-            self._streams[request_id] = stream
-            self.metrics.prompt_tokens.inc(len(engine.requests[request_id].prompt_token_ids))
+            items = prepare(engine)
+            added = []
+            try:
+                for request_id, (prompt, params), stream in zip(request_ids, items, streams, strict=True):
+                    engine.add_request(request_id, prompt, params)
+                    added.append(request_id)
+                    self._streams[request_id] = stream
+                    self.metrics.prompt_tokens.inc(len(engine.requests[request_id].prompt_token_ids))
+            except BaseException:
+                for request_id in added:
+                    self._abort(request_id)
+                raise
 
         try:
             await self.run(add)
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
-        finally:  # queued after `add`, so it also catches a request added after its caller gave up
-            self._submit(lambda: self._abort(request_id))
+        except asyncio.CancelledError:  # the caller gave up: `add` may still run, so abort after it
+            for request_id in request_ids:
+                self.abort(request_id)
+            raise
+        return [RequestStream(self, rid, stream) for rid, stream in zip(request_ids, streams, strict=True)]
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (queued after anything submitted before, so after its own `add`)."""
+        self._submit(lambda: self._abort(request_id))
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
@@ -106,26 +151,41 @@ class AsyncEngine:
             with self._wakeup:
                 while not (self._calls or self._stopped or self.engine.has_unfinished_requests()):
                     self._wakeup.wait()
-                if self._stopped:
-                    return
                 calls, self._calls = self._calls, []
+                stopped = self._stopped
             for call in calls:
                 call()
+            if stopped:
+                self._shutdown()
+                return
             if self.engine.has_unfinished_requests():
                 self._step()
+
+    def _shutdown(self) -> None:
+        self._fail_all(ShuttingDown("the server shut down: the request was aborted"))
+
+    def abort_all(self, error: Exception) -> None:
+        """Abort every request now; each caller's stream raises `error` (e.g. at the shutdown timeout)."""
+        self._submit(lambda: self._fail_all(error))
+
+    def _fail_all(self, error: Exception) -> None:
+        if self.engine.requests:
+            logger.warning("aborting %d requests: %s", len(self.engine.requests), error)
+        for request_id in list(self.engine.requests):
+            stream = self._streams.get(request_id)
+            self._abort(request_id)
+            if stream is not None:
+                _deliver(stream.loop, [(stream, error)])
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
         except Exception as error:  # fail the running requests, keep serving the next ones
             logger.exception("engine step failed; aborting %d requests", len(self.engine.requests))
-            for request_id in list(self.engine.requests):
-                stream = self._streams.get(request_id)
-                self._abort(request_id)
-                if stream is not None:
-                    stream.put(error)
+            self._fail_all(error)
             return
         now = time.monotonic()
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -137,8 +197,23 @@ class AsyncEngine:
             stream.num_generated = num_generated
             if output.finished:
                 del self._streams[output.request_id]
-            stream.put(output)
+            batches.setdefault(stream.loop, []).append((stream, output))
+        for loop, batch in batches.items():
+            _deliver(loop, batch)
         self.metrics.observe(self.engine)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, batch: list[tuple[_Stream, object]]) -> None:
+    """Hand outputs (or an error) to their streams on the event loop: one thread-safe call per batch."""
+
+    def put_all() -> None:
+        for stream, item in batch:
+            stream.queue.put_nowait(item)
+
+    try:
+        loop.call_soon_threadsafe(put_all)
+    except RuntimeError:  # the loop has closed: nobody is listening any more
+        pass
 
 
 def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:

@@ -53,6 +53,12 @@ class EngineMetrics:
         self.prompt_tokens = Counter("pagedllm:prompt_tokens", "Prompt tokens", registry=reg)
         self.generation_tokens = Counter("pagedllm:generation_tokens", "Generated tokens", registry=reg)
         self.preemptions = Counter("pagedllm:num_preemptions", "Preemptions", registry=reg)
+        self.prefix_queries = Counter(
+            "pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=reg
+        )
+        self.prefix_hits = Counter(
+            "pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=reg
+        )
         self.ttft = Histogram(
             "pagedllm:time_to_first_token_seconds",
             "Time to first token in seconds",
@@ -71,7 +77,7 @@ class EngineMetrics:
             buckets=E2E_BUCKETS,
             registry=reg,
         )
-        self._preemptions_seen = 0
+        self._seen = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
 
     def observe(self, engine: LLMEngine) -> None:
         """Read the scheduler's queues and counters and the KV pool (engine thread only)."""
@@ -87,8 +93,14 @@ class EngineMetrics:
             self.kv_slots.labels(state).set(usage.fraction(slots))
         queries = scheduler.prefix_cache_queries
         self.prefix_hit_rate.set(scheduler.prefix_cache_hits / queries if queries else 0.0)
-        self.preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)
-        self._preemptions_seen = scheduler.num_preemptions
+        for name, counter in (
+            ("num_preemptions", self.preemptions),
+            ("prefix_cache_queries", self.prefix_queries),
+            ("prefix_cache_hits", self.prefix_hits),
+        ):
+            total = getattr(scheduler, name)
+            counter.inc(total - self._seen[name])
+            self._seen[name] = total
 
     def observe_output(self, times: RequestTimes, now: float, new_tokens: int, finished: bool) -> None:
         """A step's output for a request at `now`: with new tokens, its time to first token or its

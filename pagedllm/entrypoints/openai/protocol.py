@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -24,14 +24,34 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-class RequestModel(BaseModel):
-    """A request body: a field pagedllm does not implement is refused (HTTP 400 naming it), not ignored."""
+Int = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # what the engine's tensors hold
 
-    model_config = ConfigDict(extra="forbid")
+
+class RequestModel(BaseModel):
+    """A request body: a field pagedllm does not implement is refused (HTTP 400 naming it), not ignored.
+    Numbers must be finite (a NaN or infinite temperature is refused, not passed to the sampler)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(RequestModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(RequestModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    """`json_object`: any JSON object; `json_schema`: JSON matching the schema (guided decoding)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class UsageInfo(BaseModel):
@@ -44,29 +64,33 @@ class SamplingRequest(RequestModel):
     """Fields both endpoints share, with vLLM's extra sampling fields (top_k, min_p, ignore_eos, ...)."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
+    n: Annotated[Int, Field(ge=1)] = 1
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[Int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Annotated[Int, Field(ge=0)] = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None  # unset: generation_config's, else 1
+    use_beam_search: bool = False  # vLLM's extra: beam search with n beams, one choice per beam
+    length_penalty: float = 1.0  # beam search only
     user: str | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]  # several prompts: refused by the server
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[Int] | list[str] | list[list[Int]]  # one prompt, or several (choices prompt-major)
+    max_tokens: Annotated[Int, Field(ge=1)] | None = 16
+    logprobs: Annotated[Int, Field(ge=0)] | None = None
     echo: bool = False
 
 
@@ -92,9 +116,10 @@ class ChatMessage(RequestModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Annotated[Int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
     logprobs: bool = False
+    top_logprobs: Annotated[Int, Field(ge=0)] | None = None
     add_generation_prompt: bool = True
 
 
@@ -103,6 +128,20 @@ class CompletionLogprobs(BaseModel):
     token_logprobs: list[float] = Field(default_factory=list)
     top_logprobs: list[dict[str, float]] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
 
 
 class CompletionChoice(BaseModel):
@@ -130,7 +169,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -152,7 +191,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

@@ -1,0 +1,501 @@
+"""`pagedllm bench serve`: a load generator for any OpenAI-compatible server, shaped like `vllm bench serve`.
+
+It targets `--base-url` (pagedllm's server, vLLM's, any other), or starts `pagedllm serve` itself with
+the engine flags given here and stops it with SIGTERM at the end. Requests go out as a Poisson process
+of `--request-rate` per second (`inf`: all at once), at most `--max-concurrency` in flight, all
+streamed (`stream_options.include_usage`). Prompts: `random` token ids with lengths uniform in
+`--input-len LO-HI` and `--output-len` tokens each (the same prompts `bench throughput` makes from the
+same seed), or the `sharegpt` / `alpaca` length mixes of `bench memory` (pagedllm.bench.trace), their
+prompts random token ids of the drawn lengths. `--ignore-eos` asks for exactly the output length.
+
+Printed: request throughput, output and total tokens/s, time to first token (TTFT), time per output
+token after the first (TPOT), inter-token latency (ITL, between streamed chunks) and end-to-end latency
+(E2E), mean / p50 / p99, as a table or `--json`; and the CPU time the load generator itself used, so a
+reader can see it was not the bottleneck. `--compare-offline` then runs `LLM.generate` on the same
+requests in this process (the server stopped first, the same engine settings, max_num_seqs capped at
+the concurrency the server saw) and prints served / offline output tokens/s.
+
+`--soak` also injects faults (pagedllm.bench.soak): clients that disconnect mid-stream, bad
+parameters, over-long prompts, malformed JSON, at `--max-concurrency` past the server's max_num_seqs;
+it prints pass criteria and exits 1 if any fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pagedllm.bench.throughput import make_prompts, parse_range
+from pagedllm.bench.trace import WORKLOADS, make_trace
+
+
+@dataclass
+class Request:
+    """One request of the workload: a prompt (token ids, or text for chat) and the tokens asked for."""
+
+    prompt: list[int] | str
+    prompt_len: int
+    output_len: int
+
+
+@dataclass
+class Result:
+    ok: bool
+    prompt_len: int
+    output_tokens: int = 0
+    ttft: float = 0.0  # seconds to the first chunk with text
+    itl: list[float] = field(default_factory=list)  # seconds between chunks with text
+    e2e: float = 0.0
+    error: str = ""
+
+
+@dataclass
+class Stats:
+    mean: float
+    p50: float
+    p99: float
+
+
+@dataclass
+class Summary:
+    completed: int
+    failed: int
+    seconds: float
+    prompt_tokens: int
+    output_tokens: int
+    request_throughput: float  # requests/s
+    output_tok_s: float
+    total_tok_s: float
+    ttft_ms: Stats
+    tpot_ms: Stats
+    itl_ms: Stats
+    e2e_ms: Stats
+    client_cpu_seconds: float  # CPU time of this process while the requests ran
+
+
+# -- workload ---------------------------------------------------------------------------------------
+
+
+def make_requests(args, vocab: int, max_model_len: int, tokenizer=None) -> list[Request]:
+    if args.dataset == "random":
+        lo, hi = args.input_len
+        prompts = make_prompts(args.num_prompts, lo, hi, vocab, args.seed)
+        lengths = [(len(p), args.output_len) for p in prompts]
+    else:
+        trace = make_trace(WORKLOADS[args.dataset], args.num_prompts, 1.0, args.seed, max_model_len)
+        rng = random.Random(args.seed)
+        prompts = [[rng.randrange(vocab) for _ in range(r.prompt_len)] for r in trace]
+        lengths = [(r.prompt_len, r.output_len) for r in trace]
+    if args.endpoint == "chat":  # chat takes text: the random ids decoded (lengths then approximate)
+        prompts = [tokenizer.decode(p) for p in prompts]
+    return [Request(p, n_in, n_out) for p, (n_in, n_out) in zip(prompts, lengths, strict=True)]
+
+
+def request_body(args, model: str, request: Request) -> dict:
+    body = {
+        "model": model,
+        "max_tokens": request.output_len,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    if args.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": request.prompt}]
+    else:
+        body["prompt"] = request.prompt
+    return body
+
+
+# -- the client ---------------------------------------------------------------------------------------
+
+
+def _text_of(chunk: dict) -> str:
+    text = ""
+    for choice in chunk.get("choices") or []:
+        text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    return text
+
+
+async def send_streaming(client, url: str, body: dict, prompt_len: int) -> Result:
+    """POST one streamed request; time its chunks. Tokens come from the usage chunk (else one per chunk)."""
+    result = Result(ok=False, prompt_len=prompt_len)
+    start = last = time.perf_counter()
+    chunks_with_text, usage = 0, None
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", str(chunk))
+                    return result
+                usage = chunk.get("usage") or usage
+                if _text_of(chunk):
+                    now = time.perf_counter()
+                    if chunks_with_text == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    chunks_with_text += 1
+    except Exception as error:  # the client side of a failure: connection refused, reset, timeout
+        result.error = f"{type(error).__name__}: {error}"
+        return result
+    result.e2e = time.perf_counter() - start
+    result.output_tokens = usage["completion_tokens"] if usage else chunks_with_text
+    result.ok = True
+    return result
+
+
+async def run_load(
+    requests: list, rate: float, concurrency: int | None, seed: int, send
+) -> tuple[list, float, float]:
+    """send(request) for every request: Poisson arrivals at `rate`/s, at most `concurrency` in flight.
+    Returns the results in request order, the wall seconds and this process's CPU seconds."""
+    gate = asyncio.Semaphore(concurrency) if concurrency else None
+    rng = random.Random(seed)
+
+    async def one(request):
+        if gate is None:
+            return await send(request)
+        async with gate:
+            return await send(request)
+
+    start, cpu = time.perf_counter(), time.process_time()
+    tasks = []
+    for request in requests:
+        tasks.append(asyncio.ensure_future(one(request)))
+        if math.isfinite(rate):
+            await asyncio.sleep(rng.expovariate(rate))
+    results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - start, time.process_time() - cpu
+
+
+def _stats(values_s: list[float]) -> Stats:
+    if not values_s:
+        return Stats(0.0, 0.0, 0.0)
+    ms = sorted(v * 1000 for v in values_s)
+    p99 = ms[min(len(ms) - 1, math.ceil(0.99 * len(ms)) - 1)]
+    return Stats(statistics.fmean(ms), statistics.median(ms), p99)
+
+
+def summarize(results: list[Result], seconds: float, cpu_seconds: float) -> Summary:
+    done = [r for r in results if r.ok]
+    prompt_tokens = sum(r.prompt_len for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    return Summary(
+        completed=len(done),
+        failed=len(results) - len(done),
+        seconds=seconds,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        request_throughput=len(done) / seconds,
+        output_tok_s=output_tokens / seconds,
+        total_tok_s=(prompt_tokens + output_tokens) / seconds,
+        ttft_ms=_stats([r.ttft for r in done]),
+        tpot_ms=_stats(tpot),
+        itl_ms=_stats([gap for r in done for gap in r.itl]),
+        e2e_ms=_stats([r.e2e for r in done]),
+        client_cpu_seconds=cpu_seconds,
+    )
+
+
+def format_summary(s: Summary) -> str:
+    lines = [
+        f"completed {s.completed}, failed {s.failed}, in {s.seconds:.1f} s",
+        f"request throughput   {s.request_throughput:10.2f} req/s",
+        f"output tokens/s      {s.output_tok_s:10.1f}   ({s.output_tokens:,} tokens)",
+        f"total tokens/s       {s.total_tok_s:10.1f}   ({s.prompt_tokens:,} prompt tokens)",
+        f"{'':20}{'mean':>10}{'p50':>10}{'p99':>10}  (ms)",
+    ]
+    for name, stats in (("TTFT", s.ttft_ms), ("TPOT", s.tpot_ms), ("ITL", s.itl_ms), ("E2E", s.e2e_ms)):
+        lines.append(f"{name:20}{stats.mean:10.1f}{stats.p50:10.1f}{stats.p99:10.1f}")
+    share = s.client_cpu_seconds / s.seconds if s.seconds else 0.0
+    lines.append(
+        f"load generator CPU   {s.client_cpu_seconds:10.2f} s  ({share:.1%} of one core over the run)"
+    )
+    return "\n".join(lines)
+
+
+# -- the server -------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`pagedllm serve` in a subprocess on a free loopback port; `stop()` sends SIGTERM (graceful)."""
+
+    def __init__(self, args):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", args.model]
+        argv += ["--port", str(self.port), "--kv-cache-memory", args.kv_cache_memory]
+        argv += ["--max-num-seqs", str(args.max_num_seqs)]
+        if args.max_model_len:
+            argv += ["--max-model-len", str(args.max_model_len)]
+        if args.api_key:
+            argv += ["--api-key", args.api_key]
+        argv += args.serve_arg
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-serve-", suffix=".log", delete=False)
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        self._log_text: str | None = None
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"pagedllm serve exited with {self.process.returncode}: {self.log_text()}")
+            try:
+                if urllib.request.urlopen(f"{self.base_url}/health", timeout=5).status == 200:
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"pagedllm serve did not come up in {timeout:.0f} s: {self.log_text()}")
+            time.sleep(0.2)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, then the exit code (0: drained, every KV block free); the log file is then removed."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        if self._log_text is None:
+            self._log_text = Path(self.log.name).read_text()
+            self.log.close()
+            os.unlink(self.log.name)
+        return code
+
+    def log_text(self, tail: int | None = 3000) -> str:
+        text = self._log_text if self._log_text is not None else Path(self.log.name).read_text()
+        return text if tail is None else text[-tail:]
+
+
+def get_json(base_url: str, path: str, api_key: str | None) -> dict:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(
+        urllib.request.Request(f"{base_url}{path}", headers=headers), timeout=30
+    ) as r:
+        return json.loads(r.read())
+
+
+# -- offline comparison -------------------------------------------------------------------------------
+
+
+def run_offline(args, requests: list[Request]) -> tuple[float, int]:
+    """LLM.generate on the same requests and settings; seconds of generate() (after a warm-up), tokens."""
+    from pagedllm import LLM, SamplingParams
+
+    max_num_seqs = min(args.max_num_seqs, args.max_concurrency or args.max_num_seqs)
+    llm = LLM(
+        args.model,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        max_num_seqs=max_num_seqs,
+    )
+    params = [
+        SamplingParams(max_tokens=r.output_len, temperature=args.temperature, ignore_eos=args.ignore_eos)
+        for r in requests
+    ]
+    llm.generate([r.prompt for r in requests[:2]], params[:2])  # warm-up, as the served run had
+    start = time.perf_counter()
+    outputs = llm.generate([r.prompt for r in requests], params)
+    seconds = time.perf_counter() - start
+    return seconds, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+# -- command line -------------------------------------------------------------------------------------
+
+
+def _range(text: str) -> tuple[int, int]:
+    try:
+        return parse_range(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be LO-HI with 1 <= LO <= HI, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedllm bench serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    target = parser.add_argument_group("target")
+    target.add_argument("--base-url", default=None, help="a running server (default: start pagedllm serve)")
+    target.add_argument("--model", default="smollm2-135m", help="the model to serve (and its vocabulary)")
+    target.add_argument(
+        "--served-model-name", default=None, help="the name in requests (default: the server's)"
+    )
+    target.add_argument(
+        "--api-key", default=os.environ.get("PAGEDLLM_API_KEY"), help="sent as a Bearer token"
+    )
+    target.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    target.add_argument(
+        "--vocab-size", type=int, default=None, help="token ids to draw from (default: --model's)"
+    )
+    engine = parser.add_argument_group("the server this bench starts (without --base-url)")
+    engine.add_argument("--kv-cache-memory", default="1GiB")
+    engine.add_argument("--max-model-len", type=int, default=1024)
+    engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument("--serve-arg", action="append", default=[], help="one more `pagedllm serve` argument")
+    engine.add_argument("--startup-timeout", type=float, default=600.0)
+    load = parser.add_argument_group("load")
+    load.add_argument("--dataset", choices=["random", *sorted(WORKLOADS)], default="random")
+    load.add_argument("--num-prompts", type=int, default=64)
+    load.add_argument("--input-len", type=_range, default=(100, 300), help="random: LO-HI prompt tokens")
+    load.add_argument("--output-len", type=int, default=64, help="random: output tokens per request")
+    load.add_argument(
+        "--request-rate", type=float, default=math.inf, help="Poisson requests/s (inf: at once)"
+    )
+    load.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    load.add_argument("--ignore-eos", action="store_true", help="ask for exactly the output length")
+    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--seed", type=int, default=0)
+    out = parser.add_argument_group("report")
+    out.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    out.add_argument(
+        "--compare-offline",
+        action="store_true",
+        help="also LLM.generate on the same requests: served / offline",
+    )
+    soak = parser.add_argument_group("soak (pagedllm.bench.soak)")
+    soak.add_argument("--soak", action="store_true", help="inject faults and check the pass criteria")
+    soak.add_argument("--fault-rate", type=float, default=0.25, help="share of requests that are faults")
+    return parser
+
+
+def _vocab_size(args) -> int:
+    if args.vocab_size:
+        return args.vocab_size
+    from pagedllm.models.loader import read_config, resolve_checkpoint
+
+    return read_config(resolve_checkpoint(args.model)).vocab_size
+
+
+def _tokenizer(args):
+    from pagedllm.models.loader import resolve_checkpoint
+    from pagedllm.models.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_checkpoint(args.model))
+
+
+async def _serve_load(args, base_url: str, model: str, requests: list[Request]):
+    import httpx2  # checked in main()
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
+    limits = httpx2.Limits(max_connections=args.max_concurrency or len(requests) + 1)
+    async with httpx2.AsyncClient(base_url=base_url, headers=headers, timeout=None, limits=limits) as client:
+        if args.soak:
+            from pagedllm.bench import soak
+
+            return await soak.run(client, args, base_url, model, requests)
+
+        async def send(request: Request) -> Result:
+            return await send_streaming(client, path, request_body(args, model, request), request.prompt_len)
+
+        await send(Request(requests[0].prompt, requests[0].prompt_len, 4))  # warm-up, not counted
+        return await run_load(requests, args.request_rate, args.max_concurrency, args.seed, send)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if importlib.util.find_spec("httpx2") is None:
+        parser.error("the load generator needs httpx2: pip install 'pagedllm[bench]'")
+    if args.compare_offline and (args.base_url or args.endpoint != "completions"):
+        parser.error("--compare-offline needs the server this bench starts and --endpoint completions")
+    if args.soak:
+        args.ignore_eos = True  # every well-formed answer then has exactly the length asked for
+    server = None if args.base_url else ServerProcess(args)
+    try:
+        if server is not None:
+            server.wait_ready(args.startup_timeout)
+        base_url = args.base_url or server.base_url
+        try:
+            served = get_json(base_url, "/v1/models", args.api_key)["data"][0]
+        except urllib.error.HTTPError as error:
+            answer = f"{base_url}/v1/models answered {error.code}: {error.read()!r}"
+            parser.exit(2, f"pagedllm bench serve: error: {answer}\n")
+        model = args.served_model_name or served["id"]
+        max_model_len = served.get("max_model_len") or args.max_model_len
+        tokenizer = _tokenizer(args) if args.endpoint == "chat" else None
+        requests = make_requests(args, _vocab_size(args), max_model_len, tokenizer)
+        report = asyncio.run(_serve_load(args, base_url, model, requests))
+    except BaseException:
+        if server is not None:
+            server.stop()
+        raise
+    exit_code = server.stop() if server is not None else None
+    if args.soak:
+        from pagedllm.bench import soak
+
+        code = soak.report(report, args, exit_code)
+        if code != 0 and server is not None:
+            print(f"--- the server's log (tail):\n{server.log_text()}", file=sys.stderr)
+        return code
+    results, seconds, cpu = report
+    summary = summarize(results, seconds, cpu)
+    offline = run_offline(args, requests) if args.compare_offline else None
+    lengths = "{}-{} input tokens, {} output tokens".format(*args.input_len, args.output_len)
+    workload = (
+        f"{args.dataset}, {len(requests)} prompts ({summary.prompt_tokens:,} prompt tokens), "
+        f"{lengths if args.dataset == 'random' else 'lengths from the trace'}"
+        f"{' (EOS ignored)' if args.ignore_eos else ''}, rate {args.request_rate:g}/s, "
+        f"concurrency {args.max_concurrency or 'unlimited'}"
+    )
+    if args.json:
+        data = {"config": vars(args) | {"input_len": list(args.input_len)}, "summary": asdict(summary)}
+        data["failures"] = [r.error for r in results if not r.ok][:10]
+        if offline:
+            data["offline"] = {"seconds": offline[0], "output_tok_s": offline[1] / offline[0]}
+            data["served_over_offline"] = summary.output_tok_s / (offline[1] / offline[0])
+        print(json.dumps(data, indent=2, default=str))
+        return 0 if summary.failed == 0 else 1
+    started = "started by this bench" if server else "given"
+    print(f"target: {base_url} ({started}), /v1/{args.endpoint}, model {model}")
+    print(f"workload: {workload}")
+    print(format_summary(summary))
+    for error in [r.error for r in results if not r.ok][:5]:
+        print(f"failed: {error}")
+    if offline:
+        offline_tok_s = offline[1] / offline[0]
+        ratio = summary.output_tok_s / offline_tok_s
+        print(
+            f"offline LLM.generate, same requests: {offline[1]:,} tokens in {offline[0]:.1f} s = "
+            f"{offline_tok_s:.1f} output tok/s; served / offline = {ratio:.2f}x"
+        )
+    return 0 if summary.failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""ParallelModelRunner: rank 0's model runner; each step goes to every rank before rank 0 runs its shard."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.engine.model_runner import ModelRunner, StepInputs
+from pagedllm.engine.parallel import protocol
+from pagedllm.engine.parallel.executor import Executor, WorkerFailure
+from pagedllm.models.parallel import CollectiveError
+
+
+class ParallelModelRunner(ModelRunner):
+    """A ModelRunner over rank 0's shard of the model and KV cache. Every step's inputs are broadcast to
+    the workers, which run the same forward on their shards; the logits are gathered here."""
+
+    def __init__(self, executor: Executor, *args, **kwargs):
+        """ModelRunner's arguments for rank 0's shard; returns once every rank has allocated its cache."""
+        super().__init__(*args, **kwargs)
+        self.executor = executor
+        executor.start(self.num_blocks, self.block_size, self.kv_dtype, self.num_host_blocks)
+
+    def execute_step(self, step: StepInputs) -> torch.Tensor:
+        if self.executor.failure is not None:
+            raise WorkerFailure(self.executor.failure)
+        try:
+            header, payload = protocol.pack(step)
+            self.executor.tp.broadcast(header)
+            self.executor.tp.broadcast(payload)
+            return super().execute_step(step)
+        except CollectiveError as error:
+            raise self.executor.fail(error) from error
+
+    def shutdown(self) -> None:
+        self.executor.stop()

@@ -1,0 +1,92 @@
+"""`pagedllm bench serve`: the load generator and the soak, against the real server (uvicorn) on a tiny
+model; the bench starts `pagedllm serve` as a subprocess itself, or targets --base-url."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import running_server, wait_until_idle
+
+from pagedllm.bench import serve, soak
+from pagedllm.entrypoints.openai.limits import ServerLimits
+from pagedllm.entrypoints.openai.server import build_app
+
+
+def _run_json(capsys, argv: list[str]) -> tuple[int, dict]:
+    code = serve.main([*argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_soak_of_1000_requests_with_faults_passes(capsys, tiny_chat_model):
+    """The bounded soak: 1,000 requests at 32 in flight against max_num_seqs 8, a KV cache of 40 blocks
+    (preemption), a quarter of them faults; every criterion must hold, the server must exit 0."""
+    argv = ["--soak", "--model", str(tiny_chat_model), "--num-prompts", "1000", "--input-len", "20-120"]
+    argv += ["--output-len", "8", "--kv-cache-memory", "320KiB", "--max-model-len", "256"]
+    argv += ["--max-num-seqs", "8", "--max-concurrency", "32"]
+    code, report = _run_json(capsys, argv)
+    failed = [c for c in report["criteria"] if not c[1]]
+    assert code == 0 and report["passed"], failed
+    counts = report["counts"]
+    assert sum(counts.values()) == 1000 and min(counts.values()) > 40, counts
+    assert report["state"]["preemptions"] > 0  # the small KV cache really forced preemption
+    assert any(name.startswith("graceful shutdown") and ok for name, ok, _ in report["criteria"])
+
+
+def test_soak_criteria_fail_on_an_incomplete_answer():
+    state = soak.ServerState(running=0, waiting=0, kv_usage=0.0, preemptions=3, healthy=True)
+    outcomes = [soak.Outcome("ok", True), soak.Outcome("ok", False, "incomplete: 7/8 tokens")]
+    rows = soak.criteria(soak.SoakReport(outcomes, 1.0, 0.1, state), exit_code=0)
+    assert [ok for _, ok, _ in rows[:2]] == [False, True]
+    state.kv_usage = 0.25
+    rows = soak.criteria(soak.SoakReport(outcomes[:1], 1.0, 0.1, state), exit_code=1)
+    assert {name: ok for name, ok, _ in rows} == {
+        "every well-formed request answered completely": True,
+        "every bad request refused with a 4xx and a message": True,
+        "clients that disconnected mid-stream": True,
+        "server alive after the traffic (/health)": True,
+        "KV pool all free, nothing running or waiting (/metrics)": False,
+        "graceful shutdown (SIGTERM -> exit 0)": False,
+    }
+
+
+def test_bench_serve_reports_and_compares_with_offline(capsys, tiny_chat_model):
+    argv = [
+        "--model",
+        str(tiny_chat_model),
+        "--num-prompts",
+        "12",
+        "--input-len",
+        "10-40",
+        "--output-len",
+        "6",
+    ]
+    argv += ["--ignore-eos", "--max-concurrency", "4", "--kv-cache-memory", "8MiB", "--max-model-len", "256"]
+    code, report = _run_json(capsys, [*argv, "--compare-offline"])
+    s = report["summary"]
+    assert code == 0 and (s["completed"], s["failed"]) == (12, 0)
+    assert s["output_tokens"] == 12 * 6  # EOS ignored: exactly the length asked for
+    assert 0 < s["ttft_ms"]["p50"] <= s["e2e_ms"]["p99"]
+    assert s["itl_ms"]["p50"] <= s["itl_ms"]["p99"] and s["client_cpu_seconds"] > 0
+    assert report["offline"]["output_tok_s"] > 0 and report["served_over_offline"] > 0
+
+
+def test_bench_serve_on_a_given_server_with_a_key_over_chat(capsys, tiny_chat_model):
+    app = build_app(str(tiny_chat_model), limits=ServerLimits(api_key="k"), max_model_len=256)
+    with running_server(app) as base:
+        argv = ["--base-url", base, "--model", str(tiny_chat_model), "--endpoint", "chat"]
+        argv += ["--num-prompts", "6", "--input-len", "5-20", "--output-len", "4", "--ignore-eos"]
+        code, report = _run_json(capsys, [*argv, "--api-key", "k", "--request-rate", "50"])
+        assert code == 0 and report["summary"]["completed"] == 6
+        assert report["summary"]["output_tokens"] == 24
+        with pytest.raises(SystemExit) as info:  # without the key the server answers nothing
+            serve.main(argv)
+        assert info.value.code == 2 and "answered 401" in capsys.readouterr().err
+        wait_until_idle(app.state.engine.engine)
+
+
+@pytest.mark.parametrize("text", ["5", "9-3", "0-4", "a-b"])
+def test_input_len_must_be_a_range(text, capsys):
+    with pytest.raises(SystemExit):
+        serve.main(["--input-len", text])
+    assert "--input-len" in capsys.readouterr().err
