@@ -237,12 +237,12 @@ def test_abort_frees_blocks(smollm2_llm):
 def test_memory_budget_gives_the_kv_cache_what_the_weights_leave(caplog):
     """At one total budget, the GGUF's own 4-bit blocks leave more KV blocks than float32 weights; both
     are reported at start-up."""
-    budget = 640 * 2**20
+    budget = 768 * 2**20
     block_bytes = 2 * 30 * 3 * 64 * 4 * 16  # SmolLM2, float32 KV, blocks of 16
     blocks = {}
     for quantization in ("gguf", None):
         with caplog.at_level(logging.INFO, logger="pagedllm"):
-            llm = LLM("smollm2-135m", memory_budget="640MiB", quantization=quantization, max_model_len=256)
+            llm = LLM("smollm2-135m", memory_budget="768MiB", quantization=quantization, max_model_len=256)
         engine = llm.engine
         assert engine.num_kv_blocks == (budget - engine.weight_bytes) // block_bytes
         assert (
@@ -254,11 +254,12 @@ def test_memory_budget_gives_the_kv_cache_what_the_weights_leave(caplog):
         assert out.outputs[0].text.startswith(" Paris")
         assert_all_blocks_free(llm)
         blocks[quantization] = engine.num_kv_blocks
-    assert blocks["gguf"] > blocks[None] + 500  # ~420 MiB of float32 weights not held: ~570 more blocks
+    assert blocks["gguf"] > blocks[None] + 500  # >= 420 MiB of float32 weights not held: >= 570 more blocks
 
 
 def test_memory_budget_smaller_than_the_weights_is_refused():
-    with pytest.raises(ValueError, match=r"memory_budget='256MiB' .* the weights take 513\.\d MiB"):
+    # float32 weights: 513 MiB, 621 MiB where oneDNN's packed LM head keeps its plain rows for the embedding
+    with pytest.raises(ValueError, match=r"memory_budget='256MiB' .* the weights take (513|621)\.\d MiB"):
         LLM("smollm2-135m", memory_budget="256MiB", quantization=None)
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM("smollm2-135m", quantization="int3")

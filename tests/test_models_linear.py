@@ -11,7 +11,6 @@ from pagedllm.models.linear import (
     default_linear_method,
     process_linear_layers,
 )
-from pagedllm.ops import cpu
 
 ONEDNN = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without mkldnn")
 
@@ -76,13 +75,13 @@ def test_onednn_keeps_the_plain_weight_of_a_tied_lm_head():
 def test_default_method_per_device_and_dtype(monkeypatch):
     monkeypatch.delenv(LINEAR_METHOD_ENV_VAR, raising=False)
     cpu_fp32 = default_linear_method("cpu", torch.float32)
-    assert cpu_fp32.name == ("kernel" if cpu.unavailable_reason() is None else "onednn")
+    assert cpu_fp32.name == "onednn"
     assert default_linear_method("cpu", torch.float16).name == "dense"
     assert default_linear_method("cuda", torch.bfloat16).name == "dense"
     monkeypatch.setenv(LINEAR_METHOD_ENV_VAR, "dense")
     assert default_linear_method("cpu", torch.float32).name == "dense"
-    monkeypatch.setenv(LINEAR_METHOD_ENV_VAR, "onednn")
-    assert default_linear_method("cpu", torch.float32).name == "onednn"
+    monkeypatch.setenv(LINEAR_METHOD_ENV_VAR, "kernel")
+    assert default_linear_method("cpu", torch.float32).name == "kernel"
     monkeypatch.setenv(LINEAR_METHOD_ENV_VAR, "fastest")
     with pytest.raises(ValueError, match="'fastest'"):
         default_linear_method("cpu", torch.float32)

@@ -158,9 +158,9 @@ def test_weight_bytes_counts_the_stored_formats():
 
 def test_linear_method_for_each_setting():
     assert linear_method_for("auto", "cpu", torch.float32, gguf=True).name == "gguf"
-    assert linear_method_for("auto", "cpu", torch.float32, gguf=False).name == "kernel"
+    assert linear_method_for("auto", "cpu", torch.float32, gguf=False).name == "onednn"
     assert linear_method_for("auto", "cpu", torch.float16, gguf=True).name == "dense"  # kernels: fp32/bf16
-    assert linear_method_for(None, "cpu", torch.float32, gguf=True).name == "kernel"
+    assert linear_method_for(None, "cpu", torch.float32, gguf=True).name == "onednn"
     assert linear_method_for("int4", "cpu", torch.bfloat16, gguf=False).name == "int4"
     with pytest.raises(ValueError, match="must be a .gguf file"):
         linear_method_for("gguf", "cpu", torch.float32, gguf=False)
