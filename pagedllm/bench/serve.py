@@ -258,7 +258,7 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", args.model]
         argv += ["--port", str(self.port), "--kv-cache-memory", args.kv_cache_memory]
-        argv += ["--max-num-seqs", str(args.max_num_seqs)]
+        argv += ["--max-num-seqs", str(args.max_num_seqs), "--quantization", args.quantization]
         if args.max_model_len:
             argv += ["--max-model-len", str(args.max_model_len)]
         if args.api_key:
@@ -323,6 +323,7 @@ def run_offline(args, requests: list[Request]) -> tuple[float, int]:
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
         max_num_seqs=max_num_seqs,
+        quantization=args.quantization,
     )
     params = [
         SamplingParams(max_tokens=r.output_len, temperature=args.temperature, ignore_eos=args.ignore_eos)
@@ -366,6 +367,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kv-cache-memory", default="1GiB")
     engine.add_argument("--max-model-len", type=int, default=1024)
     engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8", "int4", "gguf"],
+        help="weight storage, served and offline alike (none: the float weights other servers load)",
+    )
     engine.add_argument("--serve-arg", action="append", default=[], help="one more `pagedllm serve` argument")
     engine.add_argument("--startup-timeout", type=float, default=600.0)
     load = parser.add_argument_group("load")
