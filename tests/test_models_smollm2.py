@@ -11,19 +11,10 @@ import torch
 from conftest import smollm2_gguf_path
 from models_helpers import PagedCache, forward_chunks, greedy_generate, hf_greedy, hf_logits
 
+from pagedllm.bench.quality import EQUIVALENCE_PROMPTS
 from pagedllm.models import load_model
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village by the sea,",
-    "1, 2, 3, 4, 5,",
-    "Water boils at",
-    "The three primary colors are",
-    "Q: What is the largest planet in the solar system?\nA:",
-    "Paged attention stores the key-value cache in fixed-size blocks, so that memory is allocated on "
-    "demand and shared between sequences. The main benefit of this design is",
-]
+PROMPTS = EQUIVALENCE_PROMPTS  # bench quality measures greedy agreement on the same prompts
 
 
 @pytest.fixture(scope="module", params=["gguf", None], ids=["gguf-blocks", "float32"])
