@@ -168,3 +168,24 @@ def test_linear_method_for_each_setting():
         linear_method_for("int3", "cpu", torch.float32, gguf=False)
     with pytest.raises(ValueError, match="not on 'cuda'"):
         linear_method_for("int8", "cuda", torch.float32, gguf=False)
+
+
+def test_gguf_blocks_from_the_kept_tensor_index_equal_the_readers():
+    """The first load of a GGUF's blocks parses the file with GGUFReader and keeps its tensor index in
+    the converted folder; later loads map the tensors from that index: the same names and values."""
+    from pagedllm.models.gguf_loader import TENSOR_INDEX, gguf_blocks
+    from pagedllm.models.loader import gguf_file, resolve_checkpoint
+
+    path, folder = gguf_file("smollm2-135m"), resolve_checkpoint("smollm2-135m")
+    (folder / TENSOR_INDEX).unlink(missing_ok=True)
+    parsed = list(gguf_blocks(path, folder))
+    assert (folder / TENSOR_INDEX).is_file()
+    mapped = list(gguf_blocks(path, folder))
+    assert [name for name, _ in mapped] == [name for name, _ in parsed]
+    assert any(isinstance(t, GGUFBlocks) for _, t in parsed)
+    for (name, a), (_, b) in zip(parsed, mapped, strict=True):
+        assert type(a) is type(b), name
+        if isinstance(a, GGUFBlocks):
+            assert a.qtype == b.qtype and np.array_equal(a.raw, b.raw), name
+        else:
+            assert torch.equal(a, b), name

@@ -17,11 +17,13 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from pagedllm.models.gguf_quants import KEPT_TYPES, GGUFBlocks
 from pagedllm.models.registry import gguf_architecture
@@ -81,11 +83,62 @@ def converted_folder(gguf_path: Path) -> Path:
     return folder
 
 
-def gguf_blocks(gguf_path: Path, config: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-    """A GGUF file's tensors under Hugging Face names, quantized ones still in their blocks (GGUFBlocks)."""
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: its GGUF name, ggml type and data (a view into the file's memory map)."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    data: np.ndarray
+
+
+TENSOR_INDEX = "gguf_tensors.json"  # in the converted folder: where each tensor lies in the GGUF file
+
+
+def gguf_blocks(gguf_path: Path, folder: Path) -> Iterator[tuple[str, Any]]:
+    """A GGUF file's tensors under Hugging Face names, quantized ones still in their blocks (GGUFBlocks).
+
+    GGUFReader parses every metadata field, the tokenizer's 49,152-entry vocabulary included (4 s of a
+    SmolLM2 load); the tensor index it finds is kept in the converted `folder` (which is keyed by the
+    file's size and mtime) and later loads map the tensors from it directly.
+    """
+    config = json.loads((folder / "config.json").read_text())
+    index_path = folder / TENSOR_INDEX
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+        mapped = np.memmap(gguf_path, mode="r")
+        tensors = [
+            GGUFTensor(
+                t["name"],
+                GGMLQuantizationType(t["type"]),
+                mapped[t["offset"] : t["offset"] + t["bytes"]].view(t["dtype"]).reshape(t["shape"]),
+            )
+            for t in index["tensors"]
+        ]
+        return hf_tensors(index["architecture"], tensors, config, keep_blocks=True)
     from gguf import GGUFReader
 
-    return hf_tensors(GGUFReader(gguf_path), config, keep_blocks=True)
+    reader = GGUFReader(gguf_path)
+    arch = _field(reader, "general.architecture")
+    tensors = [GGUFTensor(t.name, t.tensor_type, t.data) for t in reader.tensors]
+    entries = [
+        {
+            "name": t.name,
+            "type": int(t.tensor_type),
+            "offset": t.data_offset,
+            "bytes": t.data.nbytes,
+            "dtype": t.data.dtype.str,
+            "shape": list(t.data.shape),
+        }
+        for t in reader.tensors
+    ]
+    temporary = index_path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        temporary.write_text(json.dumps({"architecture": arch, "tensors": entries}))
+        os.replace(temporary, index_path)  # another process may write the same index at the same time
+    except OSError as error:  # a read-only cache: every load parses the file
+        logger.warning("could not keep the GGUF tensor index in %s: %s", folder, error)
+    return hf_tensors(arch, tensors, config, keep_blocks=True)
 
 
 def _convert(gguf_path: Path, out: Path) -> None:
@@ -95,7 +148,9 @@ def _convert(gguf_path: Path, out: Path) -> None:
 
     reader = GGUFReader(gguf_path)
     config = hf_config(reader)
-    save_file(dict(hf_tensors(reader, config)), out / "model.safetensors", metadata={"format": "pt"})
+    arch = _field(reader, "general.architecture")
+    tensors = [GGUFTensor(t.name, t.tensor_type, t.data) for t in reader.tensors]
+    save_file(dict(hf_tensors(arch, tensors, config)), out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     if "tokenizer.ggml.model" in reader.fields:  # transformers rebuilds the tokenizer from the metadata
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
@@ -166,14 +221,16 @@ def hf_config(reader: Any) -> dict[str, Any]:
     return config
 
 
-def hf_tensors(reader: Any, config: dict[str, Any], keep_blocks: bool = False) -> Iterator[tuple[str, Any]]:
-    """float32 tensors under Hugging Face names; with keep_blocks, quantized 2-D tensors of a kept type
-    stay in their blocks (GGUFBlocks; rows reordered as the float ones are, which is exact)."""
+def hf_tensors(
+    arch: str, tensors: list[GGUFTensor], config: dict[str, Any], keep_blocks: bool = False
+) -> Iterator[tuple[str, Any]]:
+    """float32 tensors of GGUF architecture `arch` under Hugging Face names; with keep_blocks, quantized
+    2-D tensors of a kept type stay in their blocks (GGUFBlocks; rows reordered as the float ones are,
+    which is exact)."""
     from gguf.quants import dequantize
 
-    arch = _field(reader, "general.architecture")
     permuted = arch in ("llama", "mistral")  # llama.cpp interleaves Q/K rows for its RoPE kernel
-    for tensor in reader.tensors:
+    for tensor in tensors:
         name = hf_tensor_name(tensor.name, gemma=arch == "gemma3")
         blocks = keep_blocks and tensor.tensor_type in KEPT_TYPES and len(tensor.data.shape) == 2
         weights = (

@@ -174,7 +174,7 @@ def load_model(
     method = linear_method or linear_method_for(quantization, device, dtype, gguf=gguf is not None)
     set_linear_method(module, method)
     if isinstance(method, GGUFLinear):
-        weights = gguf_blocks(gguf, json.loads((folder / "config.json").read_text()))
+        weights = gguf_blocks(gguf, folder)
     else:
         weights = _read_weights(weight_files(folder))
     load_weights(module, weights)
