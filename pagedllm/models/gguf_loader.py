@@ -119,8 +119,7 @@ def gguf_blocks(gguf_path: Path, folder: Path) -> Iterator[tuple[str, Any]]:
     from gguf import GGUFReader
 
     reader = GGUFReader(gguf_path)
-    arch = _field(reader, "general.architecture")
-    tensors = [GGUFTensor(t.name, t.tensor_type, t.data) for t in reader.tensors]
+    arch, tensors = _architecture_and_tensors(reader)
     entries = [
         {
             "name": t.name,
@@ -148,15 +147,20 @@ def _convert(gguf_path: Path, out: Path) -> None:
 
     reader = GGUFReader(gguf_path)
     config = hf_config(reader)
-    arch = _field(reader, "general.architecture")
-    tensors = [GGUFTensor(t.name, t.tensor_type, t.data) for t in reader.tensors]
-    save_file(dict(hf_tensors(arch, tensors, config)), out / "model.safetensors", metadata={"format": "pt"})
+    tensors = dict(hf_tensors(*_architecture_and_tensors(reader), config))
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     if "tokenizer.ggml.model" in reader.fields:  # transformers rebuilds the tokenizer from the metadata
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         tokenizer.save_pretrained(out)
     else:
         logger.warning("%s has no tokenizer; prompts must be token ids", gguf_path)
+
+
+def _architecture_and_tensors(reader: Any) -> tuple[str, list[GGUFTensor]]:
+    return _field(reader, "general.architecture"), [
+        GGUFTensor(t.name, t.tensor_type, t.data) for t in reader.tensors
+    ]
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
