@@ -4,8 +4,13 @@ OpenMP settings for torch's CPU threads are applied when pagedllm is imported (b
 
 OpenMP threads that spin while waiting between parallel regions collapse as soon as anything else
 shares the cores (a busy 2-core machine ran `pagedllm generate` in 16.5 s with spinning threads and
-7.5 s with passive ones), so pagedllm makes them wait passively unless the user chose otherwise. The
-thread count defaults to the CPUs this process may run on (its affinity mask, capped by a cgroup CPU
+7.5 s with passive ones), so pagedllm makes them wait passively unless the user chose otherwise. Yet a
+thread that sleeps at once must be woken for each of a decode step's ~150 parallel regions (the
+matmuls and attention of every layer), 50 us each: one request on the GGUF blocks decoded 53 tok/s so
+and 89 tok/s when the threads spin 10,000 rounds (libgomp's GOMP_SPINCOUNT, tens of microseconds)
+before sleeping, the gap between two ops of a step. With both cores busy with other work that short
+spin cost nothing against sleeping at once (6.5 s vs 6.8-7.1 s for `pagedllm generate`; libgomp's
+default 300,000 rounds took 12 s once), so it is the default too. The thread count defaults to the CPUs this process may run on (its affinity mask, capped by a cgroup CPU
 quota), where torch would count every CPU of the machine.
 """
 
@@ -35,9 +40,15 @@ def usable_cpus() -> int:
     return cpus
 
 
+SPIN_ROUNDS = 10_000  # GOMP_SPINCOUNT: how long an idle OpenMP thread spins before it sleeps
+
+
 def set_openmp_defaults() -> None:
-    """OMP_WAIT_POLICY=PASSIVE and OMP_NUM_THREADS=usable_cpus(), each only where the user set none."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    """OMP_WAIT_POLICY=PASSIVE with a short spin (GOMP_SPINCOUNT=SPIN_ROUNDS) and
+    OMP_NUM_THREADS=usable_cpus(), each only where the user set none."""
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_ROUNDS))
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = os.environ[_DEFAULTED] = str(usable_cpus())
 

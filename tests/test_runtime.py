@@ -1,4 +1,4 @@
-"""OpenMP defaults applied by `import pagedllm`: passive waiting and a thread count from the usable CPUs."""
+"""OpenMP defaults applied by `import pagedllm`: passive waiting after a short spin, and a thread count from the usable CPUs."""
 
 import os
 import subprocess
@@ -7,17 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm._runtime import usable_cpus
+from pagedllm._runtime import SPIN_ROUNDS, usable_cpus
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = (
     "import os, pagedllm, torch; "
-    "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('OMP_NUM_THREADS'), torch.get_num_threads())"
+    "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_NUM_THREADS'), "
+    "torch.get_num_threads())"
 )
 
 
 def _run(code: str, **env: str) -> list[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
     result = subprocess.run(
         [sys.executable, "-c", code],
         env={**clean, "PYTHONPATH": str(ROOT), **env},
@@ -34,11 +35,12 @@ def test_usable_cpus_follow_the_affinity_mask():
 
 
 def test_import_sets_passive_waiting_and_the_usable_cpu_count():
-    assert _run(PROBE) == ["PASSIVE", str(usable_cpus()), str(usable_cpus())]
+    assert _run(PROBE) == ["PASSIVE", str(SPIN_ROUNDS), str(usable_cpus()), str(usable_cpus())]
 
 
 def test_the_users_settings_win():
-    assert _run(PROBE, OMP_WAIT_POLICY="ACTIVE", OMP_NUM_THREADS="1") == ["ACTIVE", "1", "1"]
+    assert _run(PROBE, OMP_WAIT_POLICY="ACTIVE", OMP_NUM_THREADS="1") == ["ACTIVE", "None", "1", "1"]
+    assert _run(PROBE, GOMP_SPINCOUNT="5") == ["PASSIVE", "5", str(usable_cpus()), str(usable_cpus())]
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")

@@ -96,7 +96,7 @@ PEER = Path(__file__).with_name("llama_cpp_peer.py")
 
 def _peer(job: dict) -> object:
     """Run llama_cpp_peer.py on `job` in a child process with libgomp's default wait policy."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     done = subprocess.run(
         [sys.executable, str(PEER)], input=json.dumps(job), capture_output=True, text=True, env=env
     )
