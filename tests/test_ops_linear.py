@@ -1,5 +1,8 @@
 """The C++ linear kernel (ops/csrc/linear.cpp) on every weight format and instruction-set build, against
-x @ dequantize(W)^T computed by torch in float64; and its row lookups (the tied embedding)."""
+x @ dequantize(W)^T computed by torch in float64; and its row lookups (the tied embedding).
+
+Up to 4 rows of x meet int8 / int4 codes in groups of whole 32-column blocks as int8 blocks themselves
+(llama.cpp's Q8 activations): there the reference rounds x the same way, written here independently."""
 
 import pytest
 import torch
@@ -32,10 +35,16 @@ def _pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 def make_weight(fmt: str, n: int, k: int, seed: int = 0):
     """(stored tensors for the kernel, the float64 W they stand for)."""
+    stored, w, _ = make_weight_and_mins(fmt, n, k, seed)
+    return stored, w
+
+
+def make_weight_and_mins(fmt: str, n: int, k: int, seed: int = 0):
+    """make_weight's pair and the part of W that is the group mins (zero without mins)."""
     gen = torch.Generator().manual_seed(seed)
     if fmt in ("float32", "bfloat16"):
         w = torch.randn(n, k, generator=gen).to(getattr(torch, fmt))
-        return (w, None, None, 0), w.double()
+        return (w, None, None, 0), w.double(), torch.zeros(n, k, dtype=torch.float64)
     group, scale_dtype = {"int8": (k, torch.float32), "int8-g16-min": (16, torch.float16)}.get(
         fmt, (32 if fmt == "int4" else 64, torch.float32 if fmt == "int4" else torch.float16)
     )
@@ -48,9 +57,25 @@ def make_weight(fmt: str, n: int, k: int, seed: int = 0):
         q = _codes(n, k, 0, 15, gen)
         data = _pack_int4(q)
     w = q.double().reshape(n, -1, group) * scales.double()[..., None]
-    if mins is not None:
-        w = w + mins.double()[..., None]
-    return (data, scales, mins, group), w.reshape(n, k)
+    m = torch.zeros_like(w) if mins is None else mins.double()[..., None].expand_as(w)
+    return (data, scales, mins, group), (w + m).reshape(n, k), m.reshape(n, k)
+
+
+def q8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as int8 blocks of 32 columns, scale max |x| / 127 each (float32 arithmetic)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1 / d, 0)
+    return (torch.round(blocks * inverse) * d).reshape(x.shape)
+
+
+def reference(x: torch.Tensor, fmt: str, stored, w: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes in exact arithmetic: x @ W^T, with x as int8 blocks against the codes
+    (not the mins) where the integer path runs."""
+    group = stored[3]
+    if fmt.startswith("int") and x.shape[0] <= 4 and group % 32 == 0:
+        return q8_blocks(x).double() @ (w - mins).T + x.double() @ mins.T
+    return x.double() @ w.T
 
 
 FORMATS = ["float32", "bfloat16", "int8", "int8-g16-min", "int4", "int4-g64-half"]
@@ -61,20 +86,36 @@ FORMATS = ["float32", "bfloat16", "int8", "int8-g16-min", "int4", "int4-g64-half
 @pytest.mark.parametrize("shape", [(80, 128), (13, 576)], ids=["80x128", "13x576"])
 def test_linear_matches_dequantized_reference(kernels, fmt, rows, shape):
     n, k = shape
-    stored, w = make_weight(fmt, n, k)
+    stored, w, mins = make_weight_and_mins(fmt, n, k)
     x = torch.randn(rows, k)
     out = kernels.linear(x, *stored)
     assert out.dtype == torch.float32 and out.shape == (rows, n)
-    torch.testing.assert_close(out.double(), x.double() @ w.T, atol=1e-3 * k**0.5, rtol=1e-4)
+    expected = reference(x, fmt, stored, w, mins)
+    torch.testing.assert_close(out.double(), expected, atol=1e-3 * k**0.5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("k", [576, 544])  # 18 blocks; 17 (an odd one out of a 2-block AVX-512 unit)
+def test_few_rows_round_x_to_int8_blocks(kernels, fmt, k):
+    """The integer path is what runs at 1-4 rows: its result is x-as-int8's, measurably not float x's."""
+    stored, w, mins = make_weight_and_mins(fmt, 64, k, seed=1)
+    x = torch.randn(2, k)
+    out = kernels.linear(x, *stored).double()
+    torch.testing.assert_close(out, reference(x, fmt, stored, w, mins), atol=1e-4, rtol=1e-5)
+    assert (out - x.double() @ w.T).abs().max() > 1e-3
+    # the same rows among five (the float path) agree with float x instead
+    five = kernels.linear(torch.cat((x, torch.randn(3, k))), *stored)[:2].double()
+    torch.testing.assert_close(five, x.double() @ w.T, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["float32", "int4"])
 @pytest.mark.parametrize("rows", [2, 20])
 def test_bias_and_residual_are_added(kernels, fmt, rows):
-    stored, w = make_weight(fmt, 48, 64)
+    stored, w, mins = make_weight_and_mins(fmt, 48, 64)
     x, bias, residual = torch.randn(rows, 64), torch.randn(48), torch.randn(rows, 48)
     out = kernels.linear(x, *stored, bias=bias, residual=residual)
-    torch.testing.assert_close(out.double(), x.double() @ w.T + bias + residual, atol=1e-3, rtol=1e-4)
+    expected = reference(x, fmt, stored, w, mins) + bias + residual
+    torch.testing.assert_close(out.double(), expected, atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 9])

@@ -23,6 +23,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "ops.h"
@@ -286,8 +287,143 @@ void matmul(const Source& src, int64_t n_rows, int64_t cols, const float* x, int
   });
 }
 
-// Calls fn(source) with the row source for this weight format.
-template <typename Fn>
+// Few rows of x against int8 / int4 codes, llama.cpp's way: each 32-column block of an x row is
+// quantized to int8 with one float scale (max |x| / 127), and a weight row's codes meet it in 8-bit
+// integer dot products (four products summed into a 32-bit lane by one instruction, where the float
+// path converts every code and does a multiply-add for it). The float work is per block:
+//   x . w_n = sum_b scale_w(n, b) scale_x(b) sum_i q_w q_x  +  min_w(n, b) sum_i x_i
+// with each block's exact float sum of x in the min term. Used for groups of whole blocks (32 | g).
+constexpr int64_t kBlock = 32;
+
+// Rows of x as int8 blocks; `padded` rounds the blocks up to a chunk (kWidth blocks), zeros beyond.
+struct QuantizedRows {
+  int64_t blocks, padded;
+  std::vector<int8_t> q;          // [rows, padded * kBlock]
+  std::vector<float> scale, sum;  // [rows, padded]
+
+  QuantizedRows(const float* x, int64_t rows, int64_t cols)
+      : blocks(cols / kBlock),
+        padded((cols / kBlock + VecF::kWidth - 1) / VecF::kWidth * VecF::kWidth),
+        q(rows * padded * kBlock, 0),
+        scale(rows * padded, 0.f),
+        sum(rows * padded, 0.f) {
+    for (int64_t m = 0; m < rows; ++m) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* v = x + m * cols + b * kBlock;
+        float amax = 0.f, total = 0.f;
+        for (int64_t i = 0; i < kBlock; ++i) {
+          amax = std::max(amax, std::fabs(v[i]));
+          total += v[i];
+        }
+        const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+        int8_t* out = q.data() + (m * padded + b) * kBlock;
+        for (int64_t i = 0; i < kBlock; ++i) out[i] = static_cast<int8_t>(std::nearbyint(v[i] * inverse));
+        scale[m * padded + b] = d;
+        sum[m * padded + b] = total;
+      }
+    }
+  }
+  const int8_t* codes(int64_t m, int64_t b) const { return q.data() + (m * padded + b) * kBlock; }
+  VecF scales(int64_t m, int64_t b) const { return VecF::load(scale.data() + m * padded + b); }
+  VecF sums(int64_t m, int64_t b) const { return VecF::load(sum.data() + m * padded + b); }
+};
+
+// A weight's codes (int8, or int4 as packed pairs) with their group scales and mins.
+template <typename S, bool kInt4>
+struct CodeRows {
+  const uint8_t* data;
+  int64_t ld;  // bytes a row
+  Groups<S> groups;
+
+  // Blocks [b, b + blocks) of row n's codes: 4-bit ones as unsigned bytes, int8 ones as |q| and their signs.
+  struct Unit {
+    VecB codes, signs;
+  };
+  Unit unit(int64_t n, int64_t b, int blocks) const {
+    if constexpr (kInt4) {
+      const VecB codes = VecB::nibbles(data + n * ld + b * kBlock / 2, blocks);
+      return {codes, codes};
+    } else {
+      const VecB q = VecB::load(reinterpret_cast<const int8_t*>(data + n * ld + b * kBlock), blocks);
+      return {abs(q), q};
+    }
+  }
+  // The 32-bit lanes of q_w . q_x for x's codes of the same blocks.
+  static auto dot_codes(const Unit& w, VecB x) {
+    if constexpr (kInt4) {
+      return dot(VecB::zero(), w.codes, x);
+    } else {
+      return dot(VecB::zero(), w.codes, with_sign(x, w.signs));
+    }
+  }
+
+  // Row n's scales (or mins) of blocks [b, b + valid), one a lane, zero beyond.
+  VecF per_block(const S* values, int64_t n, int64_t b, int valid) const {
+    const int64_t per_group = groups.size / kBlock;
+    const S* row = values + n * groups.per_row;
+    if (per_group == 1) return load(row + b, valid);
+    if (groups.per_row == 1) return VecF::set1(to_float(row[0]));
+    alignas(64) float lanes[VecF::kWidth] = {};
+    for (int l = 0; l < valid; ++l) lanes[l] = to_float(row[(b + l) / per_group]);
+    return VecF::load(lanes);
+  }
+};
+
+// out[m0 .. m0 + MR, n] for one weight row n.
+template <int MR, typename Rows>
+void integer_row(const Rows& w, int64_t n, const QuantizedRows& x, int64_t m0, const Epilogue& out) {
+  constexpr int kUnits = VecF::kWidth / VecB::kBlocks;  // units a chunk of kWidth blocks
+  VecF acc[MR], acc_min[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = acc_min[i] = VecF::zero();
+  // Units [0, units) of the chunk of blocks from c, the last one holding `last` blocks.
+  const auto chunk = [&](int64_t c, int valid, int units, int last) {
+    const VecF w_scales = w.per_block(w.groups.scales, n, c, valid);
+    VecF scales[MR];
+    for (int i = 0; i < MR; ++i) scales[i] = w_scales * x.scales(m0 + i, c);
+    if (w.groups.mins != nullptr) {
+      const VecF w_mins = w.per_block(w.groups.mins, n, c, valid);
+      for (int i = 0; i < MR; ++i) acc_min[i] = fmadd(w_mins, x.sums(m0 + i, c), acc_min[i]);
+    }
+    for (int u = 0; u < units; ++u) {
+      const int64_t b = c + u * VecB::kBlocks;
+      const auto codes = w.unit(n, b, u + 1 == units ? last : VecB::kBlocks);
+      for (int i = 0; i < MR; ++i) {
+        const auto sums = Rows::dot_codes(codes, VecB::load(x.codes(m0 + i, b), VecB::kBlocks));
+        acc[i] = fmadd(VecF::from_int(sums), unit_lanes(scales[i], u), acc[i]);
+      }
+    }
+  };
+  int64_t c = 0;
+  for (; c + VecF::kWidth <= x.blocks; c += VecF::kWidth) chunk(c, VecF::kWidth, kUnits, VecB::kBlocks);
+  if (c < x.blocks) {
+    const int valid = static_cast<int>(x.blocks - c);
+    const int units = (valid + VecB::kBlocks - 1) / VecB::kBlocks;
+    chunk(c, valid, units, valid - (units - 1) * VecB::kBlocks);
+  }
+  for (int i = 0; i < MR; ++i) out.store(m0 + i, n, reduce_add(acc[i] + acc_min[i]));
+}
+
+template <typename Rows>
+void integer_matmul(const Rows& w, int64_t n_rows, int64_t cols, const float* x, int64_t m_rows,
+                    const Epilogue& out) {
+  const QuantizedRows qx(x, m_rows, cols);
+  const int64_t panels = (n_rows + kPanelRows - 1) / kPanelRows;
+  const int64_t item_work = kPanelRows * cols * m_rows;
+  at::parallel_for(0, panels, std::max<int64_t>(1, kTaskWork / item_work), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin * kPanelRows; n < std::min(end * kPanelRows, n_rows); ++n) {
+      switch (m_rows) {
+        case 1: integer_row<1>(w, n, qx, 0, out); break;
+        case 2: integer_row<2>(w, n, qx, 0, out); break;
+        case 3: integer_row<3>(w, n, qx, 0, out); break;
+        default: integer_row<4>(w, n, qx, 0, out); break;
+      }
+    }
+  });
+}
+
+// Calls fn(source) with the row source for this weight format: for int8 / int4 codes in groups of whole
+// blocks, their CodeRows (integer dot products) if kInteger.
+template <bool kInteger, typename Fn>
 void with_source(const at::Tensor& weight, const c10::optional<at::Tensor>& scales,
                  const c10::optional<at::Tensor>& mins, int64_t group, int64_t cols, const Fn& fn) {
   const int64_t n_rows = weight.size(0);
@@ -317,12 +453,29 @@ void with_source(const at::Tensor& weight, const c10::optional<at::Tensor>& scal
   auto run = [&](auto scale_tag) {
     using S = decltype(scale_tag);
     const Groups<S> groups{s.data_ptr<S>(), mins.has_value() ? mins->data_ptr<S>() : nullptr, group, cols / group};
+    const auto* codes = static_cast<const uint8_t*>(weight.data_ptr());
+    if constexpr (kInteger) {
+      if (group % kBlock == 0) {
+        if (int4) return fn(CodeRows<S, true>{codes, weight.size(1), groups});
+        return fn(CodeRows<S, false>{codes, weight.size(1), groups});
+      }
+    }
     if (int4) return fn(Int4Rows<S>{weight.data_ptr<uint8_t>(), weight.size(1), cols, groups});
     if (group % 32 == 0) return fn(Int8Rows<S, 32>{weight.data_ptr<int8_t>(), weight.size(1), cols, groups});
     return fn(Int8Rows<S, 16>{weight.data_ptr<int8_t>(), weight.size(1), cols, groups});
   };
   if (s.scalar_type() == at::kFloat) return run(float{});
   return run(c10::Half{});
+}
+
+template <typename Source>
+void multiply(const Source& src, int64_t n_rows, int64_t cols, const float* x, int64_t m_rows, const Epilogue& out) {
+  matmul(src, n_rows, cols, x, m_rows, out);
+}
+template <typename S, bool kInt4>
+void multiply(const CodeRows<S, kInt4>& src, int64_t n_rows, int64_t cols, const float* x, int64_t m_rows,
+              const Epilogue& out) {
+  integer_matmul(src, n_rows, cols, x, m_rows, out);
 }
 
 bool is_float_or_bf16(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16; }
@@ -354,8 +507,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                           residual.has_value() ? residual->stride(0) : 0,
                           x.scalar_type() == at::kBFloat16};
   if (m_rows == 0 || n_rows == 0) return out;
-  with_source(weight, scales, mins, group_size, cols,
-              [&](const auto& src) { matmul(src, n_rows, cols, xf.data_ptr<float>(), m_rows, epilogue); });
+  const auto run = [&](const auto& src) { multiply(src, n_rows, cols, xf.data_ptr<float>(), m_rows, epilogue); };
+  if (m_rows <= kStreamRows) {
+    with_source<true>(weight, scales, mins, group_size, cols, run);
+  } else {
+    with_source<false>(weight, scales, mins, group_size, cols, run);
+  }
   return out;
 }
 
@@ -371,7 +528,7 @@ void dequantize_rows(at::Tensor out, const at::Tensor& weight, const c10::option
     TORCH_CHECK(id[i] >= 0 && id[i] < n_rows, "row id ", id[i], " is out of range [0, ", n_rows, ")");
   }
   const bool bf16 = out.scalar_type() == at::kBFloat16;
-  with_source(weight, scales, mins, group_size, cols, [&](const auto& src) {
+  with_source<false>(weight, scales, mins, group_size, cols, [&](const auto& src) {
     using Source = std::decay_t<decltype(src)>;
     at::parallel_for(0, count, std::max<int64_t>(1, kTaskWork / (4 * cols)), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {

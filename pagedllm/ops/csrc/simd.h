@@ -31,6 +31,10 @@ struct VecF {
     const __m256i raw = _mm256_maskz_loadu_epi16(mask(n), p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
   }
+  static VecF load(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static VecF load(const c10::Half* p, int n) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask(n), p)); }
+  // The 32-bit integer lanes as floats.
+  static VecF from_int(__m512i x) { return _mm512_cvtepi32_ps(x); }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   void store(float* p, int n) const { _mm512_mask_storeu_ps(p, mask(n), v); }
   // Round to nearest even, as c10::BFloat16 does; NaN stays NaN.
@@ -102,6 +106,14 @@ struct VecF {
     std::memcpy(tmp, p, n * sizeof(uint16_t));
     return widen(_mm_load_si128(reinterpret_cast<const __m128i*>(tmp)));
   }
+  static VecF load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static VecF load(const c10::Half* p, int n) {
+    alignas(16) uint16_t tmp[8] = {0};
+    std::memcpy(tmp, p, n * sizeof(uint16_t));
+    return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tmp)));
+  }
+  // The 32-bit integer lanes as floats.
+  static VecF from_int(__m256i x) { return _mm256_cvtepi32_ps(x); }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   void store(float* p, int n) const { _mm256_maskstore_ps(p, mask(n), v); }
   // Round to nearest even, as c10::BFloat16 does; NaN stays NaN.
@@ -157,6 +169,72 @@ inline VecF scale_by_pow2(VecF a, VecF n) {  // a * 2^n, n integral in [-126, 12
   return _mm256_mul_ps(a.v, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
 }
 
+#endif
+
+// Bytes for integer dot products, kWidth * 4 of them (one 32-bit sum a float lane): the codes of
+// kBlocks 32-column blocks of a weight row, or of a row of x quantized to int8. dot(acc, u, s) adds to
+// each 32-bit lane the four products of u's unsigned and s's signed bytes there: AVX-512 VNNI's vpdpbusd
+// where the build has it, else multiply-add pairs to 16 bits (at most 2 * 128 * 127: no saturation)
+// and pairs of those to 32 bits.
+#if defined(PAGEDLLM_AVX512)
+struct VecB {
+  static constexpr int kBlocks = 2;
+  __m512i v;
+  // `blocks` (1 or kBlocks) blocks of int8 codes, 32 bytes each; bytes past them read as zero.
+  static VecB load(const int8_t* p, int blocks) {
+    return {blocks == kBlocks ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(0xffffffffULL, p)};
+  }
+  // `blocks` blocks of 4-bit codes, 16 bytes each (byte i: column i in its low nibble, column i + 16 in
+  // its high), as unsigned bytes in column order.
+  static VecB nibbles(const uint8_t* p, int blocks) {
+    const __m256i raw = blocks == kBlocks ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                          : _mm256_maskz_loadu_epi8(0xffff, p);
+    const __m256i low4 = _mm256_set1_epi8(15);
+    const __m512i halves = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, low4)),
+                                              _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), 1);
+    // [block 0 low, block 1 low, block 0 high, block 1 high] -> [0 low, 0 high, 1 low, 1 high]
+    return {_mm512_shuffle_i64x2(halves, halves, _MM_SHUFFLE(3, 1, 2, 0))};
+  }
+  static __m512i zero() { return _mm512_setzero_si512(); }
+};
+inline __m512i dot(__m512i acc, VecB u, VecB s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u.v, s.v);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u.v, s.v), _mm512_set1_epi16(1)));
+#endif
+}
+// For signed bytes w and x (x in -127..127): dot(abs(w), with_sign(x, w)) = sum w * x.
+inline VecB abs(VecB w) { return {_mm512_abs_epi8(w.v)}; }
+inline VecB with_sign(VecB x, VecB w) {
+  return {_mm512_mask_sub_epi8(x.v, _mm512_movepi8_mask(w.v), _mm512_setzero_si512(), x.v)};
+}
+// Lane l of the result: per_block[unit * kBlocks + l / 8] (a float for each block of a chunk of kWidth).
+inline VecF unit_lanes(VecF per_block, int unit) {
+  const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(unit * 2),
+                                         _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+  return _mm512_permutexvar_ps(index, per_block.v);
+}
+#else
+struct VecB {
+  static constexpr int kBlocks = 1;
+  __m256i v;
+  static VecB load(const int8_t* p, int) { return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))}; }
+  static VecB nibbles(const uint8_t* p, int) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i low4 = _mm_set1_epi8(15);
+    return {_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low4), _mm_and_si128(raw, low4))};
+  }
+  static __m256i zero() { return _mm256_setzero_si256(); }
+};
+inline __m256i dot(__m256i acc, VecB u, VecB s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u.v, s.v), _mm256_set1_epi16(1)));
+}
+inline VecB abs(VecB w) { return {_mm256_abs_epi8(w.v)}; }
+inline VecB with_sign(VecB x, VecB w) { return {_mm256_sign_epi8(x.v, w.v)}; }
+inline VecF unit_lanes(VecF per_block, int unit) {
+  return _mm256_permutevar8x32_ps(per_block.v, _mm256_set1_epi32(unit));
+}
 #endif
 
 // The horizontal sums of four vectors, in lanes 0..3.
