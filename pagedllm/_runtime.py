@@ -10,8 +10,9 @@ matmuls and attention of every layer), 50 us each: one request on the GGUF block
 and 89 tok/s when the threads spin 10,000 rounds (libgomp's GOMP_SPINCOUNT, tens of microseconds)
 before sleeping, the gap between two ops of a step. With both cores busy with other work that short
 spin cost nothing against sleeping at once (6.5 s vs 6.8-7.1 s for `pagedllm generate`; libgomp's
-default 300,000 rounds took 12 s once), so it is the default too. The thread count defaults to the CPUs this process may run on (its affinity mask, capped by a cgroup CPU
-quota), where torch would count every CPU of the machine.
+default 300,000 rounds took 12 s once), so it is the default too. The thread count defaults to the
+CPUs this process may run on (its affinity mask, capped by a cgroup CPU quota), where torch would count
+every CPU of the machine.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""OpenMP defaults applied by `import pagedllm`: passive waiting after a short spin, and a thread count from the usable CPUs."""
+"""OpenMP defaults applied by `import pagedllm`: passive waiting after a short spin, and a thread count
+from the usable CPUs."""
 
 import os
 import subprocess
@@ -12,8 +13,8 @@ from pagedllm._runtime import SPIN_ROUNDS, usable_cpus
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = (
     "import os, pagedllm, torch; "
-    "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_NUM_THREADS'), "
-    "torch.get_num_threads())"
+    "env = os.environ.get; "
+    "print(env('OMP_WAIT_POLICY'), env('GOMP_SPINCOUNT'), env('OMP_NUM_THREADS'), torch.get_num_threads())"
 )
 
 
