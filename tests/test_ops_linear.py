@@ -1,8 +1,8 @@
 """The C++ linear kernel (ops/csrc/linear.cpp) on every weight format and instruction-set build, against
 x @ dequantize(W)^T computed by torch in float64; and its row lookups (the tied embedding).
 
-Up to 4 rows of x meet int8 / int4 codes in groups of whole 32-column blocks as int8 blocks themselves
-(llama.cpp's Q8 activations): there the reference rounds x the same way, written here independently."""
+Rows of x meet int8 / int4 codes in groups of whole 32-column blocks as int16 blocks (scale max |x| / 32767
+a block): there the reference rounds x the same way, written here independently."""
 
 import pytest
 import torch
@@ -61,20 +61,20 @@ def make_weight_and_mins(fmt: str, n: int, k: int, seed: int = 0):
     return (data, scales, mins, group), (w + m).reshape(n, k), m.reshape(n, k)
 
 
-def q8_blocks(x: torch.Tensor) -> torch.Tensor:
-    """x rounded as int8 blocks of 32 columns, scale max |x| / 127 each (float32 arithmetic)."""
+def int16_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as int16 blocks of 32 columns, scale max |x| / 32767 each (float32 arithmetic)."""
     blocks = x.float().reshape(x.shape[0], -1, 32)
-    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 32767
     inverse = torch.where(d > 0, 1 / d, 0)
     return (torch.round(blocks * inverse) * d).reshape(x.shape)
 
 
 def reference(x: torch.Tensor, fmt: str, stored, w: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes in exact arithmetic: x @ W^T, with x as int8 blocks against the codes
+    """What the kernel computes in exact arithmetic: x @ W^T, with x as int16 blocks against the codes
     (not the mins) where the integer path runs."""
     group = stored[3]
-    if fmt.startswith("int") and x.shape[0] <= 4 and group % 32 == 0:
-        return q8_blocks(x).double() @ (w - mins).T + x.double() @ mins.T
+    if fmt.startswith("int") and group % 32 == 0:
+        return int16_blocks(x).double() @ (w - mins).T + x.double() @ mins.T
     return x.double() @ w.T
 
 
@@ -96,16 +96,15 @@ def test_linear_matches_dequantized_reference(kernels, fmt, rows, shape):
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("k", [576, 544])  # 18 blocks; 17 (an odd one out of a 2-block AVX-512 unit)
-def test_few_rows_round_x_to_int8_blocks(kernels, fmt, k):
-    """The integer path is what runs at 1-4 rows: its result is x-as-int8's, measurably not float x's."""
+def test_codes_meet_x_as_int16_blocks_at_any_batch(kernels, fmt, k):
+    """Each row's result is x-as-int16's, to float32 rounding; the same bits alone or among 300 rows."""
     stored, w, mins = make_weight_and_mins(fmt, 64, k, seed=1)
-    x = torch.randn(2, k)
-    out = kernels.linear(x, *stored).double()
-    torch.testing.assert_close(out, reference(x, fmt, stored, w, mins), atol=1e-4, rtol=1e-5)
-    assert (out - x.double() @ w.T).abs().max() > 1e-3
-    # the same rows among five (the float path) agree with float x instead
-    five = kernels.linear(torch.cat((x, torch.randn(3, k))), *stored)[:2].double()
-    torch.testing.assert_close(five, x.double() @ w.T, atol=1e-4, rtol=1e-5)
+    x = torch.randn(2, k) * torch.logspace(-3, 3, k)  # blocks of very different magnitudes
+    out = kernels.linear(x, *stored)
+    expected = reference(x, fmt, stored, w, mins)
+    torch.testing.assert_close(out.double(), expected, atol=1e-6 * expected.abs().max().item(), rtol=1e-5)
+    batch = torch.cat((torch.randn(150, k), x, torch.randn(148, k)))
+    assert torch.equal(kernels.linear(batch, *stored)[150:152], out)
 
 
 @pytest.mark.parametrize("fmt", ["float32", "int4"])

@@ -39,8 +39,10 @@ def client(server):
 @pytest.fixture
 def logprob_tolerance(server) -> float:
     """How far the server's logprobs may be from `llm`'s: on two ranks the row-parallel layers' partial
-    sums are added in another order than one process's matmul (float32 rounding, ~1e-5)."""
-    return 1e-5 if server[1].executor is None else 1e-4
+    sums are added in another order than one process's matmul (float32 rounding, ~1e-7 a value), and
+    where that moves an activation across a rounding step of the int16 blocks the file's codes are
+    multiplied with, the value moves by up to 1.5e-5 of its block's largest."""
+    return 1e-5 if server[1].executor is None else 2e-3
 
 
 @pytest.fixture(scope="module")

@@ -171,67 +171,68 @@ inline VecF scale_by_pow2(VecF a, VecF n) {  // a * 2^n, n integral in [-126, 12
 
 #endif
 
-// Bytes for integer dot products, kWidth * 4 of them (one 32-bit sum a float lane): the codes of
-// kBlocks 32-column blocks of a weight row, or of a row of x quantized to int8. dot(acc, u, s) adds to
-// each 32-bit lane the four products of u's unsigned and s's signed bytes there: AVX-512 VNNI's vpdpbusd
-// where the build has it, else multiply-add pairs to 16 bits (at most 2 * 128 * 127: no saturation)
-// and pairs of those to 32 bits.
+// 16-bit integer dot products over "units" of kBlocks blocks of 32 columns: a weight unit's codes widened
+// to 16 bits as two vectors, the first 16 columns of each block, then the last 16 (the order 4-bit codes
+// unpack in), and x's unit as 16-bit values in the same order. dot(w, x) has a 32-bit lane per float lane,
+// each the sum of four products (multiply-add of 16-bit pairs, twice), lane l belonging to block l / 8.
 #if defined(PAGEDLLM_AVX512)
-struct VecB {
-  static constexpr int kBlocks = 2;
-  __m512i v;
-  // `blocks` (1 or kBlocks) blocks of int8 codes, 32 bytes each; bytes past them read as zero.
-  static VecB load(const int8_t* p, int blocks) {
-    return {blocks == kBlocks ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(0xffffffffULL, p)};
-  }
-  // `blocks` blocks of 4-bit codes, 16 bytes each (byte i: column i in its low nibble, column i + 16 in
-  // its high), as unsigned bytes in column order.
-  static VecB nibbles(const uint8_t* p, int blocks) {
-    const __m256i raw = blocks == kBlocks ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                          : _mm256_maskz_loadu_epi8(0xffff, p);
-    const __m256i low4 = _mm256_set1_epi8(15);
-    const __m512i halves = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, low4)),
-                                              _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), 1);
-    // [block 0 low, block 1 low, block 0 high, block 1 high] -> [0 low, 0 high, 1 low, 1 high]
-    return {_mm512_shuffle_i64x2(halves, halves, _MM_SHUFFLE(3, 1, 2, 0))};
-  }
-  static __m512i zero() { return _mm512_setzero_si512(); }
+constexpr int kUnitBlocks = 2;
+struct WideCodes {
+  __m512i first, second;
 };
-inline __m512i dot(__m512i acc, VecB u, VecB s) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpbusd_epi32(acc, u.v, s.v);
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u.v, s.v), _mm512_set1_epi16(1)));
-#endif
+// Blocks' 4-bit codes, 16 bytes a block (column i in byte i's low nibble, column i + 16 in its high).
+inline WideCodes widen_nibbles(const uint8_t* p, int blocks) {
+  const __m256i raw = blocks == kUnitBlocks ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                            : _mm256_maskz_loadu_epi8(0xffff, p);
+  const __m512i words = _mm512_cvtepu8_epi16(raw);
+  return {_mm512_and_si512(words, _mm512_set1_epi16(15)), _mm512_srli_epi16(words, 4)};
 }
-// For signed bytes w and x (x in -127..127): dot(abs(w), with_sign(x, w)) = sum w * x.
-inline VecB abs(VecB w) { return {_mm512_abs_epi8(w.v)}; }
-inline VecB with_sign(VecB x, VecB w) {
-  return {_mm512_mask_sub_epi8(x.v, _mm512_movepi8_mask(w.v), _mm512_setzero_si512(), x.v)};
+// Blocks' int8 codes, 32 bytes a block.
+inline WideCodes widen_int8(const int8_t* p, int blocks) {
+  auto half = [&](int offset) {
+    const __m256i one = _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + offset)));
+    return blocks == kUnitBlocks
+               ? _mm256_inserti128_si256(one, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + offset)), 1)
+               : one;
+  };
+  return {_mm512_cvtepi8_epi16(half(0)), _mm512_cvtepi8_epi16(half(16))};
 }
-// Lane l of the result: per_block[unit * kBlocks + l / 8] (a float for each block of a chunk of kWidth).
+inline __m512i dot(const WideCodes& w, const int16_t* x) {
+  return _mm512_add_epi32(_mm512_madd_epi16(w.first, _mm512_loadu_si512(x)),
+                          _mm512_madd_epi16(w.second, _mm512_loadu_si512(x + 32)));
+}
+// The lanes rounded to the nearest integer (ties to even), saturated to int16, stored as kWidth values.
+inline void store_int16(VecF v, int16_t* p) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(v.v)));
+}
+// Lane l of the result: per_block[unit * kUnitBlocks + l / 8] (a float for each block of a chunk of kWidth).
 inline VecF unit_lanes(VecF per_block, int unit) {
   const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(unit * 2),
                                          _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
   return _mm512_permutexvar_ps(index, per_block.v);
 }
 #else
-struct VecB {
-  static constexpr int kBlocks = 1;
-  __m256i v;
-  static VecB load(const int8_t* p, int) { return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))}; }
-  static VecB nibbles(const uint8_t* p, int) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i low4 = _mm_set1_epi8(15);
-    return {_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low4), _mm_and_si128(raw, low4))};
-  }
-  static __m256i zero() { return _mm256_setzero_si256(); }
+constexpr int kUnitBlocks = 1;
+struct WideCodes {
+  __m256i first, second;
 };
-inline __m256i dot(__m256i acc, VecB u, VecB s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u.v, s.v), _mm256_set1_epi16(1)));
+inline WideCodes widen_nibbles(const uint8_t* p, int) {
+  const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return {_mm256_and_si256(words, _mm256_set1_epi16(15)), _mm256_srli_epi16(words, 4)};
 }
-inline VecB abs(VecB w) { return {_mm256_abs_epi8(w.v)}; }
-inline VecB with_sign(VecB x, VecB w) { return {_mm256_sign_epi8(x.v, w.v)}; }
+inline WideCodes widen_int8(const int8_t* p, int) {
+  return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+}
+inline __m256i dot(const WideCodes& w, const int16_t* x) {
+  return _mm256_add_epi32(_mm256_madd_epi16(w.first, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+                          _mm256_madd_epi16(w.second, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
+}
+inline void store_int16(VecF v, int16_t* p) {
+  const __m256i ints = _mm256_cvtps_epi32(v.v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packs_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1)));
+}
 inline VecF unit_lanes(VecF per_block, int unit) {
   return _mm256_permutevar8x32_ps(per_block.v, _mm256_set1_epi32(unit));
 }
