@@ -11,6 +11,7 @@ from pagedllm.models.linear import (
     default_linear_method,
     process_linear_layers,
 )
+from pagedllm.ops import cpu
 
 ONEDNN = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without mkldnn")
 
@@ -78,6 +79,12 @@ def test_default_method_per_device_and_dtype(monkeypatch):
     assert cpu_fp32.name == "onednn"
     assert default_linear_method("cpu", torch.float16).name == "dense"
     assert default_linear_method("cuda", torch.bfloat16).name == "dense"
+    # an engine whose decode steps hold at most 4 sequences streams the plain weight through the kernel
+    assert default_linear_method("cpu", torch.float32, max_num_seqs=256).name == "onednn"
+    if cpu.unavailable_reason() is None:
+        assert default_linear_method("cpu", torch.float32, max_num_seqs=1).name == "kernel"
+        assert default_linear_method("cpu", torch.bfloat16, max_num_seqs=4).name == "kernel"
+    assert default_linear_method("cuda", torch.float32, max_num_seqs=1).name == "dense"
     monkeypatch.setenv(LINEAR_METHOD_ENV_VAR, "dense")
     assert default_linear_method("cpu", torch.float32).name == "dense"
     monkeypatch.setenv(LINEAR_METHOD_ENV_VAR, "kernel")

@@ -24,6 +24,7 @@ from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence
 from pagedllm.kv import ContiguousAllocator, PagedAllocator
 from pagedllm.models import LoadedModel, ModelConfig, load_model
+from pagedllm.models.linear import few_rows
 from pagedllm.models.parallel import SINGLE, TensorParallel
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -40,15 +41,18 @@ def load_shared_model(
     device: str,
     quantization: str | None = "auto",
     tp: TensorParallel = SINGLE,
+    max_num_seqs: int | None = None,
 ) -> LoadedModel:
     """load_model, reusing a model another live engine already loaded with the same settings (a shard of a
     tensor-parallel group is its engine's own: its layers collect through that group)."""
     if tp.size > 1:
-        return load_model(model, dtype=dtype, device=device, quantization=quantization, tp=tp)
-    key = (model, dtype, device, quantization)
+        return load_model(model, dtype, device, quantization=quantization, tp=tp, max_num_seqs=max_num_seqs)
+    key = (model, dtype, device, quantization, few_rows(max_num_seqs))
     loaded = _loaded_models.get(key)
     if loaded is None:
-        loaded = load_model(model, dtype=dtype, device=device, quantization=quantization)
+        loaded = load_model(
+            model, dtype=dtype, device=device, quantization=quantization, max_num_seqs=max_num_seqs
+        )
         _loaded_models[key] = loaded
     return loaded
 
@@ -99,7 +103,9 @@ class LLMEngine:
 
     def _start(self, config: EngineConfig) -> None:
         tp = self.executor.tp if self.executor else SINGLE
-        loaded = load_shared_model(config.model, config.torch_dtype, config.device, config.quantization, tp)
+        loaded = load_shared_model(
+            config.model, config.torch_dtype, config.device, config.quantization, tp, config.max_num_seqs
+        )
         self.loaded_model = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer

@@ -134,16 +134,15 @@ class Attention(nn.Module):
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The attention output, plus `residual` if given (added inside the output projection)."""
-        num_tokens, num_heads, head_dim = x.shape[0], self.num_heads, self.head_dim
-        qkv = self.qkv_proj(x)
-        qk_size = (num_heads + self.num_kv_heads) * head_dim
-        qk = qkv[:, :qk_size].view(num_tokens, num_heads + self.num_kv_heads, head_dim)
-        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, head_dim)
+        num_tokens, num_heads, num_kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        heads = self.qkv_proj(x).view(num_tokens, num_heads + 2 * num_kv_heads, self.head_dim)
+        qk, v = heads.split((num_heads + num_kv_heads, num_kv_heads), dim=1)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :num_heads]), self.k_norm(qk[:, num_heads:])), dim=1)
         rotary(qk, positions)  # q and k heads together, in place
-        out = self.attn(qk[:, :num_heads], qk[:, num_heads:], v, meta)
-        return self.o_proj(out.view(num_tokens, num_heads * head_dim), residual)
+        q, k = qk.split((num_heads, num_kv_heads), dim=1)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.view(num_tokens, num_heads * self.head_dim), residual)
 
 
 class CausalLM(nn.Module):

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.ops import cpu
+
 LINEAR_METHOD_ENV_VAR = "PAGEDLLM_LINEAR_METHOD"
 
 
@@ -183,16 +185,12 @@ class KernelLinear(LinearMethod):
             del layer.weight
 
     def apply(self, layer: Linear, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        from pagedllm.ops import cpu
-
         w = layer.stored
         if w.data.dtype == torch.bfloat16 and x.shape[0] > self.STREAM_ROWS:
             return dense_linear(x, w.data, layer.bias, residual)
         return cpu.linear(x, w.data, w.scales, w.mins, w.group_size, layer.bias, residual)
 
     def embedding(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
-        from pagedllm.ops import cpu
-
         w = layer.stored
         return cpu.dequantize_rows(w.data, w.scales, w.mins, w.group_size, ids, layer.params_dtype)
 
@@ -207,10 +205,13 @@ LINEAR_METHODS: dict[str, type[LinearMethod]] = {
 }
 
 
-def default_linear_method(device: torch.device | str, dtype: torch.dtype) -> LinearMethod:
-    """For unquantized weights: oneDNN's prepacked GEMM for float32 / bfloat16 on the CPU where torch has
-    it, else dense; $PAGEDLLM_LINEAR_METHOD overrides (`kernel`: pagedllm's, which streams a weight twice
-    as fast at one row but reaches 75-90% of oneDNN from 8 rows up: `pagedllm bench linear`)."""
+def default_linear_method(
+    device: torch.device | str, dtype: torch.dtype, max_num_seqs: int | None = None
+) -> LinearMethod:
+    """For unquantized weights on the CPU (float32 / bfloat16): oneDNN's prepacked GEMM; but where a decode
+    step never holds more than KernelLinear.STREAM_ROWS sequences (`max_num_seqs`: one user chatting),
+    pagedllm's kernel, which streams a weight at one row twice as fast and reaches 75-90% of oneDNN from 8
+    rows up (`pagedllm bench linear`). Dense elsewhere; $PAGEDLLM_LINEAR_METHOD overrides."""
     requested = os.environ.get(LINEAR_METHOD_ENV_VAR, "").strip().lower()
     if requested:
         if requested not in LINEAR_METHODS:
@@ -218,7 +219,14 @@ def default_linear_method(device: torch.device | str, dtype: torch.dtype) -> Lin
         return LINEAR_METHODS[requested]()
     if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return DenseLinear()
+    if few_rows(max_num_seqs) and cpu.unavailable_reason() is None:
+        return KernelLinear()
     return OneDNNLinear() if torch.backends.mkldnn.is_available() else DenseLinear()
+
+
+def few_rows(max_num_seqs: int | None) -> bool:
+    """Whether every decode step multiplies few enough rows for the kernel's streaming regime."""
+    return max_num_seqs is not None and max_num_seqs <= KernelLinear.STREAM_ROWS
 
 
 def linear_layers(model: nn.Module) -> list[Linear]:

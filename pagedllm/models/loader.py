@@ -158,10 +158,12 @@ def load_model(
     linear_method: LinearMethod | None = None,
     quantization: str | None = "auto",
     tp: TensorParallel = SINGLE,
+    max_num_seqs: int | None = None,
 ) -> LoadedModel:
     """Load weights, config and tokenizer; the linear method (default: the one `quantization` names, see
-    quantization.linear_method_for: "auto" keeps a GGUF file's own blocks) receives every matmul weight
-    and prepares its storage. The model is in eval mode with gradients off.
+    quantization.linear_method_for: "auto" keeps a GGUF file's own blocks; unquantized weights for an engine
+    of at most `max_num_seqs` sequences) receives every matmul weight and prepares its storage. The model
+    is in eval mode with gradients off.
 
     With a tensor-parallel `tp`, the model holds rank tp.rank's part of every sharded weight."""
     gguf = gguf_file(model)
@@ -171,7 +173,9 @@ def load_model(
     with torch.device(device):
         module = cls(config, tp)  # parameters uninitialised (torch.empty): every one is loaded below
     module.to(dtype)
-    method = linear_method or linear_method_for(quantization, device, dtype, gguf=gguf is not None)
+    method = linear_method or linear_method_for(
+        quantization, device, dtype, gguf=gguf is not None, max_num_seqs=max_num_seqs
+    )
     set_linear_method(module, method)
     if isinstance(method, GGUFLinear):
         weights = gguf_blocks(gguf, folder)

@@ -141,11 +141,16 @@ _METHODS: dict[str, type[LinearMethod]] = {"int8": Int8Linear, "int4": Int4Linea
 
 
 def linear_method_for(
-    quantization: str | None, device: torch.device | str, dtype: torch.dtype, gguf: bool
+    quantization: str | None,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    gguf: bool,
+    max_num_seqs: int | None = None,
 ) -> LinearMethod:
     """The LinearMethod for a `quantization` setting: "auto" keeps a GGUF file's own blocks where the CPU
     kernels run (the weights a GGUF user chose) and leaves other checkpoints unquantized; None / "none"
-    loads unquantized weights in `dtype`; "int8" / "int4" quantize at load time; "gguf" keeps the blocks."""
+    loads unquantized weights in `dtype` (default_linear_method, which weighs `max_num_seqs`); "int8" /
+    "int4" quantize at load time; "gguf" keeps the blocks."""
     from pagedllm.ops import cpu
 
     def unusable() -> str | None:
@@ -159,7 +164,7 @@ def linear_method_for(
     if quantization == "auto":
         quantization = "gguf" if gguf and unusable() is None else None
     if quantization in (None, "none"):
-        return default_linear_method(device, dtype)
+        return default_linear_method(device, dtype, max_num_seqs)
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"quantization must be 'auto', None or one of {list(QUANTIZATIONS)}, got {quantization!r}"

@@ -106,6 +106,7 @@ class Executor:
             "dtype": dtype,
             "device": config.device,
             "quantization": config.quantization,
+            "max_num_seqs": config.max_num_seqs,
         }
         self.store.set("model", json.dumps(spec))
         threads = threads_per_rank(topo.local_ranks)

@@ -41,7 +41,10 @@ def run_worker(init_method: str, rank: int, world_size: int, local_rank: int) ->
     tp = form_group(store, rank, world_size, device, WORKER_TIMEOUT)
     try:
         dtype = DTYPES[spec["dtype"]]
-        model = load_model(spec["model"], dtype, device, quantization=spec["quantization"], tp=tp).model
+        quantization, max_num_seqs = spec["quantization"], spec["max_num_seqs"]
+        model = load_model(
+            spec["model"], dtype, device, quantization=quantization, tp=tp, max_num_seqs=max_num_seqs
+        ).model
         cache = json.loads(store.get("cache"))
         kv_dtype = DTYPES[cache["dtype"]]
         runner = ModelRunner(

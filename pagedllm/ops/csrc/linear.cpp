@@ -37,7 +37,7 @@ constexpr int kTileCols = 4;             // rows of W in one register tile
 constexpr int64_t kPanelRows = 32;       // rows of W in one work item
 constexpr int64_t kChunkRows = 256;      // rows of x in one work item (many-row regime)
 constexpr int64_t kStreamRows = 4;       // up to this many rows of x, quantized weights are converted in registers
-constexpr int64_t kTaskWork = 1 << 19;   // multiply-adds a parallel task should have (waking a thread costs 10-30 us)
+constexpr int64_t kTaskWork = 1 << 17;   // multiply-adds a parallel task should have (a spinning thread starts in ~1 us)
 
 // Lanes of vector j of a unit with `valid` columns.
 inline int lanes(int valid, int j) { return std::clamp(valid - j * VecF::kWidth, 0, VecF::kWidth); }
