@@ -18,10 +18,11 @@ GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def reference_tokens(smollm2_llm):
-    """The same batch with a cache big enough that nothing is ever preempted."""
-    outputs = smollm2_llm.generate(PROMPTS, GREEDY)
-    assert smollm2_llm.engine.scheduler.num_preemptions == 0
+def reference_tokens():
+    """The same batch, on the same (default) storage, with a cache big enough that nothing is preempted."""
+    llm = LLM("smollm2-135m", max_model_len=512)
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert llm.engine.scheduler.num_preemptions == 0
     return [o.outputs[0].token_ids for o in outputs]
 
 
