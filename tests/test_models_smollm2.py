@@ -23,14 +23,6 @@ def smollm2(request):
     return load_model("smollm2-135m", quantization=request.param)
 
 
-def logit_tolerance(loaded) -> dict[str, float]:
-    """float32: HF's arithmetic in another order. The file's blocks multiply x rounded to int16 blocks (a
-    relative error up to 1.5e-5 a value, through every layer): logits agree to a few hundredths."""
-    if loaded.linear_method == "gguf":
-        return {"atol": 5e-2, "rtol": 1e-3}
-    return {"atol": 2e-3, "rtol": 1e-4}
-
-
 @pytest.fixture(scope="module")
 def prompt_ids(smollm2):
     return [smollm2.tokenizer.encode(p) for p in PROMPTS]
@@ -70,7 +62,7 @@ def test_prefill_logits_match_hf(smollm2, hf_smollm2, prompt_ids):
     cache = PagedCache.create(model.config, 64, 16, seed=1)
     logits = forward_chunks(model, cache, [(i, p, 0) for i, p in enumerate(prompt_ids)])
     expected = torch.cat([hf_logits(hf_smollm2, p) for p in prompt_ids])
-    torch.testing.assert_close(logits, expected, **logit_tolerance(smollm2))
+    torch.testing.assert_close(logits, expected, atol=2e-3, rtol=1e-4)
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 
 
