@@ -49,6 +49,11 @@ DECODE = {
     "head-major-bf16-window": Case(
         4, 2, 64, 16, (70, 3, 33), window=16, dtype=torch.bfloat16, head_major=True
     ),
+    # one long row, its few KV heads fewer than twice the threads: the cpu kernel splits its keys into
+    # parts and combines them (with 2+ threads, as on the test machines)
+    "one-long-row": Case(9, 3, 64, 16, (3000,), head_major=True),
+    "one-long-row-window": Case(4, 1, 64, 16, (2500,), window=1100),
+    "one-long-row-bf16": Case(6, 2, 64, 16, (2100,), dtype=torch.bfloat16, head_major=True),
 }
 PREFILL = {
     "prompt": Case(6, 2, 16, 8, (20, 5), (20, 5)),
