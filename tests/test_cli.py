@@ -13,7 +13,8 @@ from pagedllm import BeamSearchParams, SamplingParams
 from pagedllm.entrypoints import cli
 
 PROMPT = "The capital of France is"
-SMALL = ["--kv-cache-memory", "32MiB", "--max-model-len", "512"]
+# the float32 storage of smollm2_llm, which these runs are compared with (and whose loaded model they share)
+SMALL = ["--kv-cache-memory", "32MiB", "--max-model-len", "512", "--quantization", "none"]
 
 
 def test_beam_width_prints_every_beam_best_first(capsys, smollm2_llm):
