@@ -313,29 +313,27 @@ struct QuantizedRows {
         scale(rows * padded, 0.f),
         sum(rows * padded, 0.f) {
     constexpr int kVectors = kBlock / VecF::kWidth;
-    at::parallel_for(0, rows, std::max<int64_t>(1, kTaskWork / (8 * cols)), [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m) {
-        for (int64_t b = 0; b < blocks; ++b) {
-          const float* src = x + m * cols + b * kBlock;
-          VecF v[kVectors], amax = VecF::zero(), total = VecF::zero();
-          for (int j = 0; j < kVectors; ++j) {
-            v[j] = VecF::load(src + j * VecF::kWidth);
-            amax = max(amax, max(v[j], VecF::zero() - v[j]));
-            total = total + v[j];
-          }
-          const float d = reduce_max(amax) / 32767.f;
-          const VecF inverse = VecF::set1(d > 0.f ? 1.f / d : 0.f);
-          // the unit's first halves of its blocks, then their second halves
-          int16_t* unit = q.data() + (m * padded + b / kUnitBlocks * kUnitBlocks) * kBlock;
-          for (int j = 0; j < kVectors; ++j) {
-            const int64_t column = j * VecF::kWidth, half = column / 16;
-            store_int16(v[j] * inverse, unit + (half * kUnitBlocks + b % kUnitBlocks) * 16 + column % 16);
-          }
-          scale[m * padded + b] = d;
-          sum[m * padded + b] = reduce_add(total);
+    for (int64_t m = 0; m < rows; ++m) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* src = x + m * cols + b * kBlock;
+        VecF v[kVectors], amax = VecF::zero(), total = VecF::zero();
+        for (int j = 0; j < kVectors; ++j) {
+          v[j] = VecF::load(src + j * VecF::kWidth);
+          amax = max(amax, max(v[j], VecF::zero() - v[j]));
+          total = total + v[j];
         }
+        const float d = reduce_max(amax) / 32767.f;
+        const VecF inverse = VecF::set1(d > 0.f ? 1.f / d : 0.f);
+        // the unit's first halves of its blocks, then their second halves
+        int16_t* unit = q.data() + (m * padded + b / kUnitBlocks * kUnitBlocks) * kBlock;
+        for (int j = 0; j < kVectors; ++j) {
+          const int64_t column = j * VecF::kWidth, half = column / 16;
+          store_int16(v[j] * inverse, unit + (half * kUnitBlocks + b % kUnitBlocks) * 16 + column % 16);
+        }
+        scale[m * padded + b] = d;
+        sum[m * padded + b] = reduce_add(total);
       }
-    });
+    }
   }
   const int16_t* codes(int64_t m, int64_t b) const { return q.data() + (m * padded + b) * kBlock; }
   VecF scales(int64_t m, int64_t b) const { return VecF::load(scale.data() + m * padded + b); }
@@ -370,9 +368,9 @@ struct CodeRows {
   }
 };
 
-// out[m0 .. m0 + MR, n] for one weight row n.
+// out[0 .. MR, n] for one weight row n.
 template <int MR, typename Rows>
-void integer_row(const Rows& w, int64_t n, const QuantizedRows& x, int64_t m0, const Epilogue& out) {
+void integer_row(const Rows& w, int64_t n, const QuantizedRows& x, const Epilogue& out) {
   constexpr int kUnits = VecF::kWidth / kUnitBlocks;  // units a chunk of kWidth blocks
   VecF acc[MR], acc_min[MR];
   for (int i = 0; i < MR; ++i) acc[i] = acc_min[i] = VecF::zero();
@@ -380,16 +378,16 @@ void integer_row(const Rows& w, int64_t n, const QuantizedRows& x, int64_t m0, c
   const auto chunk = [&](int64_t c, int valid, int units, int last) {
     const VecF w_scales = w.per_block(w.groups.scales, n, c, valid);
     VecF scales[MR];
-    for (int i = 0; i < MR; ++i) scales[i] = w_scales * x.scales(m0 + i, c);
+    for (int i = 0; i < MR; ++i) scales[i] = w_scales * x.scales(i, c);
     if (w.groups.mins != nullptr) {
       const VecF w_mins = w.per_block(w.groups.mins, n, c, valid);
-      for (int i = 0; i < MR; ++i) acc_min[i] = fmadd(w_mins, x.sums(m0 + i, c), acc_min[i]);
+      for (int i = 0; i < MR; ++i) acc_min[i] = fmadd(w_mins, x.sums(i, c), acc_min[i]);
     }
     for (int u = 0; u < units; ++u) {
       const int64_t b = c + u * kUnitBlocks;
       const WideCodes codes = w.unit(n, b, u + 1 == units ? last : kUnitBlocks);
       for (int i = 0; i < MR; ++i) {
-        const VecF sums = VecF::from_int(dot(codes, x.codes(m0 + i, b)));
+        const VecF sums = VecF::from_int(dot(codes, x.codes(i, b)));
         acc[i] = fmadd(sums, unit_lanes(scales[i], u), acc[i]);
       }
     }
@@ -401,29 +399,23 @@ void integer_row(const Rows& w, int64_t n, const QuantizedRows& x, int64_t m0, c
     const int units = (valid + kUnitBlocks - 1) / kUnitBlocks;
     chunk(c, valid, units, valid - (units - 1) * kUnitBlocks);
   }
-  for (int i = 0; i < MR; ++i) out.store(m0 + i, n, reduce_add(acc[i] + acc_min[i]));
+  for (int i = 0; i < MR; ++i) out.store(i, n, reduce_add(acc[i] + acc_min[i]));
 }
 
+// The few rows of x (up to kStreamRows) against every weight row, panels of rows split between threads.
 template <typename Rows>
 void integer_matmul(const Rows& w, int64_t n_rows, int64_t cols, const float* x, int64_t m_rows,
                     const Epilogue& out) {
   const QuantizedRows qx(x, m_rows, cols);
-  const int64_t chunks = (m_rows + kChunkRows - 1) / kChunkRows;
   const int64_t panels = (n_rows + kPanelRows - 1) / kPanelRows;
-  const int64_t item_work = kPanelRows * cols * std::min(kChunkRows, m_rows);
-  at::parallel_for(0, panels * chunks, std::max<int64_t>(1, kTaskWork / item_work), [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t n0 = (item / chunks) * kPanelRows, n1 = std::min(n0 + kPanelRows, n_rows);
-      const int64_t m0 = (item % chunks) * kChunkRows, m1 = std::min(m0 + kChunkRows, m_rows);
-      for (int64_t n = n0; n < n1; ++n) {
-        for (int64_t m = m0; m < m1; m += kTileRows) {
-          switch (std::min<int64_t>(kTileRows, m1 - m)) {
-            case 1: integer_row<1>(w, n, qx, m, out); break;
-            case 2: integer_row<2>(w, n, qx, m, out); break;
-            case 3: integer_row<3>(w, n, qx, m, out); break;
-            default: integer_row<4>(w, n, qx, m, out); break;
-          }
-        }
+  const int64_t item_work = kPanelRows * cols * m_rows;
+  at::parallel_for(0, panels, std::max<int64_t>(1, kTaskWork / item_work), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin * kPanelRows; n < std::min(end * kPanelRows, n_rows); ++n) {
+      switch (m_rows) {
+        case 1: integer_row<1>(w, n, qx, out); break;
+        case 2: integer_row<2>(w, n, qx, out); break;
+        case 3: integer_row<3>(w, n, qx, out); break;
+        default: integer_row<4>(w, n, qx, out); break;
       }
     }
   });
