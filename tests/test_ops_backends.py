@@ -54,6 +54,7 @@ DECODE = {
     "one-long-row": Case(9, 3, 64, 16, (3000,), head_major=True),
     "one-long-row-window": Case(4, 1, 64, 16, (2500,), window=1100),
     "one-long-row-bf16": Case(6, 2, 64, 16, (2100,), dtype=torch.bfloat16, head_major=True),
+    "short-row-then-split-row": Case(4, 1, 64, 16, (100, 2000)),  # only the second row is split
 }
 PREFILL = {
     "prompt": Case(6, 2, 16, 8, (20, 5), (20, 5)),

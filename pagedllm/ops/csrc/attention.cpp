@@ -219,11 +219,6 @@ struct WorkItem {
   int64_t part = 0, parts = 1;               // this item's share of a single row's keys
 };
 
-// What a part of a split row leaves for the combine step: each head's max score, sum of exp(score - max)
-// and unnormalised sum of V rows weighted by exp(score - max).
-struct Partial {
-  std::vector<float> max, sum, acc;  // [m_count], [m_count], [m_count * head_dim]
-};
 
 // C: the head dimension in whole SIMD vectors when the micro-kernels specialise on it, else 0.
 template <int C, typename TQ, typename TKV>
@@ -268,6 +263,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   }
   // Too few items for the threads: split single-row items' keys into parts, combined after.
   const int64_t threads = at::get_num_threads();
+  bool any_split = false;
   if (threads > 1 && static_cast<int64_t>(items.size()) < 2 * threads && work >= kInlineWork) {
     std::vector<WorkItem> split;
     for (const WorkItem& it : items) {
@@ -276,10 +272,14 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
                                 ? std::clamp<int64_t>(keys / kMinPartKeys, 1, 2 * threads)
                                 : 1;
       for (int64_t part = 0; part < parts; ++part) split.push_back({it.seq, it.kv_head, it.row_begin, it.row_end, part, parts});
+      any_split = any_split || parts > 1;
     }
     items.swap(split);
   }
-  std::vector<Partial> partials(items.size());
+  // What each part of a split row leaves for the combine step, per head of its group: the max score, the
+  // sum of exp(score - max) and the unnormalised sum of V rows weighted by exp(score - max).
+  const int64_t partial_size = group * (head_dim + 2);
+  std::vector<float> partials(any_split ? items.size() * partial_size : 0);
 
   parallel_dynamic(static_cast<int64_t>(items.size()), work, [&](int64_t idx) {
     const WorkItem& it = items[idx];
@@ -299,11 +299,10 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
     }
     const int64_t span = hi - lo;
 
-    thread_local std::vector<float> scores, query, acc, inv_sum, row_max, row_sum;
+    thread_local std::vector<float> scores, query, acc, row_max, row_sum;
     scores.resize(m_count * span);
     query.resize(m_count * head_dim);
     acc.assign(m_count * head_dim, 0.f);
-    inv_sum.resize(m_count);
     row_max.resize(m_count);
     row_sum.resize(m_count);
     // m = r * group + g is query row r, head kv_head * group + g; scaled queries kept in fp32.
@@ -333,7 +332,6 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
       row_sum[m] = exp_shifted_sum(row + a, b - a, row_max[m]);
       std::fill(row, row + a, 0.f);
       std::fill(row + b, row + span, 0.f);
-      inv_sum[m] = 1.f / row_sum[m];
     }
     // Pass 2: weighted sum of V rows, block by block, kRows accumulator rows at a time.
     paged.for_each_block(v_ptr, lo, hi, [&](int64_t t0, int64_t t1, const TKV* v_rows) {
@@ -344,32 +342,37 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
         });
       }
     });
-    if (it.parts > 1) {
-      partials[idx] = {{row_max.begin(), row_max.begin() + m_count}, {row_sum.begin(), row_sum.begin() + m_count},
-                       {acc.begin(), acc.begin() + m_count * head_dim}};
+    if (it.parts > 1) {  // m_count == group
+      float* partial = partials.data() + idx * partial_size;
+      std::copy(row_max.begin(), row_max.begin() + group, partial);
+      std::copy(row_sum.begin(), row_sum.begin() + group, partial + group);
+      std::copy(acc.begin(), acc.begin() + group * head_dim, partial + 2 * group);
       return;
     }
     for (int64_t m = 0; m < m_count; ++m) {
       TQ* dst = out_ptr + ((first_row + it.row_begin + m / group) * num_heads + it.kv_head * group + m % group) * head_dim;
-      const VecF inv = VecF::set1(inv_sum[m]);
+      const VecF inv = VecF::set1(1.f / row_sum[m]);
       for_each_chunk(head_dim, [&](int64_t i, int n) { store(load(&acc[m * head_dim + i], n) * inv, dst + i, n); });
     }
   });
 
   // Combine the parts of each split row: rescale every part's sums to the row's overall max.
+  if (partials.empty()) return;
+  std::vector<float> total(head_dim);
   for (size_t first = 0; first < items.size(); first += items[first].parts) {
     const WorkItem& it = items[first];
     if (it.parts == 1) continue;
+    const float* part0 = partials.data() + first * partial_size;
     for (int64_t m = 0; m < group; ++m) {
       float max_score = -std::numeric_limits<float>::infinity();
-      for (int64_t p = 0; p < it.parts; ++p) max_score = std::max(max_score, partials[first + p].max[m]);
-      std::vector<float> total(head_dim, 0.f);
+      for (int64_t p = 0; p < it.parts; ++p) max_score = std::max(max_score, part0[p * partial_size + m]);
+      std::fill(total.begin(), total.end(), 0.f);
       float sum = 0.f;
       for (int64_t p = 0; p < it.parts; ++p) {
-        const Partial& part = partials[first + p];
-        const float w = std::exp(part.max[m] - max_score);
-        sum += w * part.sum[m];
-        for (int64_t i = 0; i < head_dim; ++i) total[i] += w * part.acc[m * head_dim + i];
+        const float* part = part0 + p * partial_size;
+        const float w = std::exp(part[m] - max_score);
+        sum += w * part[group + m];
+        for (int64_t i = 0; i < head_dim; ++i) total[i] += w * part[2 * group + m * head_dim + i];
       }
       TQ* dst = out_ptr + ((starts[it.seq] + it.row_begin) * num_heads + it.kv_head * group + m) * head_dim;
       for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<TQ>(total[i] / sum);
