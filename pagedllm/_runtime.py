@@ -6,8 +6,8 @@ OpenMP threads that spin while waiting between parallel regions collapse as soon
 shares the cores (a busy 2-core machine ran `pagedllm generate` in 16.5 s with spinning threads and
 7.5 s with passive ones), so pagedllm makes them wait passively unless the user chose otherwise. Yet a
 thread that sleeps at once must be woken for each of a decode step's ~150 parallel regions (the
-matmuls and attention of every layer), 50 us each: one request on the GGUF blocks decoded 53 tok/s so
-and 89 tok/s when the threads spin 10,000 rounds (libgomp's GOMP_SPINCOUNT, tens of microseconds)
+matmuls and attention of every layer), 50 us each: one request on the GGUF blocks decoded 53 tok/s that
+way and 89 tok/s when the threads spin 10,000 rounds (libgomp's GOMP_SPINCOUNT, tens of microseconds)
 before sleeping, the gap between two ops of a step. With both cores busy with other work that short
 spin cost nothing against sleeping at once (6.5 s vs 6.8-7.1 s for `pagedllm generate`; libgomp's
 default 300,000 rounds took 12 s once), so it is the default too. The thread count defaults to the

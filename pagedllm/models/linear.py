@@ -210,7 +210,7 @@ def default_linear_method(
 ) -> LinearMethod:
     """For unquantized weights on the CPU (float32 / bfloat16): oneDNN's prepacked GEMM; but where a decode
     step never holds more than KernelLinear.STREAM_ROWS sequences (`max_num_seqs`: one user chatting),
-    pagedllm's kernel, which streams a weight at one row twice as fast and reaches 75-90% of oneDNN from 8
+    pagedllm's kernel, which streams a weight at one row 1.5x as fast and reaches 75-90% of oneDNN from 8
     rows up (`pagedllm bench linear`). Dense elsewhere; $PAGEDLLM_LINEAR_METHOD overrides."""
     requested = os.environ.get(LINEAR_METHOD_ENV_VAR, "").strip().lower()
     if requested:
