@@ -23,6 +23,7 @@ def reference_tokens():
     llm = LLM("smollm2-135m", max_model_len=512)
     outputs = llm.generate(PROMPTS, GREEDY)
     assert llm.engine.scheduler.num_preemptions == 0
+    assert_all_blocks_free(llm)
     return [o.outputs[0].token_ids for o in outputs]
 
 
