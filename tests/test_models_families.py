@@ -75,14 +75,21 @@ def randomize(model: torch.nn.Module) -> None:
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def pair(request, tmp_path_factory):
-    """(HF model, pagedllm model) sharing one tiny random checkpoint."""
+def checkpoint(request, tmp_path_factory):
+    """(HF model, the folder of its tiny random checkpoint)."""
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(FAMILIES[request.param](), dtype=torch.float32)
     randomize(hf)
     folder = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(folder)
-    return hf.eval(), load_model(str(folder)).model
+    return hf.eval(), folder
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoint):
+    """(HF model, pagedllm model) sharing one tiny random checkpoint."""
+    hf, folder = checkpoint
+    return hf, load_model(str(folder)).model
 
 
 def prompts(lens: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
@@ -135,3 +142,48 @@ def test_greedy_32_tokens_match_hf_generate(pair):
     assert greedy_generate(model, batch, 32, block_size=16) == expected
     # A batch of one: each decode step writes a single token's K/V (a strided [1, Hkv, D] view).
     assert greedy_generate(model, batch[1:2], 32, block_size=16) == expected[1:2]
+
+
+def _mixed_steps(model, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Logits of a prefill of three prompts, then decode steps of one and of several sequences mixed with
+    a later prefill chunk, on a fresh cache."""
+    seqs = prompts([23, 30, 9], model.config.vocab_size, seed=4)
+    cache = PagedCache.create(model.config, 32, 5, dtype=dtype, seed=5)
+    logits = [forward_chunks(model, cache, [(i, s, 0) for i, s in enumerate(seqs)])]
+    for step in range(3):
+        logits.append(forward_chunks(model, cache, [(0, [step + 1], len(seqs[0]) + step)]))
+        chunk = [step + 2] * (step + 1)
+        decode = [(1, [step + 3], len(seqs[1]) + step), (2, chunk, len(seqs[2]) + step * (step + 1) // 2)]
+        logits.append(forward_chunks(model, cache, decode))
+    return logits
+
+
+@pytest.mark.parametrize(
+    ("quantization", "dtype"),
+    [("none", torch.float32), ("none", torch.bfloat16), ("int8", torch.float32), ("int4", torch.bfloat16)],
+)
+def test_a_layer_in_one_call_equals_its_ops_one_by_one(checkpoint, quantization, dtype):
+    """Where every weight is in the C++ kernel's storage, a Llama-family layer runs as one call of the same
+    kernels (cpu.decoder_layer): its logits must be bit-identical to the layer's ops called from Python."""
+    if cpu.unavailable_reason() is not None:
+        pytest.skip(cpu.unavailable_reason())
+    _, folder = checkpoint
+    model = load_model(str(folder), dtype=dtype, quantization=quantization, max_num_seqs=4).model
+    one_call = [getattr(layer, "one_call", None) for layer in model.layers]
+    if model.config.architecture.startswith("Gemma3"):
+        assert one_call == [None] * len(one_call)  # Gemma's layer has its own order of ops: never fused
+        return
+    assert all(args is not None for args in one_call)
+    fused = _mixed_steps(model, dtype)
+    for layer in model.layers:
+        layer.one_call = None
+    by_ops = _mixed_steps(model, dtype)
+    assert all(torch.equal(a, b) for a, b in zip(fused, by_ops, strict=True))
+    assert not any(t.isnan().any() for t in fused)
+
+
+def test_a_layer_runs_one_call_only_where_the_kernels_run_every_op(checkpoint):
+    """oneDNN's prepacked weights (a large engine's float32 default) keep the layer's ops one by one."""
+    _, folder = checkpoint
+    model = load_model(str(folder), quantization="none", max_num_seqs=64).model
+    assert all(getattr(layer, "one_call", None) is None for layer in model.layers)

@@ -169,6 +169,9 @@ class CausalLM(nn.Module):
             return self.lm_head.embed(input_ids)
         return self.embed_tokens(input_ids)
 
+    def finish_loading(self) -> None:
+        """After the weights are loaded and every linear method has prepared its storage (load_model)."""
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] final hidden states -> [N, vocab] float32 logits (on rank 0; None on the others)."""
         logits = self.lm_head(hidden).float()

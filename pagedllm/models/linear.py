@@ -168,7 +168,7 @@ class KernelLinear(LinearMethod):
     converted in cache for many. This class stores the float weight as it is; subclasses quantize it.
 
     bf16 weights at more rows than the kernel streams go to torch's matmul (oneDNN's AVX512-BF16 GEMM,
-    on the same plain weight), which the kernel's float32 arithmetic cannot match."""
+    on the same plain weight; the C++ op makes that choice), which float32 arithmetic cannot match."""
 
     name = "kernel"
     STREAM_ROWS = 4  # csrc/linear.cpp kStreamRows
@@ -185,10 +185,12 @@ class KernelLinear(LinearMethod):
             del layer.weight
 
     def apply(self, layer: Linear, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        return cpu.linear(x, *self.kernel_args(layer), residual)
+
+    def kernel_args(self, layer: Linear) -> tuple:
+        """(data, scales, mins, group_size, bias): the layer as the C++ kernel takes it."""
         w = layer.stored
-        if w.data.dtype == torch.bfloat16 and x.shape[0] > self.STREAM_ROWS:
-            return dense_linear(x, w.data, layer.bias, residual)
-        return cpu.linear(x, w.data, w.scales, w.mins, w.group_size, layer.bias, residual)
+        return w.data, w.scales, w.mins, w.group_size, layer.bias
 
     def embedding(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         w = layer.stored

@@ -184,6 +184,7 @@ def load_model(
     load_weights(module, weights)
     module.eval().requires_grad_(False)
     process_linear_layers(module)
+    module.finish_loading()
     return LoadedModel(
         module, load_tokenizer(folder), config, model, folder, method.name, weight_bytes(module)
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ["attention.cpp", "elementwise.cpp", "linear.cpp", "register.cpp"]
+_SOURCES = ["attention.cpp", "decoder.cpp", "elementwise.cpp", "linear.cpp", "register.cpp"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DPAGEDLLM_AVX512"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -197,6 +197,58 @@ def linear(
     """x [M, K] @ W^T (+ bias) (+ residual) for W stored row by row (see csrc/linear.cpp): float32 or
     bf16 [N, K]; int8 [N, K]; or int4 pairs in uint8 [N, K/2], with [N, K/group_size] scales (and mins)."""
     return kernels().linear(x, weight, scales, mins, group_size, bias, residual)
+
+
+def decoder_layer_args(
+    cos_sin: torch.Tensor,
+    input_norm: torch.Tensor,
+    post_attention_norm: torch.Tensor,
+    linears: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int, torch.Tensor | None]],
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+    window: int | None,
+    activation: str,
+) -> tuple:
+    """What decoder_layer needs of one layer besides the step's tensors, built once: the rotary table,
+    both norms' weights, the qkv, o, gate_up and down projections as (data, scales, mins, group_size,
+    bias) in csrc/linear.cpp's storage, and the layer's constants."""
+    weights = [t for data, scales, mins, _, bias in linears for t in (data, scales, mins, bias)]
+    group_sizes = [group_size for _, _, _, group_size, _ in linears]
+    return (
+        cos_sin,
+        input_norm,
+        post_attention_norm,
+        weights,
+        group_sizes,
+        eps,
+        num_heads,
+        num_kv_heads,
+        scale,
+        window or 0,
+        ACTIVATIONS[activation],
+    )
+
+
+def decoder_layer(
+    h: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    layer: tuple,
+) -> torch.Tensor:
+    """A Llama-family decoder layer (csrc/decoder.cpp) on h [T, hidden]: the same kernels, in the same
+    order, as models/llama.py calls one by one, in one call; `layer` is decoder_layer_args'. The step's
+    index tensors must already be what the runner builds (contiguous; int64 positions and slots, int32
+    tables and lengths)."""
+    return kernels().decoder_layer(
+        h, positions, k_cache, v_cache, slot_mapping, block_tables, query_start_loc, context_lens, *layer
+    )
 
 
 def dequantize_rows(

@@ -16,11 +16,15 @@
 //   4 rows of W) over it. Bound by arithmetic: on par with oneDNN's prepacked fp32 GEMM here
 //   (docs/BENCHMARKS.md, `pagedllm bench linear`), without a second, prepacked copy of the weight.
 // Sums are float32 whatever the storage; x may be float32 or bf16 (converted to float32 first), out has
-// x's dtype.
+// x's dtype. A bf16 x on a bf16 weight at more rows than are streamed goes to torch's matmul instead
+// (oneDNN's AVX512-BF16 GEMM on the same plain weight), which float32 arithmetic cannot match.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 
 #include <algorithm>
 #include <cmath>
@@ -480,6 +484,14 @@ void multiply(const CodeRows<S, kInt4>& src, int64_t n_rows, int64_t cols, const
 
 bool is_float_or_bf16(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16; }
 
+// x W^T (+ bias) (+ residual) by torch, as models/linear.py's dense_linear computes it.
+at::Tensor torch_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                        const c10::optional<at::Tensor>& residual) {
+  if (!residual.has_value()) return at::linear(x, weight, bias);
+  if (!bias.has_value()) return at::addmm(*residual, x, weight.t());
+  return at::add(at::linear(x, weight, bias), *residual);
+}
+
 }  // namespace
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scales,
@@ -488,6 +500,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   TORCH_CHECK(x.dim() == 2 && is_float_or_bf16(x), "x must be a 2-D float32 or bfloat16 tensor, got ", x.sizes(),
               " ", x.scalar_type());
   const int64_t m_rows = x.size(0), cols = x.size(1), n_rows = weight.size(0);
+  if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && m_rows > kStreamRows) {
+    return torch_linear(x, weight, bias, residual);
+  }
   at::Tensor out = at::empty({m_rows, n_rows}, x.options());
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n_rows && bias->is_contiguous() &&

@@ -23,6 +23,11 @@ PAGEDLLM_LIBRARY(PAGEDLLM_NAMESPACE, m) {
   m.def(
       "dequantize_rows(Tensor(a!) out, Tensor weight, Tensor? scales, Tensor? mins, int group_size, "
       "Tensor ids) -> ()");
+  m.def(
+      "decoder_layer(Tensor h, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, Tensor cos_sin, Tensor input_norm, "
+      "Tensor post_attention_norm, Tensor?[] weights, int[] group_sizes, float eps, int num_heads, "
+      "int num_kv_heads, float scale, int window, int activation) -> Tensor");
 }
 
 PAGEDLLM_LIBRARY_IMPL(PAGEDLLM_NAMESPACE, CPU, m) {
@@ -33,4 +38,5 @@ PAGEDLLM_LIBRARY_IMPL(PAGEDLLM_NAMESPACE, CPU, m) {
   m.impl("rotary_embedding", &pagedllm::rotary_embedding);
   m.impl("linear", &pagedllm::linear);
   m.impl("dequantize_rows", &pagedllm::dequantize_rows);
+  m.impl("decoder_layer", &pagedllm::decoder_layer);
 }

@@ -1,0 +1,57 @@
+// A Llama-family decoder layer in one call: the kernels models/llama.py's layer calls one by one
+// (rms_norm, linear, rotary_embedding, write_kv, paged_attention, act_and_mul), in the same order on the
+// same tensors, so its result is the same to the bit. It exists for speed alone: at one decode row a
+// layer's ten op calls cost ~50 us of Python, a fifth of the step, and here they cost one.
+//
+//   x = rms_norm(h) ; q, k, v = split(x Wqkv^T) ; rotate q, k ; store k, v ; a = attention(q)
+//   h = h + a Wo^T ; x = rms_norm(h) ; h = h + act_and_mul(x Wgate_up^T) Wdown^T
+
+#include <ATen/ops/empty.h>
+
+#include "ops.h"
+
+namespace pagedllm {
+namespace {
+
+// One linear layer's storage as csrc/linear.cpp reads it: weights[4 * i ...] = data, scales, mins, bias.
+at::Tensor project(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights, int64_t i,
+                   int64_t group_size, const c10::optional<at::Tensor>& residual) {
+  const c10::optional<at::Tensor> data = weights.get(4 * i);
+  TORCH_CHECK(data.has_value(), "linear layer ", i, " has no weight");
+  return linear(x, *data, weights.get(4 * i + 1), weights.get(4 * i + 2), group_size, weights.get(4 * i + 3),
+                residual);
+}
+
+}  // namespace
+
+at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                         const at::Tensor& query_start_loc, const at::Tensor& context_lens, const at::Tensor& cos_sin,
+                         const at::Tensor& input_norm, const at::Tensor& post_attention_norm,
+                         const c10::List<c10::optional<at::Tensor>>& weights, at::IntArrayRef group_sizes,
+                         double eps, int64_t num_heads, int64_t num_kv_heads, double scale, int64_t window,
+                         int64_t activation) {
+  TORCH_CHECK(h.dim() == 2, "h must be [T, hidden], got ", h.sizes());
+  TORCH_CHECK(weights.size() == 16 && group_sizes.size() == 4,
+              "expected 4 linear layers (qkv, o, gate_up, down) as 16 tensors and 4 group sizes, got ",
+              weights.size(), " and ", group_sizes.size());
+  const int64_t tokens = h.size(0), head_dim = k_cache.size(3);
+  at::Tensor x = at::empty(h.sizes(), h.options());
+  rms_norm(x, h, input_norm, eps, false);
+  const at::Tensor heads = project(x, weights, 0, group_sizes[0], c10::nullopt)
+                               .view({tokens, num_heads + 2 * num_kv_heads, head_dim});
+  rotary_embedding(heads.narrow(1, 0, num_heads + num_kv_heads), positions, cos_sin);
+  const at::Tensor q = heads.narrow(1, 0, num_heads);
+  write_kv(heads.narrow(1, num_heads, num_kv_heads), heads.narrow(1, num_heads + num_kv_heads, num_kv_heads),
+           k_cache, v_cache, slot_mapping);
+  at::Tensor attended = at::empty(q.sizes(), q.options());
+  paged_attention(attended, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window);
+  const at::Tensor mid = project(attended.view({tokens, num_heads * head_dim}), weights, 1, group_sizes[1], h);
+  rms_norm(x, mid, post_attention_norm, eps, false);
+  const at::Tensor gate_up = project(x, weights, 2, group_sizes[2], c10::nullopt);
+  at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
+  act_and_mul(act, gate_up, activation);
+  return project(act, weights, 3, group_sizes[3], mid);
+}
+
+}  // namespace pagedllm
