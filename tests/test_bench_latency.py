@@ -31,7 +31,17 @@ def test_latency_reports_ttft_decode_rate_and_itl_per_system(capsys):
 
 
 def test_latency_table_and_errors(capsys):
-    assert latency.main(["--prompt-lens", "12", "--output-len", "4", "--quantization", "int4"]) == 0
+    argv = [
+        "--prompt-lens",
+        "12",
+        "--output-len",
+        "4",
+        "--quantization",
+        "int4",
+        "--kv-cache-dtype",
+        "bfloat16",
+    ]
+    assert latency.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split()[:4] == ["system", "weights", "MiB", "prompt"]
     cells = lines[2].split()

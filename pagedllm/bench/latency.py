@@ -7,7 +7,8 @@ token prompts. `--llama-cpp` adds llama.cpp (llama-cpp-python, when importable; 
 dependency) on the same GGUF file: `--llama-cpp-types file F32` runs the file as shipped and an F32
 copy of it (the same weights as pagedllm's float32, made once with llama_model_quantize and cached). llama.cpp
 runs in a child process with libgomp's default wait policy (llama_cpp_peer.py says why), with the same
-thread count and its llama-bench batch defaults. Printed: a row per system and prompt length, then
+thread count, its llama-bench batch defaults and its float16 K/V cache (`--kv-cache-dtype bfloat16`
+gives pagedllm's cache the same size). Printed: a row per system and prompt length, then
 decode tokens/s and TTFT ratios of every pagedllm row against every llama.cpp row, measured in this run.
 `same` counts the leading greedy tokens equal to the first pagedllm row's for the same prompt.
 """
@@ -66,6 +67,7 @@ def run_pagedllm(args, quantization: str, prompts: list[list[int]], warmup: list
         dtype=args.dtype,
         quantization=quantization,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=max(len(p) for p in [*prompts, warmup]) + args.output_len,
         max_num_seqs=1,
     )
@@ -206,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[200, 1000, 4000])
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--kv-cache-memory", default="512MiB")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="pagedllm's K/V storage (auto: the model's dtype); llama.cpp keeps its default, float16 K/V",
+    )
     parser.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp (llama-cpp-python)")
     parser.add_argument(
         "--llama-cpp-types",
