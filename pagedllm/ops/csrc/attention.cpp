@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <limits>
 #include <vector>
 
 #include "ops.h"
@@ -208,8 +210,13 @@ void parallel_dynamic(int64_t n, int64_t work, const F& fn) {
   });
 }
 
+// A decode row's keys are split into parts of at least this many when the (sequence, kv head) items
+// are too few to keep every thread busy (one request: a 4,000-token context's 3 KV heads on 2 threads).
+constexpr int64_t kMinPartKeys = 256;
+
 struct WorkItem {
   int64_t seq, kv_head, row_begin, row_end;  // rows relative to the sequence's first query row
+  int64_t part = 0, parts = 1;               // this item's share of a single row's keys
 };
 
 // C: the head dimension in whole SIMD vectors when the micro-kernels specialise on it, else 0.
@@ -253,6 +260,25 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
     }
     work += 2 * q_len * num_heads * head_dim * (window > 0 ? std::min<int64_t>(window, lens[s]) : lens[s]);
   }
+  // Too few items for the threads: split single-row items' keys into parts, combined after.
+  const int64_t threads = at::get_num_threads();
+  bool any_split = false;
+  if (threads > 1 && static_cast<int64_t>(items.size()) < 2 * threads && work >= kInlineWork) {
+    std::vector<WorkItem> split;
+    for (const WorkItem& it : items) {
+      const int64_t keys = window > 0 ? std::min<int64_t>(window, lens[it.seq]) : lens[it.seq];
+      const int64_t parts = it.row_end - it.row_begin == 1
+                                ? std::clamp<int64_t>(keys / kMinPartKeys, 1, 2 * threads)
+                                : 1;
+      for (int64_t part = 0; part < parts; ++part) split.push_back({it.seq, it.kv_head, it.row_begin, it.row_end, part, parts});
+      any_split = any_split || parts > 1;
+    }
+    items.swap(split);
+  }
+  // What each part of a split row leaves for the combine step, per head of its group: the max score, the
+  // sum of exp(score - max) and the unnormalised sum of V rows weighted by exp(score - max).
+  const int64_t partial_size = group * (head_dim + 2);
+  std::vector<float> partials(any_split ? items.size() * partial_size : 0);
 
   parallel_dynamic(static_cast<int64_t>(items.size()), work, [&](int64_t idx) {
     const WorkItem& it = items[idx];
@@ -264,13 +290,20 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
     // Row r sits at absolute position context_len - q_len + r and sees keys (pos - window, pos].
     auto key_end = [&](int64_t r) { return context_len - q_len + r + 1; };
     auto key_begin = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, key_end(r) - window) : 0; };
-    const int64_t lo = key_begin(it.row_begin), hi = key_end(it.row_end - 1), span = hi - lo;
+    int64_t lo = key_begin(it.row_begin), hi = key_end(it.row_end - 1);
+    if (it.parts > 1) {  // a single row: its part of [lo, hi)
+      const int64_t share = (hi - lo + it.parts - 1) / it.parts;
+      lo = std::min(hi, lo + it.part * share);
+      hi = std::min(hi, lo + share);
+    }
+    const int64_t span = hi - lo;
 
-    thread_local std::vector<float> scores, query, acc, inv_sum;
+    thread_local std::vector<float> scores, query, acc, row_max, row_sum;
     scores.resize(m_count * span);
     query.resize(m_count * head_dim);
     acc.assign(m_count * head_dim, 0.f);
-    inv_sum.resize(m_count);
+    row_max.resize(m_count);
+    row_sum.resize(m_count);
     // m = r * group + g is query row r, head kv_head * group + g; scaled queries kept in fp32.
     for (int64_t m = 0; m < m_count; ++m) {
       const TQ* src = q_ptr + (first_row + it.row_begin + m / group) * q_row_stride +
@@ -292,12 +325,12 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
     // Softmax over each row's own visible range; invisible keys get weight 0.
     for (int64_t m = 0; m < m_count; ++m) {
       float* row = &scores[m * span];
-      const int64_t a = key_begin(it.row_begin + m / group) - lo, b = key_end(it.row_begin + m / group) - lo;
-      const float max_score = *std::max_element(row + a, row + b);
-      const float sum = exp_shifted_sum(row + a, b - a, max_score);
+      const int64_t a = std::max(key_begin(it.row_begin + m / group), lo) - lo;
+      const int64_t b = std::min(key_end(it.row_begin + m / group), hi) - lo;
+      row_max[m] = *std::max_element(row + a, row + b);
+      row_sum[m] = exp_shifted_sum(row + a, b - a, row_max[m]);
       std::fill(row, row + a, 0.f);
       std::fill(row + b, row + span, 0.f);
-      inv_sum[m] = 1.f / sum;
     }
     // Pass 2: weighted sum of V rows, block by block, kRows accumulator rows at a time.
     paged.for_each_block(v_ptr, lo, hi, [&](int64_t t0, int64_t t1, const TKV* v_rows) {
@@ -308,12 +341,42 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
         });
       }
     });
+    if (it.parts > 1) {  // m_count == group
+      float* partial = partials.data() + idx * partial_size;
+      std::copy(row_max.begin(), row_max.begin() + group, partial);
+      std::copy(row_sum.begin(), row_sum.begin() + group, partial + group);
+      std::copy(acc.begin(), acc.begin() + group * head_dim, partial + 2 * group);
+      return;
+    }
     for (int64_t m = 0; m < m_count; ++m) {
       TQ* dst = out_ptr + ((first_row + it.row_begin + m / group) * num_heads + it.kv_head * group + m % group) * head_dim;
-      const VecF inv = VecF::set1(inv_sum[m]);
+      const VecF inv = VecF::set1(1.f / row_sum[m]);
       for_each_chunk(head_dim, [&](int64_t i, int n) { store(load(&acc[m * head_dim + i], n) * inv, dst + i, n); });
     }
   });
+
+  // Combine the parts of each split row: rescale every part's sums to the row's overall max.
+  if (partials.empty()) return;
+  std::vector<float> total(head_dim);
+  for (size_t first = 0; first < items.size(); first += items[first].parts) {
+    const WorkItem& it = items[first];
+    if (it.parts == 1) continue;
+    const float* part0 = partials.data() + first * partial_size;
+    for (int64_t m = 0; m < group; ++m) {
+      float max_score = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < it.parts; ++p) max_score = std::max(max_score, part0[p * partial_size + m]);
+      std::fill(total.begin(), total.end(), 0.f);
+      float sum = 0.f;
+      for (int64_t p = 0; p < it.parts; ++p) {
+        const float* part = part0 + p * partial_size;
+        const float w = std::exp(part[m] - max_score);
+        sum += w * part[group + m];
+        for (int64_t i = 0; i < head_dim; ++i) total[i] += w * part[2 * group + m * head_dim + i];
+      }
+      TQ* dst = out_ptr + ((starts[it.seq] + it.row_begin) * num_heads + it.kv_head * group + m) * head_dim;
+      for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<TQ>(total[i] / sum);
+    }
+  }
 }
 
 void check_int32_cpu(const at::Tensor& t, const char* name) {
