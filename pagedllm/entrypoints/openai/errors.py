@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from pagedllm.entrypoints.openai import protocol as p
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +86,9 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Route errors, validation failures, unknown routes and bugs all answer in OpenAI's shape."""
+    # Imported here, not above: the CLI imports this module for its limits' defaults, and FastAPI's
+    # import alone (0.2-0.4 s) would add to every `pagedllm generate`'s start-up.
+    from fastapi.exceptions import RequestValidationError
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
