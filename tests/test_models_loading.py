@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import sys
 
+import gguf
 import numpy as np
 import pytest
 import torch
+from gguf import GGUFReader
 from models_helpers import PagedCache, forward_chunks, hf_logits
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -105,10 +107,14 @@ def test_gguf_is_converted_once_and_matches_hf_gguf_load(tiny_hf, tmp_path, monk
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "tiny.gguf"
     _write_gguf(tiny_hf, path)
+    parses = []
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *args: parses.append(args) or GGUFReader(*args))
     first = load_model(str(path))
     assert first.path.parent == cache_root() and first.tokenizer is None
+    assert len(parses) == 1  # the conversion keeps the tensor index: loading the blocks parses nothing
     mtime = (first.path / "model.safetensors").stat().st_mtime_ns
     second = load_model(str(path))
+    assert len(parses) == 1
     assert second.path == first.path and (second.path / "model.safetensors").stat().st_mtime_ns == mtime
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
     ids = list(range(5, 50))

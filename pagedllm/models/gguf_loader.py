@@ -119,7 +119,15 @@ def gguf_blocks(gguf_path: Path, folder: Path) -> Iterator[tuple[str, Any]]:
     from gguf import GGUFReader
 
     reader = GGUFReader(gguf_path)
-    arch, tensors = _architecture_and_tensors(reader)
+    try:
+        write_tensor_index(reader, folder)
+    except OSError as error:  # a read-only cache: every load parses the file
+        logger.warning("could not keep the GGUF tensor index in %s: %s", folder, error)
+    return hf_tensors(*_architecture_and_tensors(reader), config, keep_blocks=True)
+
+
+def write_tensor_index(reader: Any, folder: Path) -> None:
+    """Keep where each tensor of the parsed GGUF file lies in it, in `folder` (see gguf_blocks)."""
     entries = [
         {
             "name": t.name,
@@ -131,13 +139,10 @@ def gguf_blocks(gguf_path: Path, folder: Path) -> Iterator[tuple[str, Any]]:
         }
         for t in reader.tensors
     ]
-    temporary = index_path.with_suffix(f".{os.getpid()}.tmp")
-    try:
-        temporary.write_text(json.dumps({"architecture": arch, "tensors": entries}))
-        os.replace(temporary, index_path)  # another process may write the same index at the same time
-    except OSError as error:  # a read-only cache: every load parses the file
-        logger.warning("could not keep the GGUF tensor index in %s: %s", folder, error)
-    return hf_tensors(arch, tensors, config, keep_blocks=True)
+    index = {"architecture": _field(reader, "general.architecture"), "tensors": entries}
+    temporary = (folder / TENSOR_INDEX).with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(index))
+    os.replace(temporary, folder / TENSOR_INDEX)  # another process may write the same index at once
 
 
 def _convert(gguf_path: Path, out: Path) -> None:
@@ -150,6 +155,7 @@ def _convert(gguf_path: Path, out: Path) -> None:
     tensors = dict(hf_tensors(*_architecture_and_tensors(reader), config))
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    write_tensor_index(reader, out)  # the first load of the blocks then needs no second parse
     if "tokenizer.ggml.model" in reader.fields:  # transformers rebuilds the tokenizer from the metadata
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         tokenizer.save_pretrained(out)
