@@ -144,11 +144,11 @@ def test_greedy_32_tokens_match_hf_generate(pair):
     assert greedy_generate(model, batch[1:2], 32, block_size=16) == expected[1:2]
 
 
-def _mixed_steps(model, dtype: torch.dtype) -> list[torch.Tensor]:
+def _mixed_steps(model, kv_dtype: torch.dtype) -> list[torch.Tensor]:
     """Logits of a prefill of three prompts, then decode steps of one and of several sequences mixed with
-    a later prefill chunk, on a fresh cache."""
+    a later prefill chunk, on a fresh cache of `kv_dtype`."""
     seqs = prompts([23, 30, 9], model.config.vocab_size, seed=4)
-    cache = PagedCache.create(model.config, 32, 5, dtype=dtype, seed=5)
+    cache = PagedCache.create(model.config, 32, 5, dtype=kv_dtype, seed=5)
     logits = [forward_chunks(model, cache, [(i, s, 0) for i, s in enumerate(seqs)])]
     for step in range(3):
         logits.append(forward_chunks(model, cache, [(0, [step + 1], len(seqs[0]) + step)]))
@@ -159,10 +159,15 @@ def _mixed_steps(model, dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("quantization", "dtype"),
-    [("none", torch.float32), ("none", torch.bfloat16), ("int8", torch.float32), ("int4", torch.bfloat16)],
+    ("quantization", "dtype", "kv_dtype"),
+    [
+        ("none", torch.float32, torch.float32),
+        ("none", torch.bfloat16, torch.bfloat16),
+        ("int8", torch.float32, torch.bfloat16),  # kv_cache_dtype=bfloat16 under float32 activations
+        ("int4", torch.bfloat16, torch.bfloat16),
+    ],
 )
-def test_a_layer_in_one_call_equals_its_ops_one_by_one(checkpoint, quantization, dtype):
+def test_a_layer_in_one_call_equals_its_ops_one_by_one(checkpoint, quantization, dtype, kv_dtype):
     """Where every weight is in the C++ kernel's storage, a Llama-family layer runs as one call of the same
     kernels (cpu.decoder_layer): its logits must be bit-identical to the layer's ops called from Python."""
     if cpu.unavailable_reason() is not None:
@@ -174,10 +179,10 @@ def test_a_layer_in_one_call_equals_its_ops_one_by_one(checkpoint, quantization,
         assert one_call == [None] * len(one_call)  # Gemma's layer has its own order of ops: never fused
         return
     assert all(args is not None for args in one_call)
-    fused = _mixed_steps(model, dtype)
+    fused = _mixed_steps(model, kv_dtype)
     for layer in model.layers:
         layer.one_call = None
-    by_ops = _mixed_steps(model, dtype)
+    by_ops = _mixed_steps(model, kv_dtype)
     assert all(torch.equal(a, b) for a, b in zip(fused, by_ops, strict=True))
     assert not any(t.isnan().any() for t in fused)
 
