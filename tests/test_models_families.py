@@ -167,11 +167,16 @@ def _mixed_steps(model, kv_dtype: torch.dtype) -> list[torch.Tensor]:
         ("int4", torch.bfloat16, torch.bfloat16),
     ],
 )
-def test_a_layer_in_one_call_equals_its_ops_one_by_one(checkpoint, quantization, dtype, kv_dtype):
+@pytest.mark.parametrize("isa", cpu.supported_isas() or [None])
+def test_a_layer_in_one_call_equals_its_ops_one_by_one(
+    checkpoint, quantization, dtype, kv_dtype, isa, monkeypatch
+):
     """Where every weight is in the C++ kernel's storage, a Llama-family layer runs as one call of the same
-    kernels (cpu.decoder_layer): its logits must be bit-identical to the layer's ops called from Python."""
-    if cpu.unavailable_reason() is not None:
-        pytest.skip(cpu.unavailable_reason())
+    kernels (cpu.decoder_layer): its logits must be bit-identical to the layer's ops called from Python,
+    on every C++ build this CPU runs."""
+    if isa is None:
+        pytest.skip(cpu.unavailable_reason() or "no C++ build for this CPU")
+    monkeypatch.setattr(cpu, "selected_isa", lambda: isa)
     _, folder = checkpoint
     model = load_model(str(folder), dtype=dtype, quantization=quantization, max_num_seqs=4).model
     one_call = [getattr(layer, "one_call", None) for layer in model.layers]
