@@ -108,12 +108,34 @@ def test_fp16_on_cpu_uses_sdpa():
     assert ops.get_backend_name("cpu", torch.bfloat16) == ops.get_backend_name("cpu", torch.float32)
 
 
-def test_cpu_kv_cache_is_head_major_behind_slot_major_views():
+@pytest.mark.parametrize("touch", [True, False])
+def test_cpu_kv_cache_is_head_major_behind_slot_major_views(touch):
     """Each layer's K/V view is [num_blocks, block_size, Hkv, D]; on the CPU one head's rows of a block
-    are contiguous in memory, and the views start zero-filled and writable."""
-    (k, v), *_ = ops.allocate_kv_caches(2, 5, 16, 3, 64, torch.float32, "cpu")
+    are contiguous in memory, and the views start zero-filled and writable, touched at allocation or not."""
+    (k, v), *_ = ops.allocate_kv_caches(2, 5, 16, 3, 64, torch.float32, "cpu", touch=touch)
     assert k.shape == v.shape == (5, 16, 3, 64)
     assert k.stride() == (3 * 16 * 64, 64, 16 * 64, 1)
     assert k.count_nonzero() == 0
     ops.write_kv(torch.ones(1, 3, 64), torch.ones(1, 3, 64), k, v, torch.tensor([17]))
     assert k[1, 1].eq(1).all() and k.count_nonzero() == 3 * 64
+
+
+def _resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux's /proc")
+def test_an_untouched_cpu_kv_cache_commits_memory_only_where_written():
+    """touch=True commits a cache's memory at allocation; touch=False commits the pages writes reach."""
+    size = 256 * 2**20  # K and V x 2 layers x 16,384 blocks x 16 slots x 64 fp32 values
+    before = _resident_bytes()
+    caches = ops.allocate_kv_caches(2, 16384, 16, 1, 64, torch.float32, "cpu", touch=False)
+    assert _resident_bytes() - before < size // 8
+    ops.write_kv(torch.ones(1, 1, 64), torch.ones(1, 1, 64), *caches[0], torch.tensor([5]))
+    assert _resident_bytes() - before < size // 8
+    assert caches[0][0][0, 5].eq(1).all() and caches[1][1].count_nonzero() == 0
+    del caches
+    before = _resident_bytes()
+    touched = ops.allocate_kv_caches(2, 16384, 16, 1, 64, torch.float32, "cpu")
+    assert _resident_bytes() - before > size * 0.9
+    del touched

@@ -41,6 +41,10 @@ class EngineConfig:
     # KV cache size (of each rank); ignored when num_kv_blocks or memory_budget is given
     kv_cache_memory: int | str = "1GiB"
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16 halves K/V memory (fp32 math)
+    # Commit the CPU KV cache's memory at start-up, as vLLM does (~1 s a GiB on a fresh VM), so that the
+    # steps never pay it; False: pages are committed by first use (`pagedllm generate`: a one-shot run
+    # that uses a few blocks of its cache starts that much sooner).
+    prefault_kv_cache: bool = True
     num_kv_blocks: int | None = None
     # Weights and KV cache together (vLLM's gpu_memory_utilization, in bytes): the KV cache gets what the
     # loaded weights leave, so smaller (quantized) weights mean more KV blocks.

@@ -143,10 +143,11 @@ class LLMEngine:
         )
         cache = (cache_blocks, cache_block_size, config.kv_torch_dtype, config.device)
         num_host_blocks = cache_blocks if config.preemption_mode == "swap" else 0
+        prefault = config.prefault_kv_cache
         if self.executor:
-            self.runner = ParallelModelRunner(self.executor, self.model, *cache, num_host_blocks)
+            self.runner = ParallelModelRunner(self.executor, self.model, *cache, num_host_blocks, prefault)
         else:
-            self.runner = ModelRunner(self.model, *cache, num_host_blocks)
+            self.runner = ModelRunner(self.model, *cache, num_host_blocks, prefault)
         self.scheduler = Scheduler(
             self.allocator,
             self.max_model_len,

@@ -52,14 +52,17 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device | str,
         num_host_blocks: int = 0,
+        prefault_kv_cache: bool = True,
     ):
         self.model = model
         self.device = torch.device(device)
         self.num_blocks, self.block_size, self.num_host_blocks = num_blocks, block_size, num_host_blocks
-        self.kv_dtype = dtype
+        self.kv_dtype, self.prefault_kv_cache = dtype, prefault_kv_cache
         cfg = model.config
         geometry = (block_size, model.num_kv_heads, cfg.head_dim, dtype)  # this rank's KV heads
-        self.kv_caches = ops.allocate_kv_caches(cfg.num_layers, num_blocks, *geometry, self.device)
+        self.kv_caches = ops.allocate_kv_caches(
+            cfg.num_layers, num_blocks, *geometry, self.device, touch=prefault_kv_cache
+        )
         self.host_kv_caches = (
             ops.allocate_kv_caches(
                 cfg.num_layers, num_host_blocks, *geometry, "cpu", self.device.type == "cuda"

@@ -82,7 +82,8 @@ def _generate(args: argparse.Namespace) -> int:
         )
     from pagedllm import LLM
 
-    llm = LLM(args.model, **_engine_kwargs(args))
+    # One-shot: the cache's pages are committed as its few used blocks are written, not all at start-up.
+    llm = LLM(args.model, **_engine_kwargs(args), prefault_kv_cache=False)
     if args.beam_width:
         for prompt, output in zip(args.prompt, llm.beam_search(args.prompt, params), strict=True):
             if len(args.prompt) > 1:

@@ -18,12 +18,14 @@ from pagedllm.ops.memory import huge_page_zeros, huge_pages_available
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (k_cache, v_cache)
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
+def _zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool, touch: bool
+) -> torch.Tensor:
     numel = 1
     for size in shape:
         numel *= size
     if device.type == "cpu" and not pin and numel > 0 and huge_pages_available():
-        return huge_page_zeros(numel, dtype).view(shape)
+        return huge_page_zeros(numel, dtype, touch).view(shape)
     return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
 
 
@@ -36,13 +38,16 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device | str,
     pin_memory: bool = False,
+    touch: bool = True,
 ) -> list[KVCache]:
-    """Per layer, zero-filled (k_cache, v_cache) views of shape [num_blocks, block_size, Hkv, head_dim]."""
+    """Per layer, zero-filled (k_cache, v_cache) views of shape [num_blocks, block_size, Hkv, head_dim].
+
+    `touch=False` leaves a CPU cache's pages to be committed by first use (ops.memory.huge_page_zeros)."""
     device = torch.device(device)
     head_major = device.type == "cpu"
     inner = (num_kv_heads, block_size) if head_major else (block_size, num_kv_heads)
     shape = (2, num_layers, num_blocks, *inner, head_dim)
-    memory = _zeros(shape, dtype, device, pin_memory)
+    memory = _zeros(shape, dtype, device, pin_memory, touch)
     if head_major:
         memory = memory.transpose(3, 4)  # the logical [.., block_size, Hkv, D] order over head-major memory
     return [(memory[0, layer], memory[1, layer]) for layer in range(num_layers)]

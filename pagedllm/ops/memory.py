@@ -17,14 +17,18 @@ def huge_pages_available() -> bool:
     return hasattr(mmap, "MAP_PRIVATE")
 
 
-def huge_page_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled flat CPU tensor in private anonymous memory advised to use transparent huge pages."""
+def huge_page_zeros(numel: int, dtype: torch.dtype, touch: bool = True) -> torch.Tensor:
+    """A zero-filled flat CPU tensor in private anonymous memory advised to use transparent huge pages.
+
+    `touch`: write every page now (the machine commits the memory here, ~1 s a GiB on a fresh VM), not
+    during the first steps that use it; without, the kernel's zero-filled pages arrive on first use."""
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     memory = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(memory, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
         memory.madvise(mmap.MADV_HUGEPAGE)
     flat = torch.frombuffer(memory, dtype=dtype, count=numel)  # keeps `memory` alive
-    flat.zero_()  # touch every page now, not during the first steps that write them
+    if touch:
+        flat.zero_()
     return flat
 
 

@@ -127,10 +127,12 @@ class Executor:
             self.stop()
             raise
 
-    def start(self, num_blocks: int, block_size: int, dtype: torch.dtype, num_host_blocks: int) -> None:
+    def start(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype, num_host_blocks: int, prefault: bool
+    ) -> None:
         """Tell every rank its KV cache's size; return once all have loaded their shard and allocated it."""
         cache = {"num_blocks": num_blocks, "block_size": block_size, "num_host_blocks": num_host_blocks}
-        cache["dtype"] = str(dtype).removeprefix("torch.")
+        cache.update(dtype=str(dtype).removeprefix("torch."), prefault=prefault)
         self.store.set("cache", json.dumps(cache))
         self._wait_for("ready", "load the model")
         errors = {r: self.store.get(f"ready/{r}").decode() for r in self._workers()}

@@ -18,7 +18,9 @@ class ParallelModelRunner(ModelRunner):
         """ModelRunner's arguments for rank 0's shard; returns once every rank has allocated its cache."""
         super().__init__(*args, **kwargs)
         self.executor = executor
-        executor.start(self.num_blocks, self.block_size, self.kv_dtype, self.num_host_blocks)
+        executor.start(
+            self.num_blocks, self.block_size, self.kv_dtype, self.num_host_blocks, self.prefault_kv_cache
+        )
 
     def execute_step(self, step: StepInputs) -> torch.Tensor:
         if self.executor.failure is not None:

@@ -48,7 +48,13 @@ def run_worker(init_method: str, rank: int, world_size: int, local_rank: int) ->
         cache = json.loads(store.get("cache"))
         kv_dtype = DTYPES[cache["dtype"]]
         runner = ModelRunner(
-            model, cache["num_blocks"], cache["block_size"], kv_dtype, device, cache["num_host_blocks"]
+            model,
+            cache["num_blocks"],
+            cache["block_size"],
+            kv_dtype,
+            device,
+            cache["num_host_blocks"],
+            cache["prefault"],
         )
     except Exception as error:
         store.set(f"ready/{rank}", f"{type(error).__name__}: {error}")
