@@ -41,7 +41,7 @@ def pack_on_huge_pages(tensors: list[torch.Tensor], alignment: int = 64) -> list
     for t in tensors:
         offsets.append(total)
         total += -(-t.numel() * t.element_size() // alignment) * alignment
-    arena = huge_page_zeros(total, torch.uint8)
+    arena = huge_page_zeros(total, torch.uint8, touch=False)  # the copies below write every page
     copies = []
     for t, offset in zip(tensors, offsets, strict=True):
         nbytes = t.numel() * t.element_size()
