@@ -50,11 +50,11 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(self.input_layernorm(h), positions, rotary, meta, residual=h)
         return self.mlp(self.post_attention_layernorm(h), residual=h)
 
-    def use_one_call(self, rotary: RotaryEmbedding) -> bool:
+    def use_one_call(self, rotary: RotaryEmbedding) -> None:
         """After loading: where the CPU kernels run every op of this layer (the cpu backend, every weight
         in the kernel's storage, one rank), run the layer as one C++ call of the same kernels
         (cpu.decoder_layer), which spares the ~80 us of Python its ten op calls cost (a quarter of a
-        one-row decode step on 4-bit weights). Returns whether it will."""
+        one-row decode step on 4-bit weights)."""
         attn, mlp, norm = self.self_attn, self.mlp, self.input_layernorm
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         usable = (
@@ -78,7 +78,6 @@ class LlamaDecoderLayer(nn.Module):
             if usable
             else None
         )
-        return usable
 
 
 class LlamaForCausalLM(CausalLM):

@@ -27,7 +27,6 @@
 #include <ATen/ops/linear.h>
 
 #include <algorithm>
-#include <cmath>
 #include <vector>
 
 #include "ops.h"
@@ -457,9 +456,9 @@ void with_source(const at::Tensor& weight, const c10::optional<at::Tensor>& scal
   auto run = [&](auto scale_tag) {
     using S = decltype(scale_tag);
     const Groups<S> groups{s.data_ptr<S>(), mins.has_value() ? mins->data_ptr<S>() : nullptr, group, cols / group};
-    const auto* codes = static_cast<const uint8_t*>(weight.data_ptr());
     if constexpr (kInteger) {
       if (group % kBlock == 0) {
+        const auto* codes = static_cast<const uint8_t*>(weight.data_ptr());
         if (int4) return fn(CodeRows<S, true>{codes, weight.size(1), groups});
         return fn(CodeRows<S, false>{codes, weight.size(1), groups});
       }
