@@ -192,8 +192,14 @@ def test_a_layer_in_one_call_equals_its_ops_one_by_one(
     assert not any(t.isnan().any() for t in fused)
 
 
-def test_a_layer_runs_one_call_only_where_the_kernels_run_every_op(checkpoint):
-    """oneDNN's prepacked weights (a large engine's float32 default) keep the layer's ops one by one."""
-    _, folder = checkpoint
+def test_a_layer_runs_one_call_only_where_the_kernels_run_every_op(checkpoint, monkeypatch):
+    """oneDNN's prepacked weights (a large engine's float32 default on AVX2 CPUs) keep the layer's ops one
+    by one; the kernel's float32 panels (the default where AVX-512 runs) take the one call."""
+    hf, folder = checkpoint
+    monkeypatch.setenv("PAGEDLLM_LINEAR_METHOD", "onednn")
     model = load_model(str(folder), quantization="none", max_num_seqs=64).model
     assert all(getattr(layer, "one_call", None) is None for layer in model.layers)
+    monkeypatch.setenv("PAGEDLLM_LINEAR_METHOD", "kernel")
+    model = load_model(str(folder), quantization="none", max_num_seqs=64).model
+    fused = [getattr(layer, "one_call", None) is not None for layer in model.layers]
+    assert all(fused) if not hf.config.model_type.startswith("gemma3") else not any(fused)  # Gemma 3: modules

@@ -6,6 +6,7 @@ import torch
 from pagedllm.models.linear import (
     LINEAR_METHOD_ENV_VAR,
     DenseLinear,
+    KernelLinear,
     Linear,
     OneDNNLinear,
     default_linear_method,
@@ -73,14 +74,38 @@ def test_onednn_keeps_the_plain_weight_of_a_tied_lm_head():
     torch.testing.assert_close(layer(hidden), hidden @ table.T, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(cpu.unavailable_reason() is not None, reason="the CPU kernels are unavailable")
+@pytest.mark.parametrize("tied", [False, True])
+def test_kernel_packs_float32_in_panels_that_serve_the_lookups_too(tied):
+    """float32 storage is the panels, nothing else: a tied LM head's lookups gather from them."""
+    layer = _layer(16, 50, True, torch.float32)
+    layer.serves_embedding = tied
+    table, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    process_linear_layers(layer, KernelLinear())
+    assert layer.stored.data.shape == (2, 16, 48) and layer.stored.group_size == 50
+    assert [t.data_ptr() for t in layer.method.tensors(layer)] == [layer.stored.data.data_ptr()]
+    ids = torch.tensor([3, 49, 0, 48])
+    assert torch.equal(layer.method.embedding(layer, ids), table[ids])
+    hidden, residual = torch.randn(9, 16), torch.randn(9, 50)
+    expected = hidden @ table.T + bias + residual
+    torch.testing.assert_close(layer(hidden, residual), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_default_method_per_device_and_dtype(monkeypatch):
     monkeypatch.delenv(LINEAR_METHOD_ENV_VAR, raising=False)
-    cpu_fp32 = default_linear_method("cpu", torch.float32)
-    assert cpu_fp32.name == "onednn"
+    # float32 goes to the kernel's panels where the AVX-512 build runs, else to oneDNN
+    fp32 = "kernel" if cpu.unavailable_reason() is None and cpu.selected_isa() == "avx512" else "onednn"
+    assert default_linear_method("cpu", torch.float32).name == fp32
+    assert default_linear_method("cpu", torch.float32, max_num_seqs=256).name == fp32
+    assert default_linear_method("cpu", torch.bfloat16, max_num_seqs=256).name == "onednn"
     assert default_linear_method("cpu", torch.float16).name == "dense"
     assert default_linear_method("cuda", torch.bfloat16).name == "dense"
-    # an engine whose decode steps hold at most 4 sequences streams the plain weight through the kernel
-    assert default_linear_method("cpu", torch.float32, max_num_seqs=256).name == "onednn"
+    if "avx2" in cpu.supported_isas():
+        monkeypatch.setattr(cpu, "selected_isa", lambda: "avx2")
+        assert default_linear_method("cpu", torch.float32, max_num_seqs=256).name == "onednn"
+        monkeypatch.undo()
+        monkeypatch.delenv(LINEAR_METHOD_ENV_VAR, raising=False)
+    # an engine whose decode steps hold at most 4 sequences streams the weight through the kernel
     if cpu.unavailable_reason() is None:
         assert default_linear_method("cpu", torch.float32, max_num_seqs=1).name == "kernel"
         assert default_linear_method("cpu", torch.bfloat16, max_num_seqs=4).name == "kernel"

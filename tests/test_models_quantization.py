@@ -40,7 +40,9 @@ def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int =
 
 
 def stored_rows(stored) -> torch.Tensor:
-    """Every row of a StoredWeight, dequantized by the kernel's row lookup."""
+    """Every row of a StoredWeight, dequantized by the kernel's row lookup (float32 panels: unpacked)."""
+    if stored.data.dim() == 3:
+        return cpu.panel_rows(stored.data, torch.arange(stored.group_size))
     ids = torch.arange(stored.data.shape[0])
     return cpu.dequantize_rows(stored.data, stored.scales, stored.mins, stored.group_size, ids, torch.float32)
 
@@ -155,16 +157,18 @@ def test_weight_bytes_counts_the_stored_formats():
         process_linear_layers(model)
         sizes[method.name] = weight_bytes(model)
     weights = 2 * 256 * 128
-    assert sizes["dense"] == sizes["kernel"] == weights * 4
+    assert sizes["dense"] == weights * 4
+    assert sizes["kernel"] == (288 * 128 + 144 * 256) * 4  # float32 panels: rows padded to a multiple of 48
     assert sizes["int8"] == weights + (128 + 256) * 4  # codes + a float32 scale a row
     assert sizes["int4"] == weights // 2 + weights // 32 * 2 * 2  # nibbles + a half scale and min a group
 
 
 def test_linear_method_for_each_setting():
     assert linear_method_for("auto", "cpu", torch.float32, gguf=True).name == "gguf"
-    assert linear_method_for("auto", "cpu", torch.float32, gguf=False).name == "onednn"
+    fp32 = "kernel" if cpu.unavailable_reason() is None and cpu.selected_isa() == "avx512" else "onednn"
+    assert linear_method_for("auto", "cpu", torch.float32, gguf=False).name == fp32
     assert linear_method_for("auto", "cpu", torch.float16, gguf=True).name == "dense"  # kernels: fp32/bf16
-    assert linear_method_for(None, "cpu", torch.float32, gguf=True).name == "onednn"
+    assert linear_method_for(None, "cpu", torch.float32, gguf=True).name == fp32
     assert linear_method_for("int4", "cpu", torch.bfloat16, gguf=False).name == "int4"
     with pytest.raises(ValueError, match="must be a .gguf file"):
         linear_method_for("gguf", "cpu", torch.float32, gguf=False)

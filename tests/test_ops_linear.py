@@ -45,6 +45,9 @@ def make_weight_and_mins(fmt: str, n: int, k: int, seed: int = 0):
     if fmt in ("float32", "bfloat16"):
         w = torch.randn(n, k, generator=gen).to(getattr(torch, fmt))
         return (w, None, None, 0), w.double(), torch.zeros(n, k, dtype=torch.float64)
+    if fmt == "float32-panels":  # group_size carries N
+        w = torch.randn(n, k, generator=gen)
+        return (cpu.pack_panels(w), None, None, n), w.double(), torch.zeros(n, k, dtype=torch.float64)
     group, scale_dtype = {"int8": (k, torch.float32), "int8-g16-min": (16, torch.float16)}.get(
         fmt, (32 if fmt == "int4" else 64, torch.float32 if fmt == "int4" else torch.float16)
     )
@@ -81,7 +84,7 @@ def reference(x: torch.Tensor, fmt: str, stored, w: torch.Tensor, mins: torch.Te
 FORMATS = ["float32", "bfloat16", "int8", "int8-g16-min", "int4", "int4-g64-half"]
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", [*FORMATS, "float32-panels"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 37, 300])  # decode rows (streamed), tiles with tails
 @pytest.mark.parametrize("shape", [(80, 128), (13, 576)], ids=["80x128", "13x576"])
 def test_linear_matches_dequantized_reference(kernels, fmt, rows, shape):
@@ -107,8 +110,30 @@ def test_few_rows_meet_codes_as_int16_blocks(kernels, fmt, k):
     torch.testing.assert_close(batch, x.double() @ w.T, atol=1e-6 * expected.abs().max().item(), rtol=1e-5)
 
 
-@pytest.mark.parametrize("fmt", ["float32", "int4"])
-@pytest.mark.parametrize("rows", [2, 20])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17])
+@pytest.mark.parametrize("shape", [(96, 50), (49, 7), (145, 1536)], ids=["96x50", "49x7", "145x1536"])
+def test_panels_at_any_shape(kernels, rows, shape):
+    """Whole and partial panels, K of any length, every register tile height (and its tail)."""
+    n, k = shape
+    w = torch.randn(n, k)
+    x = torch.randn(rows, k)
+    out = kernels.linear(x, cpu.pack_panels(w), None, None, n)
+    torch.testing.assert_close(out.double(), x.double() @ w.double().T, atol=1e-4 * k**0.5, rtol=1e-5)
+
+
+def test_panels_hold_the_weight_rows_side_by_side():
+    """pack_panels' layout as csrc/linear.cpp documents it: panel p, row k, lane j = W[48 p + j, k]; zeros
+    past N."""
+    w = torch.randn(50, 7)
+    packed = cpu.pack_panels(w)
+    assert packed.shape == (2, 7, 48) and packed.is_contiguous()
+    for n in (0, 1, 47, 48, 49):
+        assert torch.equal(packed[n // 48, :, n % 48], w[n])
+    assert not packed[1, :, 2:].any()
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int4", "float32-panels"])
+@pytest.mark.parametrize("rows", [2, 9, 20])
 def test_bias_and_residual_are_added(kernels, fmt, rows):
     stored, w, mins = make_weight_and_mins(fmt, 48, 64)
     x, bias, residual = torch.randn(rows, 64), torch.randn(48), torch.randn(rows, 48)
@@ -154,5 +179,10 @@ def test_bad_arguments_are_named(kernels):
         kernels.linear(x, data, scales, None, 32)
     with pytest.raises(RuntimeError, match="x has 63 columns"):
         kernels.linear(torch.randn(2, 63), data, scales, mins, 32)
+    panels = cpu.pack_panels(torch.randn(50, 64))
+    with pytest.raises(RuntimeError, match=r"N = group_size \(100\)"):
+        kernels.linear(x, panels, None, None, 100)
+    with pytest.raises(RuntimeError, match="x float32"):
+        kernels.linear(x.bfloat16(), panels, None, None, 50)
     with pytest.raises(RuntimeError, match="row id 8 is out of range"):
         kernels.dequantize_rows(data, scales, mins, 32, torch.tensor([8]), torch.float32)

@@ -6,9 +6,9 @@ holds; a LinearMethod, chosen once when the model is loaded, decides the storage
   DenseLinear    the weight as loaded, torch's F.linear / addmm (any device and dtype; the reference)
   OneDNNLinear   CPU float32 / bfloat16: the weight reordered once into oneDNN's blocked layout, multiplied
                  by oneDNN through torch's mkldnn ops, the residual add fused into the matmul
-  KernelLinear   CPU: the weight kept row by row on huge pages, multiplied by pagedllm's C++ kernel
-                 (ops/csrc/linear.cpp), which streams it for the few rows of a decode step and tiles it
-                 through the cache for many rows: one copy of the weight for both regimes
+  KernelLinear   CPU: the weight on huge pages, multiplied by pagedllm's C++ kernel (ops/csrc/linear.cpp):
+                 float32 packed in panels of 48 columns under register tiles at any number of rows, bf16
+                 kept row by row and streamed for the few rows of a decode step: one copy of the weight
   Int8Linear, Int4Linear, GGUFLinear (quantization.py): the same kernel on weight-only int8 / int4 storage
 
 The loader hands each layer's checkpoint tensors to its method (load_weight), then lets the method turn
@@ -164,8 +164,10 @@ class StoredWeight:
 
 class KernelLinear(LinearMethod):
     """The weight as a StoredWeight, multiplied by pagedllm's C++ kernel (ops/csrc/linear.cpp) at any
-    number of rows: weights streamed once for the few rows of a decode step, register tiles over a panel
-    converted in cache for many. This class stores the float weight as it is; subclasses quantize it.
+    number of rows. This class stores the float weight as it is, float32 packed in panels of 48 columns
+    (register tiles of up to 8 rows by 48 columns, the panel streamed once from memory); subclasses
+    quantize it (streamed once for a decode step's few rows, register tiles over a panel converted in
+    cache for many). A tied LM head's embedding lookups read the same storage.
 
     bf16 weights at more rows than the kernel streams go to torch's matmul (oneDNN's AVX512-BF16 GEMM,
     on the same plain weight; the C++ op makes that choice), which float32 arithmetic cannot match."""
@@ -180,7 +182,10 @@ class KernelLinear(LinearMethod):
     def process(self, layer: Linear) -> None:
         if hasattr(layer, "weight"):
             layer.params_dtype = layer.weight.dtype  # what the layer computes in: x and out, embedding rows
-        layer.stored = self.store(layer)
+        stored = self.store(layer)
+        if stored.data.dtype == torch.float32:  # in panels: register tiles at any number of rows
+            stored = StoredWeight(cpu.pack_panels(stored.data), group_size=stored.data.shape[0])
+        layer.stored = stored
         if hasattr(layer, "weight"):
             del layer.weight
 
@@ -194,6 +199,8 @@ class KernelLinear(LinearMethod):
 
     def embedding(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         w = layer.stored
+        if w.data.dim() == 3:  # float32 panels: a strided gather (3,200 rows of SmolLM2's head in 7 ms)
+            return cpu.panel_rows(w.data, ids)
         return cpu.dequantize_rows(w.data, w.scales, w.mins, w.group_size, ids, layer.params_dtype)
 
     def tensors(self, layer: Linear) -> list[torch.Tensor]:
@@ -210,10 +217,11 @@ LINEAR_METHODS: dict[str, type[LinearMethod]] = {
 def default_linear_method(
     device: torch.device | str, dtype: torch.dtype, max_num_seqs: int | None = None
 ) -> LinearMethod:
-    """For unquantized weights on the CPU (float32 / bfloat16): oneDNN's prepacked GEMM; but where a decode
-    step never holds more than KernelLinear.STREAM_ROWS sequences (`max_num_seqs`: one user chatting),
-    pagedllm's kernel, which streams a weight at one row 1.5x as fast and reaches 75-90% of oneDNN from 8
-    rows up (`pagedllm bench linear`). Dense elsewhere; $PAGEDLLM_LINEAR_METHOD overrides."""
+    """For unquantized weights on the CPU: float32 on an AVX-512 CPU, pagedllm's kernel on its panels (at
+    8-64 rows, a batched decode step, 1.2-2x oneDNN's prepacked GEMM; on par at a prefill's thousands;
+    `pagedllm bench linear`); else oneDNN's prepacked GEMM, but where a decode step never holds more
+    than KernelLinear.STREAM_ROWS sequences (`max_num_seqs`: one user chatting), the kernel, which
+    streams a weight at one row 1.5x as fast. Dense elsewhere; $PAGEDLLM_LINEAR_METHOD overrides."""
     requested = os.environ.get(LINEAR_METHOD_ENV_VAR, "").strip().lower()
     if requested:
         if requested not in LINEAR_METHODS:
@@ -221,7 +229,8 @@ def default_linear_method(
         return LINEAR_METHODS[requested]()
     if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return DenseLinear()
-    if few_rows(max_num_seqs) and cpu.unavailable_reason() is None:
+    kernels = cpu.unavailable_reason() is None
+    if kernels and (few_rows(max_num_seqs) or (dtype == torch.float32 and cpu.selected_isa() == "avx512")):
         return KernelLinear()
     return OneDNNLinear() if torch.backends.mkldnn.is_available() else DenseLinear()
 

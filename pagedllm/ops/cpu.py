@@ -195,8 +195,27 @@ def linear(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) (+ residual) for W stored row by row (see csrc/linear.cpp): float32 or
-    bf16 [N, K]; int8 [N, K]; or int4 pairs in uint8 [N, K/2], with [N, K/group_size] scales (and mins)."""
+    bf16 [N, K]; int8 [N, K]; or int4 pairs in uint8 [N, K/2], with [N, K/group_size] scales (and mins);
+    or float32 in panels (pack_panels), with group_size = N."""
     return kernels().linear(x, weight, scales, mins, group_size, bias, residual)
+
+
+PANEL_COLS = 48  # csrc/linear.cpp kPanelCols
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 W [N, K] as linear's panels: [ceil(N / 48), K, 48], panel p holding W's rows 48p ..
+    48p + 47 side by side (zeros past N), one column of W after another."""
+    n, k = weight.shape
+    panels = -(-n // PANEL_COLS)
+    padded = torch.zeros(panels * PANEL_COLS, k, dtype=torch.float32)
+    padded[:n] = weight
+    return padded.view(panels, PANEL_COLS, k).transpose(1, 2).contiguous()
+
+
+def panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the W that pack_panels packed, as a [len(ids), K] float32 tensor."""
+    return panels[ids // PANEL_COLS, :, ids % PANEL_COLS]
 
 
 def decoder_layer_args(

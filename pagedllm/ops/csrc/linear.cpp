@@ -6,7 +6,9 @@
 //   int4            q [N, K / 2] uint8, two unsigned 4-bit values a byte: in each run of 32 columns byte i
 //                   holds column i in its low nibble and column i + 16 in its high nibble (the layout of
 //                   GGUF's Q4_0 / Q4_1 blocks);  W[n, k] = scale[n, k / g] * q[n, k] + min[n, k / g]
-// g is the group size; scales and mins are [N, K / g], float32 or float16.
+// g is the group size; scales and mins are [N, K / g], float32 or float16. And one format not row after
+// row: float32 packed in panels of 48 columns, [ceil(N / 48), K, 48] (see panel_matmul), with N passed as
+// group_size; the engines' float32 storage on the CPU, multiplied by register tiles at any number of rows.
 //
 // One storage serves both regimes:
 //   few rows of x (decode): each weight is read once from memory, converted to float in registers and
@@ -424,6 +426,94 @@ void integer_matmul(const Rows& w, int64_t n_rows, int64_t cols, const float* x,
   });
 }
 
+// A float32 weight packed in panels (Python's pack_panels): W [N, K] as [ceil(N / 48), K, 48], panel p
+// holding columns 48p .. 48p + 47 of out (zeros past N) one k after another. A register tile of MR rows of
+// x by a panel's 48 columns broadcasts x[m, k] and multiplies it into the panel's row k: every weight
+// loaded feeds MR multiply-adds, and the panel (110-300 KB at these sizes) stays in L2 for the next MR
+// rows. One storage serves one row (the panel streamed once from memory) up to a prefill's thousands.
+constexpr int64_t kPanelCols = 48;
+constexpr int kPanelVectors = kPanelCols / VecF::kWidth;
+constexpr int kPanelTileRows = VecF::kWidth == 16 ? 8 : 2;  // rows whose sums fit the register file
+
+// out[m0 .. m0 + MR, panel p] = x rows . panel (+ bias) (+ residual). Fewer than 4 rows keep KU sets of
+// sums over alternate k so that enough multiply-adds are in flight (4 cycles of latency each).
+template <int MR, int KU>
+void panel_tile(const float* panel, const float* x, int64_t ld_x, int64_t cols, float* out, int64_t ld_out,
+                const float* bias, const float* residual, int64_t ld_residual, int valid) {
+  constexpr int V = kPanelVectors;
+  VecF acc[KU][MR][V];
+  for (int u = 0; u < KU; ++u)
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < V; ++j) acc[u][r][j] = VecF::zero();
+  const auto step = [&](int u, int64_t k) {
+    VecF w[V];
+    for (int j = 0; j < V; ++j) w[j] = VecF::load(panel + k * kPanelCols + j * VecF::kWidth);
+    for (int r = 0; r < MR; ++r) {
+      const VecF b = VecF::set1(x[r * ld_x + k]);
+      for (int j = 0; j < V; ++j) acc[u][r][j] = fmadd(b, w[j], acc[u][r][j]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + KU <= cols; k += KU)
+    for (int u = 0; u < KU; ++u) step(u, k + u);
+  for (; k < cols; ++k) step(0, k);
+  for (int r = 0; r < MR; ++r) {
+    for (int j = 0; j < V; ++j) {
+      const int n = lanes(valid, j);
+      if (n == 0) break;
+      VecF sum = acc[0][r][j];
+      for (int u = 1; u < KU; ++u) sum = sum + acc[u][r][j];
+      if (bias != nullptr) sum = sum + load(bias + j * VecF::kWidth, n);
+      if (residual != nullptr) sum = sum + load(residual + r * ld_residual + j * VecF::kWidth, n);
+      store(sum, out + r * ld_out + j * VecF::kWidth, n);
+    }
+  }
+}
+
+template <int MR>
+void panel_tile_rows(const float* panel, const float* x, int64_t ld_x, int64_t cols, float* out, int64_t ld_out,
+                     const float* bias, const float* residual, int64_t ld_residual, int valid) {
+  constexpr int KU = MR >= 4 ? 1 : 4 / MR;
+  panel_tile<MR, KU>(panel, x, ld_x, cols, out, ld_out, bias, residual, ld_residual, valid);
+}
+
+// out[M, N] = x[M, K] W^T (+ bias) (+ residual) on a panel-packed float32 W; panels split between threads.
+void panel_matmul(const float* packed, int64_t n_rows, int64_t cols, const float* x, int64_t m_rows, float* out,
+                  const float* bias, const float* residual, int64_t ld_residual) {
+  const int64_t panels = (n_rows + kPanelCols - 1) / kPanelCols;
+  const int64_t panel_work = kPanelCols * cols * m_rows;
+  at::parallel_for(0, panels, std::max<int64_t>(1, kTaskWork / panel_work), [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n = p * kPanelCols;
+      const int valid = static_cast<int>(std::min(kPanelCols, n_rows - n));
+      const float* panel = packed + p * cols * kPanelCols;
+      const float* b = bias != nullptr ? bias + n : nullptr;
+      for (int64_t m = 0; m < m_rows; m += kPanelTileRows) {
+        const float* xm = x + m * cols;
+        float* om = out + m * n_rows + n;
+        const float* rm = residual != nullptr ? residual + m * ld_residual + n : nullptr;
+        const auto run = [&](auto rows) {
+          panel_tile_rows<decltype(rows)::value>(panel, xm, cols, cols, om, n_rows, b, rm, ld_residual, valid);
+        };
+        switch (std::min<int64_t>(kPanelTileRows, m_rows - m)) {
+          case 1: run(std::integral_constant<int, 1>{}); break;
+#if defined(PAGEDLLM_AVX512)
+          case 2: run(std::integral_constant<int, 2>{}); break;
+          case 3: run(std::integral_constant<int, 3>{}); break;
+          case 4: run(std::integral_constant<int, 4>{}); break;
+          case 5: run(std::integral_constant<int, 5>{}); break;
+          case 6: run(std::integral_constant<int, 6>{}); break;
+          case 7: run(std::integral_constant<int, 7>{}); break;
+          default: run(std::integral_constant<int, 8>{}); break;
+#else
+          default: run(std::integral_constant<int, 2>{}); break;
+#endif
+        }
+      }
+    }
+  });
+}
+
 // Calls fn(source) with the row source for this weight format: for int8 / int4 codes in groups of whole
 // blocks, their CodeRows (integer dot products) if kInteger.
 template <bool kInteger, typename Fn>
@@ -498,7 +588,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                   const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && is_float_or_bf16(x), "x must be a 2-D float32 or bfloat16 tensor, got ", x.sizes(),
               " ", x.scalar_type());
-  const int64_t m_rows = x.size(0), cols = x.size(1), n_rows = weight.size(0);
+  const bool packed = weight.dim() == 3;
+  const int64_t m_rows = x.size(0), cols = x.size(1), n_rows = packed ? group_size : weight.size(0);
+  if (packed) {
+    TORCH_CHECK(weight.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                    weight.size(2) == kPanelCols && weight.size(1) == cols &&
+                    weight.size(0) == (n_rows + kPanelCols - 1) / kPanelCols,
+                "a panel-packed weight must be a contiguous float32 [ceil(N / ", kPanelCols, "), K, ", kPanelCols,
+                "] tensor with N = group_size (", n_rows, ") and K = x's columns (", cols, ") and x float32, got ",
+                weight.sizes(), " ", weight.scalar_type(), " and x ", x.scalar_type());
+  }
   if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && m_rows > kStreamRows) {
     return torch_linear(x, weight, bias, residual);
   }
@@ -521,6 +620,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                           residual.has_value() ? residual->stride(0) : 0,
                           x.scalar_type() == at::kBFloat16};
   if (m_rows == 0 || n_rows == 0) return out;
+  if (packed) {
+    panel_matmul(weight.data_ptr<float>(), n_rows, cols, xf.data_ptr<float>(), m_rows, out.data_ptr<float>(),
+                 bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                 residual.has_value() ? residual->data_ptr<float>() : nullptr, epilogue.ld_residual);
+    return out;
+  }
   const auto run = [&](const auto& src) { multiply(src, n_rows, cols, xf.data_ptr<float>(), m_rows, epilogue); };
   if (m_rows <= kStreamRows) {
     with_source<true>(weight, scales, mins, group_size, cols, run);
