@@ -7,19 +7,37 @@
 //   h = h + a Wo^T ; x = rms_norm(h) ; h = h + act_and_mul(x Wgate_up^T) Wdown^T
 
 #include <ATen/ops/empty.h>
+#include <ATen/record_function.h>
+
+#include <string_view>
 
 #include "ops.h"
 
+#define PAGEDLLM_STRINGIFY(x) #x
+#define PAGEDLLM_OP_NAME(ns, op) PAGEDLLM_STRINGIFY(ns) "::" op
+#define OP(op) PAGEDLLM_OP_NAME(PAGEDLLM_NAMESPACE, op)
+
 namespace pagedllm {
 namespace {
+
+// Runs fn() as a range of torch's profiler named like the op it calls (OP("linear"): e.g.
+// pagedllm_avx512::linear), so that `bench --profile` still shows a one-call layer's time op by op. The
+// guard costs one flag test when no profiler runs.
+template <typename F>
+auto profiled(std::string_view name, const F& fn) {
+  RECORD_FUNCTION(name, c10::ArrayRef<const c10::IValue>{});
+  return fn();
+}
 
 // One linear layer's storage as csrc/linear.cpp reads it: weights[4 * i ...] = data, scales, mins, bias.
 at::Tensor project(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights, int64_t i,
                    int64_t group_size, const c10::optional<at::Tensor>& residual) {
   const c10::optional<at::Tensor> data = weights.get(4 * i);
   TORCH_CHECK(data.has_value(), "linear layer ", i, " has no weight");
-  return linear(x, *data, weights.get(4 * i + 1), weights.get(4 * i + 2), group_size, weights.get(4 * i + 3),
-                residual);
+  return profiled(OP("linear"), [&] {
+    return linear(x, *data, weights.get(4 * i + 1), weights.get(4 * i + 2), group_size, weights.get(4 * i + 3),
+                  residual);
+  });
 }
 
 }  // namespace
@@ -37,20 +55,25 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& positions, at::T
               weights.size(), " and ", group_sizes.size());
   const int64_t tokens = h.size(0), head_dim = k_cache.size(3);
   at::Tensor x = at::empty(h.sizes(), h.options());
-  rms_norm(x, h, input_norm, eps, false);
+  profiled(OP("rms_norm"), [&] { rms_norm(x, h, input_norm, eps, false); });
   const at::Tensor heads = project(x, weights, 0, group_sizes[0], c10::nullopt)
                                .view({tokens, num_heads + 2 * num_kv_heads, head_dim});
-  rotary_embedding(heads.narrow(1, 0, num_heads + num_kv_heads), positions, cos_sin);
+  profiled(OP("rotary_embedding"),
+           [&] { rotary_embedding(heads.narrow(1, 0, num_heads + num_kv_heads), positions, cos_sin); });
   const at::Tensor q = heads.narrow(1, 0, num_heads);
-  write_kv(heads.narrow(1, num_heads, num_kv_heads), heads.narrow(1, num_heads + num_kv_heads, num_kv_heads),
-           k_cache, v_cache, slot_mapping);
+  profiled(OP("write_kv"), [&] {
+    write_kv(heads.narrow(1, num_heads, num_kv_heads), heads.narrow(1, num_heads + num_kv_heads, num_kv_heads),
+             k_cache, v_cache, slot_mapping);
+  });
   at::Tensor attended = at::empty(q.sizes(), q.options());
-  paged_attention(attended, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window);
+  profiled(OP("paged_attention"), [&] {
+    paged_attention(attended, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window);
+  });
   const at::Tensor mid = project(attended.view({tokens, num_heads * head_dim}), weights, 1, group_sizes[1], h);
-  rms_norm(x, mid, post_attention_norm, eps, false);
+  profiled(OP("rms_norm"), [&] { rms_norm(x, mid, post_attention_norm, eps, false); });
   const at::Tensor gate_up = project(x, weights, 2, group_sizes[2], c10::nullopt);
   at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
-  act_and_mul(act, gate_up, activation);
+  profiled(OP("act_and_mul"), [&] { act_and_mul(act, gate_up, activation); });
   return project(act, weights, 3, group_sizes[3], mid);
 }
 
