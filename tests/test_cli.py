@@ -52,6 +52,9 @@ def test_engine_flags_spelled_as_vllm():
     kwargs = cli._engine_kwargs(parse([*flags, "--max-num-batched-tokens", "512"]))
     assert (kwargs["enable_prefix_caching"], kwargs["enable_chunked_prefill"]) == (False, False)
     assert kwargs["max_num_batched_tokens"] == 512
+    # serve leaves it to the server (vLLM's CPU server default), generate takes EngineConfig's
+    assert cli._engine_kwargs(parse(["serve"]))["max_num_batched_tokens"] is None
+    assert cli._engine_kwargs(parse(["generate", "x"]))["max_num_batched_tokens"] == 8192
 
 
 def test_beam_width_with_chat_is_refused(capsys):

@@ -351,6 +351,7 @@ def test_serve_flags_shape_the_kv_cache_the_dashboard_shows(monkeypatch):
     assert cli.main([*argv, "--max-num-seqs", "8", "--enable-prefix-caching"]) == 0
     server_only = ("model", "host", "port", "served_model_name", "limits", "shutdown_timeout")
     engine_kwargs = {k: v for k, v in seen.items() if k not in server_only}
+    assert engine_kwargs.pop("max_num_batched_tokens") is None  # the server's own default (build_app)
     config = EngineConfig(model=seen["model"], **engine_kwargs)
     assert (config.kv_layout, config.contiguous_reserve, config.block_size) == ("contiguous", "pow2", 32)
     assert (config.max_num_seqs, config.enable_prefix_caching) == (8, True)

@@ -12,7 +12,7 @@ import pytest
 from helpers import openai_client, running_server
 
 from pagedllm import BeamSearchParams, SamplingParams
-from pagedllm.entrypoints.openai.server import build_app
+from pagedllm.entrypoints.openai.server import SERVER_CPU_BATCHED_TOKENS, build_app
 
 MODEL = "smollm2-135m"
 PROMPT = "The capital of France is"
@@ -28,6 +28,11 @@ def server(request):
         yield base, engine
     if engine.executor is not None:  # the server's shutdown stopped every worker
         assert all(proc.poll() is not None for proc in engine.executor.procs.values())
+
+
+def test_the_server_takes_vllms_step_budget_on_the_cpu(server):
+    """Unset, max_num_batched_tokens is vLLM's server default on the CPU (2048), not the engine's 8192."""
+    assert server[1].config.max_num_batched_tokens == SERVER_CPU_BATCHED_TOKENS == 2048
 
 
 @pytest.fixture

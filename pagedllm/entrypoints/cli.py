@@ -171,7 +171,7 @@ def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=defaults["max_num_batched_tokens"],
-        help="tokens per step (prefill chunk budget)",
+        help="tokens per step (prefill chunk budget; serve's default: 2048 on the CPU, as vLLM's)",
     )
     parser.add_argument(
         "--enable-prefix-caching",
@@ -331,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--served-model-name", default=None, help="the model name clients use (default: --model)"
     )
-    _add_engine_args(serve, defaults)
+    _add_engine_args(serve, {**defaults, "max_num_batched_tokens": None})  # the server's own default
     _add_kv_args(serve, defaults)
     _add_server_args(serve, _defaults(ServerLimits))
     serve.set_defaults(func=_serve)

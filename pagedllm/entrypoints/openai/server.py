@@ -32,13 +32,25 @@ logger = logging.getLogger(__name__)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+# vLLM's server default on the CPU (its offline LLM takes 4,096): prompts that arrive together are
+# prefilled a few at a time, and the first of them stream sooner (median time to first token of 16
+# prompts of 100-300 tokens at once: 2.9 s against 4.4 s with 8,192, at the same output tokens/s).
+SERVER_CPU_BATCHED_TOKENS = 2048
+
+
 def build_app(
     model: str = "smollm2-135m",
     served_model_name: str | None = None,
     limits: ServerLimits | None = None,
     **engine_kwargs,
 ) -> FastAPI:
-    """An app serving `model`; engine_kwargs are EngineConfig fields (kv_cache_memory, max_model_len, ...)."""
+    """An app serving `model`; engine_kwargs are EngineConfig fields (kv_cache_memory, max_model_len, ...).
+    max_num_batched_tokens None or absent: SERVER_CPU_BATCHED_TOKENS on the CPU with chunked prefill on,
+    else EngineConfig's default."""
+    if engine_kwargs.get("max_num_batched_tokens") is None:
+        engine_kwargs.pop("max_num_batched_tokens", None)
+        if engine_kwargs.get("device", "cpu") == "cpu" and engine_kwargs.get("enable_chunked_prefill", True):
+            engine_kwargs["max_num_batched_tokens"] = SERVER_CPU_BATCHED_TOKENS
     engine = AsyncEngine(LLMEngine(EngineConfig(model=model, **engine_kwargs)))
     limits = limits or ServerLimits()
     model_name = served_model_name or model
