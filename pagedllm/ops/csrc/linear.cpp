@@ -435,7 +435,7 @@ constexpr int64_t kPanelCols = 48;
 constexpr int kPanelVectors = kPanelCols / VecF::kWidth;
 constexpr int kPanelTileRows = VecF::kWidth == 16 ? 8 : 2;  // rows whose sums fit the register file
 
-// out[m0 .. m0 + MR, panel p] = x rows . panel (+ bias) (+ residual). Fewer than 4 rows keep KU sets of
+// out[m0 .. m0 + MR, panel p] = x rows . panel (+ bias) (+ residual). A tile of few rows keeps KU sets of
 // sums over alternate k so that enough multiply-adds are in flight (4 cycles of latency each).
 template <int MR, int KU>
 void panel_tile(const float* panel, const float* x, int64_t ld_x, int64_t cols, float* out, int64_t ld_out,
@@ -473,7 +473,7 @@ void panel_tile(const float* panel, const float* x, int64_t ld_x, int64_t cols, 
 template <int MR>
 void panel_tile_rows(const float* panel, const float* x, int64_t ld_x, int64_t cols, float* out, int64_t ld_out,
                      const float* bias, const float* residual, int64_t ld_residual, int valid) {
-  constexpr int KU = MR >= 4 ? 1 : 4 / MR;
+  constexpr int KU = std::max(1, 12 / (MR * kPanelVectors));  // ~12 sums in flight, within the registers
   panel_tile<MR, KU>(panel, x, ld_x, cols, out, ld_out, bias, residual, ld_residual, valid);
 }
 
