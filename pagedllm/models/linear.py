@@ -218,10 +218,11 @@ def default_linear_method(
     device: torch.device | str, dtype: torch.dtype, max_num_seqs: int | None = None
 ) -> LinearMethod:
     """For unquantized weights on the CPU: float32 on an AVX-512 CPU, pagedllm's kernel on its panels (at
-    8-64 rows, a batched decode step, 1.2-2x oneDNN's prepacked GEMM; on par at a prefill's thousands;
-    `pagedllm bench linear`); else oneDNN's prepacked GEMM, but where a decode step never holds more
-    than KernelLinear.STREAM_ROWS sequences (`max_num_seqs`: one user chatting), the kernel, which
-    streams a weight at one row 1.5x as fast. Dense elsewhere; $PAGEDLLM_LINEAR_METHOD overrides."""
+    the 8-16 rows of a batched decode step 1.1-1.6x oneDNN's prepacked GEMM, level at 64 and at a
+    prefill's thousands; `pagedllm bench linear`); else oneDNN's prepacked GEMM, but where a decode
+    step never holds more than KernelLinear.STREAM_ROWS sequences (`max_num_seqs`: one user chatting),
+    the kernel, which streams a weight at one row 1.5x as fast. Dense elsewhere;
+    $PAGEDLLM_LINEAR_METHOD overrides."""
     requested = os.environ.get(LINEAR_METHOD_ENV_VAR, "").strip().lower()
     if requested:
         if requested not in LINEAR_METHODS:
