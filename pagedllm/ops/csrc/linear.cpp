@@ -8,7 +8,7 @@
 //                   GGUF's Q4_0 / Q4_1 blocks);  W[n, k] = scale[n, k / g] * q[n, k] + min[n, k / g]
 // g is the group size; scales and mins are [N, K / g], float32 or float16. And one format not row after
 // row: float32 packed in panels of 48 columns, [ceil(N / 48), K, 48] (see panel_matmul), with N passed as
-// group_size; the engines' float32 storage on the CPU, multiplied by register tiles at any number of rows.
+// group_size: the default float32 storage on AVX-512 CPUs, multiplied by register tiles at any row count.
 //
 // One storage serves both regimes:
 //   few rows of x (decode): each weight is read once from memory, converted to float in registers and
