@@ -470,11 +470,13 @@ void panel_tile(const float* panel, const float* x, int64_t ld_x, int64_t cols, 
   }
 }
 
-template <int MR>
-void panel_tile_rows(const float* panel, const float* x, int64_t ld_x, int64_t cols, float* out, int64_t ld_out,
-                     const float* bias, const float* residual, int64_t ld_residual, int valid) {
-  constexpr int KU = std::max(1, 12 / (MR * kPanelVectors));  // ~12 sums in flight, within the registers
-  panel_tile<MR, KU>(panel, x, ld_x, cols, out, ld_out, bias, residual, ld_residual, valid);
+// Calls fn(std::integral_constant<int, R>) for R = min(rows, kPanelTileRows) >= 1: a compile-time tile height.
+template <int R = kPanelTileRows, typename F>
+void with_tile_rows(int64_t rows, const F& fn) {
+  if constexpr (R > 1) {
+    if (rows < R) return with_tile_rows<R - 1>(rows, fn);
+  }
+  fn(std::integral_constant<int, R>{});
 }
 
 // out[M, N] = x[M, K] W^T (+ bias) (+ residual) on a panel-packed float32 W; panels split between threads.
@@ -492,23 +494,11 @@ void panel_matmul(const float* packed, int64_t n_rows, int64_t cols, const float
         const float* xm = x + m * cols;
         float* om = out + m * n_rows + n;
         const float* rm = residual != nullptr ? residual + m * ld_residual + n : nullptr;
-        const auto run = [&](auto rows) {
-          panel_tile_rows<decltype(rows)::value>(panel, xm, cols, cols, om, n_rows, b, rm, ld_residual, valid);
-        };
-        switch (std::min<int64_t>(kPanelTileRows, m_rows - m)) {
-          case 1: run(std::integral_constant<int, 1>{}); break;
-#if defined(PAGEDLLM_AVX512)
-          case 2: run(std::integral_constant<int, 2>{}); break;
-          case 3: run(std::integral_constant<int, 3>{}); break;
-          case 4: run(std::integral_constant<int, 4>{}); break;
-          case 5: run(std::integral_constant<int, 5>{}); break;
-          case 6: run(std::integral_constant<int, 6>{}); break;
-          case 7: run(std::integral_constant<int, 7>{}); break;
-          default: run(std::integral_constant<int, 8>{}); break;
-#else
-          default: run(std::integral_constant<int, 2>{}); break;
-#endif
-        }
+        with_tile_rows(m_rows - m, [&](auto rows) {
+          constexpr int MR = decltype(rows)::value;
+          constexpr int KU = std::max(1, 12 / (MR * kPanelVectors));  // ~12 sums in flight, within the registers
+          panel_tile<MR, KU>(panel, xm, cols, cols, om, n_rows, b, rm, ld_residual, valid);
+        });
       }
     }
   });
