@@ -208,9 +208,9 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     48p + 47 side by side (zeros past N), one column of W after another."""
     n, k = weight.shape
     panels = -(-n // PANEL_COLS)
-    padded = torch.zeros(panels * PANEL_COLS, k, dtype=torch.float32)
-    padded[:n] = weight
-    return padded.view(panels, PANEL_COLS, k).transpose(1, 2).contiguous()
+    if n % PANEL_COLS:  # a copy only where rows must be added
+        weight = torch.nn.functional.pad(weight, (0, 0, 0, panels * PANEL_COLS - n))
+    return weight.reshape(panels, PANEL_COLS, k).transpose(1, 2).contiguous()
 
 
 def panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
