@@ -49,12 +49,13 @@ DECODE = {
     "head-major-bf16-window": Case(
         4, 2, 64, 16, (70, 3, 33), window=16, dtype=torch.bfloat16, head_major=True
     ),
-    # one long row, its few KV heads fewer than twice the threads: the cpu kernel splits its keys into
-    # parts and combines them (with 2+ threads, as on the test machines)
+    # a row with much more than its share of the keys: the cpu kernel splits its keys into parts and
+    # combines them (with 2+ threads, as on the test machines)
     "one-long-row": Case(9, 3, 64, 16, (3000,), head_major=True),
     "one-long-row-window": Case(4, 1, 64, 16, (2500,), window=1100),
     "one-long-row-bf16": Case(6, 2, 64, 16, (2100,), dtype=torch.bfloat16, head_major=True),
     "short-row-then-split-row": Case(4, 1, 64, 16, (100, 2000)),  # only the second row is split
+    "long-row-among-short": Case(12, 4, 64, 16, (40, 90, 25, 60, 70, 1800), head_major=True),
 }
 PREFILL = {
     "prompt": Case(6, 2, 16, 8, (20, 5), (20, 5)),

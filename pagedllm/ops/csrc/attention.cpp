@@ -1,9 +1,12 @@
 // Paged attention on the CPU: K/V are read in place through the block table (no gather copy).
 //
 // One kernel serves decode and prefill: sequence s owns query rows query_start_loc[s]..[s+1], the last
-// rows of its context_lens[s] tokens, causal. Work items are (sequence, kv head, tile of query rows)
+// rows of its context_lens[s] tokens, causal. Work items are (sequence, kv heads, tile of query rows)
 // and hold the whole GQA group, so each block of K/V is read from memory once for every head and query
-// row that uses it. Softmax is two-pass over a per-thread score buffer: scores, exp/normalise, sum of V.
+// row that uses it. A decode item (one query row) takes every kv head of its sequence and walks the
+// block table once for all of them: in the engine's head-major cache a block's heads lie side by side,
+// so it reads one run of block_size x Hkv x D values per block instead of Hkv runs of block_size x D far
+// apart, and the hardware's stream prefetcher keeps up. Softmax is two-pass over a per-thread score buffer: scores, exp/normalise, sum of V.
 // Arithmetic is fp32; a bf16 cache is widened in registers. The query may be a strided view (e.g. the
 // q part of a fused qkv projection): only its last dimension must be contiguous.
 
@@ -159,27 +162,30 @@ inline float exp_shifted_sum(float* x, int64_t count, float max_value) {
   return reduce_add(sum);
 }
 
-// Key/value rows of one sequence and one kv head, addressed through the sequence's block table.
+// Key/value rows of one sequence and `heads` kv heads from the first, addressed through its block table.
 template <typename T>
 struct PagedRows {
   const int32_t* table;
-  int64_t block_size, block_stride, slot_stride, head_offset, head_dim;
+  int64_t block_size, block_stride, slot_stride, head_stride, first_head, heads, head_dim;
 
   const T* block_start(const T* cache, int64_t b) const {
-    return cache + static_cast<int64_t>(table[b]) * block_stride + head_offset;
+    return cache + static_cast<int64_t>(table[b]) * block_stride + first_head * head_stride;
   }
 
-  // Asks for block b's rows of [lo, hi) to be brought into the cache ahead of use.
+  // Asks for block b's rows of [lo, hi), every head's, to be brought into the cache ahead of use.
   void prefetch(const T* cache, int64_t b, int64_t hi) const {
     const int64_t first = b * block_size;
     if (first >= hi) return;
     const char* start = reinterpret_cast<const char*>(block_start(cache, b));
     const int64_t rows = std::min(block_size, hi - first), bytes = head_dim * sizeof(T);
-    for (int64_t j = 0; j < rows; ++j)
-      for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(start + j * slot_stride * sizeof(T) + off, _MM_HINT_T1);
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t j = 0; j < rows; ++j)
+        for (int64_t off = 0; off < bytes; off += 64)
+          _mm_prefetch(start + (h * head_stride + j * slot_stride) * sizeof(T) + off, _MM_HINT_T1);
   }
 
-  // fn(t0, t1, row_t0) for each block's share [t0, t1) of [lo, hi); token rows are slot_stride apart.
+  // fn(t0, t1, row_t0) for each block's share [t0, t1) of [lo, hi); token rows are slot_stride apart and
+  // row_t0 is the first head's (head h's rows start h * head_stride further).
   // Blocks are scattered in memory, so the hardware cannot guess the next one: each is prefetched
   // kBlocksAhead blocks before its turn.
   template <typename F>
@@ -210,13 +216,13 @@ void parallel_dynamic(int64_t n, int64_t work, const F& fn) {
   });
 }
 
-// A decode row's keys are split into parts of at least this many when the (sequence, kv head) items
-// are too few to keep every thread busy (one request: a 4,000-token context's 3 KV heads on 2 threads).
+// A decode row's keys are split into parts of at least this many (key, kv head) pairs when its item alone
+// would keep a thread busy for long (one request: a 4,000-token context on 2 threads).
 constexpr int64_t kMinPartKeys = 256;
 
 struct WorkItem {
-  int64_t seq, kv_head, row_begin, row_end;  // rows relative to the sequence's first query row
-  int64_t part = 0, parts = 1;               // this item's share of a single row's keys
+  int64_t seq, kv_head, kv_heads, row_begin, row_end;  // rows relative to the sequence's first query row
+  int64_t part = 0, parts = 1;                         // this item's share of a single row's keys
 };
 
 // C: the head dimension in whole SIMD vectors when the micro-kernels specialise on it, else 0.
@@ -254,30 +260,39 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
       const int32_t id = tables[s * max_blocks + b];
       TORCH_CHECK(id >= 0 && id < k_cache.size(0), "block id ", id, " of sequence ", s, " is out of range");
     }
-    for (int64_t r = 0; r < q_len; r += kRowsPerTile) {
-      const int64_t end = std::min(q_len, r + kRowsPerTile);
-      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({s, h, r, end});
+    if (q_len == 1) {
+      items.push_back({s, 0, num_kv_heads, 0, 1});
+    } else {
+      for (int64_t r = 0; r < q_len; r += kRowsPerTile) {
+        const int64_t end = std::min(q_len, r + kRowsPerTile);
+        for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({s, h, 1, r, end});
+      }
     }
     work += 2 * q_len * num_heads * head_dim * (window > 0 ? std::min<int64_t>(window, lens[s]) : lens[s]);
   }
-  // Too few items for the threads: split single-row items' keys into parts, combined after.
+  // A decode item holding much more than its share of the keys (1 / (2 x threads) of them all) would keep
+  // one thread busy while the others wait: its keys are split into parts, combined after.
   const int64_t threads = at::get_num_threads();
+  auto keys_of = [&](const WorkItem& it) { return window > 0 ? std::min<int64_t>(window, lens[it.seq]) : lens[it.seq]; };
   bool any_split = false;
-  if (threads > 1 && static_cast<int64_t>(items.size()) < 2 * threads && work >= kInlineWork) {
+  if (threads > 1 && work >= kInlineWork) {
+    int64_t all_pairs = 0;  // (key, kv head) pairs read for each query row, over all items
+    for (const WorkItem& it : items) all_pairs += keys_of(it) * it.kv_heads * (it.row_end - it.row_begin);
+    const int64_t share = std::max<int64_t>(1, all_pairs / (2 * threads));
     std::vector<WorkItem> split;
     for (const WorkItem& it : items) {
-      const int64_t keys = window > 0 ? std::min<int64_t>(window, lens[it.seq]) : lens[it.seq];
-      const int64_t parts = it.row_end - it.row_begin == 1
-                                ? std::clamp<int64_t>(keys / kMinPartKeys, 1, 2 * threads)
-                                : 1;
-      for (int64_t part = 0; part < parts; ++part) split.push_back({it.seq, it.kv_head, it.row_begin, it.row_end, part, parts});
+      const int64_t keys = keys_of(it), pairs = keys * it.kv_heads;
+      // At least kMinPartKeys pairs and 16 keys a part: never an empty part.
+      const int64_t most = std::min({(pairs + share - 1) / share, pairs / kMinPartKeys, keys / 16});
+      const int64_t parts = it.row_end - it.row_begin == 1 ? std::clamp<int64_t>(most, 1, 2 * threads) : 1;
+      for (int64_t part = 0; part < parts; ++part) split.push_back({it.seq, it.kv_head, it.kv_heads, it.row_begin, it.row_end, part, parts});
       any_split = any_split || parts > 1;
     }
     items.swap(split);
   }
-  // What each part of a split row leaves for the combine step, per head of its group: the max score, the
-  // sum of exp(score - max) and the unnormalised sum of V rows weighted by exp(score - max).
-  const int64_t partial_size = group * (head_dim + 2);
+  // What each part of a split row leaves for the combine step, per query head: the max score, the sum
+  // of exp(score - max) and the unnormalised sum of V rows weighted by exp(score - max).
+  const int64_t partial_size = num_heads * (head_dim + 2);
   std::vector<float> partials(any_split ? items.size() * partial_size : 0);
 
   parallel_dynamic(static_cast<int64_t>(items.size()), work, [&](int64_t idx) {
@@ -298,60 +313,69 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
     }
     const int64_t span = hi - lo;
 
+    // Score rows: i = hl * m_count + r * group + g is query row r, head (kv_head + hl) * group + g, so the
+    // rows of one kv head are consecutive and each head's index inside the GQA group is i % group.
+    const int64_t total_rows = it.kv_heads * m_count;
+    auto head_of = [&](int64_t i) { return (it.kv_head + i / m_count) * group + i % group; };
+    auto row_of = [&](int64_t i) { return it.row_begin + (i % m_count) / group; };
+
     thread_local std::vector<float> scores, query, acc, row_max, row_sum;
-    scores.resize(m_count * span);
-    query.resize(m_count * head_dim);
-    acc.assign(m_count * head_dim, 0.f);
-    row_max.resize(m_count);
-    row_sum.resize(m_count);
-    // m = r * group + g is query row r, head kv_head * group + g; scaled queries kept in fp32.
-    for (int64_t m = 0; m < m_count; ++m) {
-      const TQ* src = q_ptr + (first_row + it.row_begin + m / group) * q_row_stride +
-                      (it.kv_head * group + m % group) * q_head_stride;
-      for (int64_t i = 0; i < head_dim; ++i) query[m * head_dim + i] = static_cast<float>(src[i]) * scale;
+    scores.resize(total_rows * span);
+    query.resize(total_rows * head_dim);
+    acc.assign(total_rows * head_dim, 0.f);
+    row_max.resize(total_rows);
+    row_sum.resize(total_rows);
+    for (int64_t i = 0; i < total_rows; ++i) {  // scaled queries kept in fp32
+      const TQ* src = q_ptr + (first_row + row_of(i)) * q_row_stride + head_of(i) * q_head_stride;
+      for (int64_t j = 0; j < head_dim; ++j) query[i * head_dim + j] = static_cast<float>(src[j]) * scale;
     }
-    const PagedRows<TKV> paged{table, block_size, block_stride, slot_stride, it.kv_head * head_stride, head_dim};
+    const PagedRows<TKV> paged{table, block_size, block_stride, slot_stride, head_stride, it.kv_head, it.kv_heads,
+                               head_dim};
 
     // Pass 1: scores of every (row, head) against every key of the tile's range. Each block of keys is
-    // loaded once and scored against all rows, kRows rows at a time.
+    // loaded once and scored against all its head's rows, kRows rows at a time.
     paged.for_each_block(k_ptr, lo, hi, [&](int64_t t0, int64_t t1, const TKV* k_rows) {
-      for (int64_t m0 = 0; m0 < m_count; m0 += kRows) {
-        with_rows(m_count - m0, [&](auto n) {
-          score_rows<n, C>(&scores[m0 * span + t0 - lo], span, &query[m0 * head_dim], k_rows, slot_stride, t1 - t0,
-                           head_dim);
-        });
+      for (int64_t hl = 0; hl < it.kv_heads; ++hl) {
+        for (int64_t m0 = hl * m_count; m0 < (hl + 1) * m_count; m0 += kRows) {
+          with_rows((hl + 1) * m_count - m0, [&](auto n) {
+            score_rows<n, C>(&scores[m0 * span + t0 - lo], span, &query[m0 * head_dim], k_rows + hl * head_stride,
+                             slot_stride, t1 - t0, head_dim);
+          });
+        }
       }
     });
     // Softmax over each row's own visible range; invisible keys get weight 0.
-    for (int64_t m = 0; m < m_count; ++m) {
-      float* row = &scores[m * span];
-      const int64_t a = std::max(key_begin(it.row_begin + m / group), lo) - lo;
-      const int64_t b = std::min(key_end(it.row_begin + m / group), hi) - lo;
-      row_max[m] = *std::max_element(row + a, row + b);
-      row_sum[m] = exp_shifted_sum(row + a, b - a, row_max[m]);
+    for (int64_t i = 0; i < total_rows; ++i) {
+      float* row = &scores[i * span];
+      const int64_t a = std::max(key_begin(row_of(i)), lo) - lo;
+      const int64_t b = std::min(key_end(row_of(i)), hi) - lo;
+      row_max[i] = *std::max_element(row + a, row + b);
+      row_sum[i] = exp_shifted_sum(row + a, b - a, row_max[i]);
       std::fill(row, row + a, 0.f);
       std::fill(row + b, row + span, 0.f);
     }
     // Pass 2: weighted sum of V rows, block by block, kRows accumulator rows at a time.
     paged.for_each_block(v_ptr, lo, hi, [&](int64_t t0, int64_t t1, const TKV* v_rows) {
-      for (int64_t m0 = 0; m0 < m_count; m0 += kRows) {
-        with_rows(m_count - m0, [&](auto n) {
-          accumulate_rows<n, C>(&acc[m0 * head_dim], &scores[m0 * span + t0 - lo], span, v_rows, slot_stride,
-                             t1 - t0, head_dim);
-        });
+      for (int64_t hl = 0; hl < it.kv_heads; ++hl) {
+        for (int64_t m0 = hl * m_count; m0 < (hl + 1) * m_count; m0 += kRows) {
+          with_rows((hl + 1) * m_count - m0, [&](auto n) {
+            accumulate_rows<n, C>(&acc[m0 * head_dim], &scores[m0 * span + t0 - lo], span, v_rows + hl * head_stride,
+                                  slot_stride, t1 - t0, head_dim);
+          });
+        }
       }
     });
-    if (it.parts > 1) {  // m_count == group
+    if (it.parts > 1) {  // one query row: total_rows heads, at most num_heads
       float* partial = partials.data() + idx * partial_size;
-      std::copy(row_max.begin(), row_max.begin() + group, partial);
-      std::copy(row_sum.begin(), row_sum.begin() + group, partial + group);
-      std::copy(acc.begin(), acc.begin() + group * head_dim, partial + 2 * group);
+      std::copy(row_max.begin(), row_max.begin() + total_rows, partial);
+      std::copy(row_sum.begin(), row_sum.begin() + total_rows, partial + num_heads);
+      std::copy(acc.begin(), acc.begin() + total_rows * head_dim, partial + 2 * num_heads);
       return;
     }
-    for (int64_t m = 0; m < m_count; ++m) {
-      TQ* dst = out_ptr + ((first_row + it.row_begin + m / group) * num_heads + it.kv_head * group + m % group) * head_dim;
-      const VecF inv = VecF::set1(1.f / row_sum[m]);
-      for_each_chunk(head_dim, [&](int64_t i, int n) { store(load(&acc[m * head_dim + i], n) * inv, dst + i, n); });
+    for (int64_t i = 0; i < total_rows; ++i) {
+      TQ* dst = out_ptr + ((first_row + row_of(i)) * num_heads + head_of(i)) * head_dim;
+      const VecF inv = VecF::set1(1.f / row_sum[i]);
+      for_each_chunk(head_dim, [&](int64_t j, int n) { store(load(&acc[i * head_dim + j], n) * inv, dst + j, n); });
     }
   });
 
@@ -362,7 +386,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
     const WorkItem& it = items[first];
     if (it.parts == 1) continue;
     const float* part0 = partials.data() + first * partial_size;
-    for (int64_t m = 0; m < group; ++m) {
+    for (int64_t m = 0; m < it.kv_heads * group; ++m) {
       float max_score = -std::numeric_limits<float>::infinity();
       for (int64_t p = 0; p < it.parts; ++p) max_score = std::max(max_score, part0[p * partial_size + m]);
       std::fill(total.begin(), total.end(), 0.f);
@@ -370,8 +394,8 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
       for (int64_t p = 0; p < it.parts; ++p) {
         const float* part = part0 + p * partial_size;
         const float w = std::exp(part[m] - max_score);
-        sum += w * part[group + m];
-        for (int64_t i = 0; i < head_dim; ++i) total[i] += w * part[2 * group + m * head_dim + i];
+        sum += w * part[num_heads + m];
+        for (int64_t i = 0; i < head_dim; ++i) total[i] += w * part[2 * num_heads + m * head_dim + i];
       }
       TQ* dst = out_ptr + ((starts[it.seq] + it.row_begin) * num_heads + it.kv_head * group + m) * head_dim;
       for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<TQ>(total[i] / sum);
