@@ -43,6 +43,8 @@ def test_json_rows_per_backend_and_dtype(capsys):
         kv_bytes = 2 * r["tokens"] * kv_heads * head_dim * (4 if r["dtype"] == "fp32" else 2)
         assert r["kv_gb_s"] == pytest.approx(kv_bytes / r["paged_ms"] / 1e6, rel=0.02)
         assert r["bandwidth_fraction"] == pytest.approx(r["kv_gb_s"] / r["read_gb_s"], rel=0.02)
+        assert r["block_read_gb_s"] > 0
+        assert r["block_read_fraction"] == pytest.approx(r["kv_gb_s"] / r["block_read_gb_s"], rel=0.02)
 
 
 def test_table_output(capsys):
@@ -50,7 +52,7 @@ def test_table_output(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split() == [
         "shape", "backend", "dtype", "paged", "ms", "in-order", "ms", "contig", "ms", "paged/in-order",
-        "paged/contig", "K/V", "GB/s", "of", "read", "bw",
+        "paged/contig", "K/V", "GB/s", "of", "read", "bw", "block", "read", "GB/s", "of", "block", "read",
     ]  # fmt: skip
     assert lines[2].split()[:3] == ["smollm2", "torch", "fp32"]
     assert lines[-1].startswith("read bandwidth of this machine")
@@ -86,3 +88,16 @@ def test_in_order_batch_holds_the_same_values_contiguously():
     for start, k, v in zip([0, 8, 40], in_order.keys, in_order.values, strict=True):
         assert torch.equal(flat_k[start : start + len(k)], k)
         assert torch.equal(flat_v[start : start + len(v)], v)
+
+
+def test_block_read_sums_exactly_the_blocks_of_each_table():
+    """The reference read visits each sequence's own blocks, every slot of them, in either cache layout."""
+    for head_major in (False, True):
+        b = random_paged_batch([7, 30, 1], [1, 1, 1], 6, 2, 16, 4, seed=3, head_major=head_major)
+        for cache in (b.k_cache, b.v_cache):
+            cache.nan_to_num_(0.0)  # slots no sequence owns
+        run, num_bytes = kernel.block_read(b)
+        blocks = [b.block_tables[s, : -(-n // 4)] for s, n in enumerate([7, 30, 1])]
+        expected = sum(float(c[ids].sum()) for c in (b.k_cache, b.v_cache) for ids in blocks)
+        assert float(run()) == pytest.approx(expected, rel=1e-5)
+        assert num_bytes == 2 * sum(len(ids) for ids in blocks) * 4 * 2 * 16 * 4

@@ -9,10 +9,11 @@ after checking that all three agree:
               [Hkv, C, D] (GQA group folded into the query dim) on CPU; one padded, masked SDPA call
               over the whole batch on CUDA (a per-sequence loop there would time kernel launches)
 It reports the medians, the ratios paged / in-order and paged / contiguous, and the rate at which the
-paged kernel reads K/V (bytes of every sequence's K and V per second) against the read bandwidth the
-same process measures on this machine (a `sum` over a 512 MiB tensor, same threads): how close paged
-attention comes to the memory's limit. On the CPU the caches lie in memory as the engine allocates them
-(head-major, huge pages: ops/kv_cache.py).
+paged kernel reads K/V (bytes of every sequence's K and V per second) against two read rates the same
+process measures on this machine, same threads: a `sum` over a 512 MiB tensor (memory read in order)
+and torch's `embedding_bag` summing the same cache blocks in the same block-table order (what memory
+delivers for paged attention's access pattern, timed round-robin with the kernels). On the CPU the
+caches lie in memory as the engine allocates them (head-major, huge pages: ops/kv_cache.py).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class Row:
     kv_gb_s: float  # K/V bytes of all sequences / paged time
     read_gb_s: float  # this machine's read bandwidth, measured in the same process
     bandwidth_fraction: float  # kv_gb_s / read_gb_s
+    block_read_gb_s: float  # the same scattered blocks summed by embedding_bag, in table order
+    block_read_fraction: float  # kv_gb_s / block_read_gb_s
     contiguous_impl: str
     threads: int
     device: str
@@ -100,6 +103,26 @@ def padded_batch_attention(batch: PagedBatch, scale: float) -> Callable[[], torc
     rows = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     mask = mask[:, None, None, :]
     return lambda: F.scaled_dot_product_attention(rows, k_pad, v_pad, attn_mask=mask, scale=scale).view_as(q)
+
+
+def block_read(batch: PagedBatch) -> tuple[Callable[[], torch.Tensor], int]:
+    """A pure read of the batch's K/V blocks in block-table order (torch's embedding_bag summing each
+    sequence's blocks), and the bytes it reads: the access pattern of paged attention without its math."""
+    rows = []  # per cache one row per block: a view in its memory order, slot-major or head-major
+    for cache in (batch.k_cache, batch.v_cache):
+        memory_order = cache if cache.is_contiguous() else cache.transpose(1, 2)
+        assert memory_order.is_contiguous(), "expected a slot-major or head-major cache"
+        rows.append(memory_order.flatten(1))
+    block_size = batch.k_cache.shape[1]
+    counts = [-(-int(n) // block_size) for n in batch.context_lens.tolist()]
+    ids = torch.cat([batch.block_tables[s, :n] for s, n in enumerate(counts)]).long()
+    offsets = torch.tensor([0, *counts[:-1]], device=ids.device).cumsum(0)
+    ids, offsets = ids.to(batch.q.device), offsets.to(batch.q.device)
+
+    def run() -> torch.Tensor:
+        return sum(F.embedding_bag(ids, r, offsets, mode="sum").sum() for r in rows)
+
+    return run, 2 * ids.numel() * rows[0].shape[1] * rows[0].element_size()
 
 
 def _timed(fn: Callable[[], torch.Tensor], device: torch.device) -> float:
@@ -150,11 +173,13 @@ def run_case(shape: str, backend: str, dtype: str, context_lens: list[int], args
         "in_order": through_tables(in_order),
         "contiguous": dense(paged, scale),
     }
+    read_blocks, block_bytes = block_read(paged)
     tol = 2e-2 if dtype == "bf16" else 1e-4
     expected = variants["contiguous"]().float()
     for name in ("paged", "in_order"):
         torch.testing.assert_close(variants[name]().float(), expected, atol=tol, rtol=tol)
-    ms = median_ms(variants, args.reps, args.warmup, device)
+    ms = median_ms({**variants, "block_read": read_blocks}, args.reps, args.warmup, device)
+    block_read_gb_s = block_bytes / ms["block_read"] / 1e6
     kv_bytes = 2 * sum(context_lens) * num_kv_heads * head_dim * paged.k_cache.element_size()
     kv_gb_s = kv_bytes / ms["paged"] / 1e6
     return Row(
@@ -171,6 +196,8 @@ def run_case(shape: str, backend: str, dtype: str, context_lens: list[int], args
         kv_gb_s=round(kv_gb_s, 4),
         read_gb_s=round(args.read_gb_s, 2),
         bandwidth_fraction=round(kv_gb_s / args.read_gb_s, 5),
+        block_read_gb_s=round(block_read_gb_s, 4),
+        block_read_fraction=round(kv_gb_s / block_read_gb_s, 5),
         contiguous_impl="padded-batch-sdpa" if device.type == "cuda" else "per-sequence-sdpa",
         threads=torch.get_num_threads(),
         device=device.type,
@@ -235,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"{'shape':8} {'backend':8} {'dtype':5} {'paged ms':>9} {'in-order ms':>11} {'contig ms':>9} "
-            f"{'paged/in-order':>14} {'paged/contig':>12} {'K/V GB/s':>9} {'of read bw':>10}"
+            f"{'paged/in-order':>14} {'paged/contig':>12} {'K/V GB/s':>9} {'of read bw':>10} "
+            f"{'block read GB/s':>15} {'of block read':>13}"
         )
     for row in iter_rows(args):
         if args.json:
@@ -243,9 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cells = f"{row.paged_ms:9.3f} {row.in_order_ms:11.3f} {row.contiguous_ms:9.3f}"
             ratios = f"{row.paging_ratio:14.2f} {row.ratio:12.2f}"
-            bandwidth = f"{row.kv_gb_s:9.1f} {row.bandwidth_fraction:10.0%}"
+            bandwidth = f"{row.kv_gb_s:9.1f} {row.bandwidth_fraction:10.0%} "
+            bandwidth += f"{row.block_read_gb_s:15.1f} {row.block_read_fraction:13.0%}"
             print(f"{row.shape:8} {row.backend:8} {row.dtype:5} {cells} {ratios} {bandwidth}", flush=True)
     if not args.json:
+        print("block read: the paged case's K/V blocks summed in block-table order by torch's embedding_bag")
         print(f"read bandwidth of this machine (sum over 512 MiB, same threads): {args.read_gb_s:.1f} GB/s")
     return 0
 
