@@ -479,22 +479,32 @@ void with_tile_rows(int64_t rows, const F& fn) {
   fn(std::integral_constant<int, R>{});
 }
 
-// out[M, N] = x[M, K] W^T (+ bias) (+ residual) on a panel-packed float32 W; panels split between threads.
+// Rows of x a panel multiplies before the next panel takes them: at most this many bytes of them, so
+// that they stay in L2 while every panel of W passes over them (a prefill's x, megabytes, was read from
+// L3 or memory again for each of the panels).
+constexpr int64_t kPanelChunkBytes = 256 << 10;
+
+// out[M, N] = x[M, K] W^T (+ bias) (+ residual) on a panel-packed float32 W. Work items are (chunk of
+// x's rows, panel), chunk after chunk: a thread's run of items takes every panel over one chunk in turn.
 void panel_matmul(const float* packed, int64_t n_rows, int64_t cols, const float* x, int64_t m_rows, float* out,
                   const float* bias, const float* residual, int64_t ld_residual) {
   const int64_t panels = (n_rows + kPanelCols - 1) / kPanelCols;
-  const int64_t panel_work = kPanelCols * cols * m_rows;
-  at::parallel_for(0, panels, std::max<int64_t>(1, kTaskWork / panel_work), [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n = p * kPanelCols;
+  const int64_t fit = kPanelChunkBytes / (cols * static_cast<int64_t>(sizeof(float)));
+  const int64_t chunk_rows = std::min(m_rows, std::max<int64_t>(kPanelTileRows, fit / kPanelTileRows * kPanelTileRows));
+  const int64_t chunks = (m_rows + chunk_rows - 1) / chunk_rows;
+  const int64_t item_work = kPanelCols * cols * chunk_rows;
+  at::parallel_for(0, chunks * panels, std::max<int64_t>(1, kTaskWork / item_work), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t p = i % panels, n = p * kPanelCols;
+      const int64_t m_begin = i / panels * chunk_rows, m_end = std::min(m_rows, m_begin + chunk_rows);
       const int valid = static_cast<int>(std::min(kPanelCols, n_rows - n));
       const float* panel = packed + p * cols * kPanelCols;
       const float* b = bias != nullptr ? bias + n : nullptr;
-      for (int64_t m = 0; m < m_rows; m += kPanelTileRows) {
+      for (int64_t m = m_begin; m < m_end; m += kPanelTileRows) {
         const float* xm = x + m * cols;
         float* om = out + m * n_rows + n;
         const float* rm = residual != nullptr ? residual + m * ld_residual + n : nullptr;
-        with_tile_rows(m_rows - m, [&](auto rows) {
+        with_tile_rows(m_end - m, [&](auto rows) {
           constexpr int MR = decltype(rows)::value;
           constexpr int KU = std::max(1, 12 / (MR * kPanelVectors));  // ~12 sums in flight, within the registers
           panel_tile<MR, KU>(panel, xm, cols, cols, om, n_rows, b, rm, ld_residual, valid);
