@@ -6,7 +6,8 @@
 // row that uses it. A decode item (one query row) takes every kv head of its sequence and walks the
 // block table once for all of them: in the engine's head-major cache a block's heads lie side by side,
 // so it reads one run of block_size x Hkv x D values per block instead of Hkv runs of block_size x D far
-// apart, and the hardware's stream prefetcher keeps up. Softmax is two-pass over a per-thread score buffer: scores, exp/normalise, sum of V.
+// apart (blocks in order then read ~1.5x faster; blocks scattered at random, as fast as memory gives
+// them either way). Softmax is two-pass over a per-thread score buffer: scores, exp/normalise, sum of V.
 // Arithmetic is fp32; a bf16 cache is widened in registers. The query may be a strided view (e.g. the
 // q part of a fused qkv projection): only its last dimension must be contiguous.
 
@@ -187,7 +188,8 @@ struct PagedRows {
   // fn(t0, t1, row_t0) for each block's share [t0, t1) of [lo, hi); token rows are slot_stride apart and
   // row_t0 is the first head's (head h's rows start h * head_stride further).
   // Blocks are scattered in memory, so the hardware cannot guess the next one: each is prefetched
-  // kBlocksAhead blocks before its turn.
+  // kBlocksAhead blocks before its turn. (On AMD Zen 4 this, 2 or 4 blocks ahead, a few lines a block or
+  // none changed a 30-layer decode by under 5%: memory's rate for random runs is the limit there.)
   template <typename F>
   void for_each_block(const T* cache, int64_t lo, int64_t hi, const F& fn) const {
     const int64_t first_block = lo / block_size;
