@@ -139,7 +139,8 @@ class OneDNNLinear(LinearMethod):
 class StoredWeight:
     """A weight as pagedllm's C++ linear kernel reads it (ops/csrc/linear.cpp): `data` is W [N, K] in
     float32 / bf16, or int8 [N, K], or int4 pairs in uint8 [N, K / 2]; quantized data has [N, K / group_size]
-    scales (float32 or float16) and, for int4 or offset int8, mins."""
+    scales (float32 or float16) and, for int4 or offset int8, mins. float32 in panels (cpu.pack_panels) is
+    [ceil(N / 48), K, 48] with group_size = N."""
 
     data: torch.Tensor
     scales: torch.Tensor | None = None
