@@ -60,3 +60,21 @@ def test_glibc_accepts_the_allocator_settings():
     from pagedllm._runtime import keep_large_allocations
 
     assert keep_large_allocations()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_release_frees_this_threads_openmp_workers():
+    """After a parallel op the thread's OpenMP workers exist; release_openmp_threads ends them, and the
+    next parallel op (from another thread, as the server's engine runs) starts its own and is correct."""
+    code = (
+        "import os, threading, time, torch, pagedllm; from pagedllm._runtime import release_openmp_threads; "
+        "tasks = lambda: len(os.listdir('/proc/self/task')); x = torch.arange(1 << 22, dtype=torch.float64); "
+        "total = (1 << 22) * ((1 << 22) - 1) / 2; assert x.sum() == total; busy = tasks(); "
+        "workers = torch.get_num_threads() - 1; assert release_openmp_threads()\n"
+        "deadline = time.time() + 10\n"
+        "while tasks() > busy - workers and time.time() < deadline: time.sleep(0.01)\n"
+        "freed = busy - tasks(); out = []; t = threading.Thread(target=lambda: out.append(float(x.sum()))); "
+        "t.start(); t.join(); print(workers, freed, out[0] == total)"
+    )
+    workers, freed, correct = _run(code)
+    assert int(workers) >= 1 and freed == workers and correct == "True"

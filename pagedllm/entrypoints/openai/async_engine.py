@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagedllm._runtime import release_openmp_threads
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.errors import ShuttingDown
 from pagedllm.entrypoints.openai.metrics import EngineMetrics, RequestTimes
@@ -73,6 +74,8 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
 
     def start(self) -> None:
+        """Start stepping on the engine thread; call it from the thread that built the engine."""
+        release_openmp_threads()  # this thread's OpenMP threads would slow the engine thread's
         self._thread.start()
 
     def stop(self) -> None:
