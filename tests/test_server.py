@@ -12,7 +12,8 @@ import pytest
 from helpers import openai_client, running_server
 
 from pagedllm import BeamSearchParams, SamplingParams
-from pagedllm.entrypoints.openai.server import SERVER_CPU_BATCHED_TOKENS, build_app
+from pagedllm._runtime import usable_cpus
+from pagedllm.entrypoints.openai.server import build_app, server_cpu_batched_tokens
 
 MODEL = "smollm2-135m"
 PROMPT = "The capital of France is"
@@ -30,9 +31,12 @@ def server(request):
         assert all(proc.poll() is not None for proc in engine.executor.procs.values())
 
 
-def test_the_server_takes_vllms_step_budget_on_the_cpu(server):
-    """Unset, max_num_batched_tokens is vLLM's server default on the CPU (2048), not the engine's 8192."""
-    assert server[1].config.max_num_batched_tokens == SERVER_CPU_BATCHED_TOKENS == 2048
+def test_the_servers_step_budget_on_the_cpu_follows_the_cpus(server):
+    """Unset, max_num_batched_tokens is 256 tokens a usable CPU within [512, 2048] (vLLM's server default),
+    not the engine's 8192."""
+    assert server[1].config.max_num_batched_tokens == server_cpu_batched_tokens(usable_cpus())
+    budgets = [server_cpu_batched_tokens(cpus) for cpus in (1, 2, 3, 4, 8, 64)]
+    assert budgets == [512, 512, 768, 1024, 2048, 2048]
 
 
 @pytest.fixture

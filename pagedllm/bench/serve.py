@@ -316,7 +316,7 @@ def get_json(base_url: str, path: str, api_key: str | None) -> dict:
 def run_offline(args, requests: list[Request]) -> tuple[float, int]:
     """LLM.generate on the same requests and settings; seconds of generate() (after a warm-up), tokens."""
     from pagedllm import LLM, SamplingParams
-    from pagedllm.entrypoints.openai.server import SERVER_CPU_BATCHED_TOKENS
+    from pagedllm.entrypoints.openai.server import server_cpu_batched_tokens
 
     max_num_seqs = min(args.max_num_seqs, args.max_concurrency or args.max_num_seqs)
     llm = LLM(
@@ -324,7 +324,7 @@ def run_offline(args, requests: list[Request]) -> tuple[float, int]:
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=SERVER_CPU_BATCHED_TOKENS,  # the step budget the server ran with
+        max_num_batched_tokens=server_cpu_batched_tokens(),  # the step budget the server ran with
         quantization=args.quantization,
     )
     params = [

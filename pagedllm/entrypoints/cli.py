@@ -171,7 +171,7 @@ def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=defaults["max_num_batched_tokens"],
-        help="tokens per step (prefill chunk budget; serve's default: 2048 on the CPU, as vLLM's)",
+        help="tokens per step (prefill chunk budget; serve's default on the CPU: 256 a CPU, 512 to 2048)",
     )
     parser.add_argument(
         "--enable-prefix-caching",
