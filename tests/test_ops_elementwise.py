@@ -100,3 +100,30 @@ def test_public_ops_dispatch_by_backend(monkeypatch, backend):
         torch.testing.assert_close(ops.rms_norm(x, x[0], 1e-6), reference.rms_norm(x, x[0], 1e-6))
     finally:
         ops.reset_backend_cache()
+
+
+@pytest.mark.parametrize("cols", [1, 7, 16, 100, 49152])
+def test_argmax_is_torchs_on_every_row(kernels, cols):
+    """Random rows, ties (the first index wins), -inf, +inf and NaN (the first NaN wins, as in torch), rows
+    of a strided view; every row's answer equals torch.argmax's."""
+    gen = torch.Generator().manual_seed(cols)
+    x = torch.randn(12, cols + 3, generator=gen)[:, 1 : cols + 1]  # rows ld = cols + 3 apart
+    last = cols - 1
+    x[1] = x[1].max()  # every value tied
+    x[2, last] = x[2].max() + 1  # the max in the tail (past the last whole vector)
+    x[3, :] = float("-inf")
+    x[4, last] = float("inf")
+    x[5, last // 2] = float("nan")
+    x[6, last] = float("nan")
+    x[7, 0] = float("inf")
+    x[7, last] = float("nan")
+    x[8, cols // 3] = x[8, last] = x[8].max() + 1  # two equal maxima: the first
+    x[9] = float("nan")
+    assert torch.equal(kernels.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
+
+
+def test_argmax_of_other_dtypes_and_shapes_is_torchs(kernels):
+    x = torch.randn(3, 50)
+    for y in (x.to(torch.bfloat16), x[:, ::2], x[0]):
+        assert torch.equal(kernels.argmax(y), y.argmax(dim=-1))

@@ -325,7 +325,8 @@ class LLMEngine:
                 (beams if searching else rows).append(row)
             seqs, rows = self._fork_parallel_samples([out.scheduled[row] for row in rows], rows)
             if seqs:
-                samples = sample(logits[rows], [self._sample_row(seq) for seq in seqs])
+                picked = logits if rows == list(range(len(logits))) else logits[rows]  # all: no copy
+                samples = sample(picked, [self._sample_row(seq) for seq in seqs])
                 for seq, smp in zip(seqs, samples, strict=True):
                     self._append_token(seq, smp)
                     touched[seq.request_id] = self.requests[seq.request_id]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedllm import ops
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -85,6 +86,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     return logits.nan_to_num_(nan=float("-inf"), posinf=finfo.max, neginf=float("-inf"))
 
 
+@torch.inference_mode()  # the logits may be the forward's own tensor (bans and penalties: in place)
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
     """logits [num_seqs, vocab] (float32; bans and penalties modify it in place) -> one Sample per row."""
     logits = logits.float()
@@ -102,7 +104,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
             if row.guide is not None and torch.isneginf(logits[i]).all():
                 logits[i, banned] = allowed  # the grammar allows only what min_tokens bans: the grammar wins
     apply_penalties(logits, rows)
-    chosen = logits.argmax(dim=-1)
+    chosen = ops.argmax(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         probs = _filtered_probs(logits[random_rows], [rows[i] for i in random_rows])

@@ -1,5 +1,5 @@
-"""Attention that reads K/V through block tables, the store of new K/V into slots, and the fused
-elementwise ops of a decoder layer (rms_norm, act_and_mul, rotary_embedding_).
+"""Attention that reads K/V through block tables, the store of new K/V into slots, the fused elementwise
+ops of a decoder layer (rms_norm, act_and_mul, rotary_embedding_) and greedy sampling's argmax.
 
 Tensors in, tensors out: no engine concepts here. Every op dispatches to a backend:
   torch   the reference (reference.py): gather + softmax in fp32, slow, trusted
@@ -33,6 +33,7 @@ ENV_VAR = "PAGEDLLM_ATTN_BACKEND"
 
 __all__ = [
     "BACKENDS",
+    "argmax",
     "copy_blocks",
     "get_backend_name",
     "act_and_mul",
@@ -147,6 +148,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
 def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up for x = [gate | up], [T, 2I] -> [T, I]; activation "silu" or "gelu_pytorch_tanh"."""
     return _elementwise(x, "act_and_mul")(x, activation)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) for x [rows, N] (greedy sampling over logits): [rows] int64, the first index of
+    each row's largest value, a NaN counting as largest."""
+    return _elementwise(x, "argmax")(x)
 
 
 def rotary_embedding_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ["attention.cpp", "decoder.cpp", "elementwise.cpp", "linear.cpp", "register.cpp"]
+_SOURCES = ["attention.cpp", "decoder.cpp", "elementwise.cpp", "linear.cpp", "register.cpp", "sampling.cpp"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DPAGEDLLM_AVX512"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -183,6 +183,13 @@ def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
 def rotary_embedding_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
     """Rotate x [T, H, D] (a strided view is fine) in place by position; cos_sin [max_pos, D] float32."""
     kernels().rotary_embedding(x, positions, cos_sin)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) for [rows, N] float32 (the first index of each row's largest, a NaN largest)."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.stride(-1) != 1 or x.shape[1] == 0:
+        return x.argmax(dim=-1)
+    return kernels().argmax_rows(x)
 
 
 def linear(

@@ -149,6 +149,11 @@ def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
     return ACTIVATIONS[activation](gate) * up
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value (the first of ties; a NaN counts as largest)."""
+    return x.argmax(dim=-1)
+
+
 def rotary_embedding_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
     """Rotate x [T, H, D] in place by position, pairing dim i with i + D/2 (Hugging Face's rotate_half
     layout); cos_sin [max_positions, D] float32 holds cos of each pair's angle, then sin."""

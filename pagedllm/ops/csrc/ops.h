@@ -15,6 +15,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
 void act_and_mul(at::Tensor out, const at::Tensor& x, int64_t activation);
 void rotary_embedding(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos_sin);
+at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scales,
                   const c10::optional<at::Tensor>& mins, int64_t group_size, const c10::optional<at::Tensor>& bias,
                   const c10::optional<at::Tensor>& residual);

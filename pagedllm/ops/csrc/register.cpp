@@ -17,6 +17,7 @@ PAGEDLLM_LIBRARY(PAGEDLLM_NAMESPACE, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps, bool unit_offset) -> ()");
   m.def("act_and_mul(Tensor(a!) out, Tensor x, int activation) -> ()");
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos_sin) -> ()");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def(
       "linear(Tensor x, Tensor weight, Tensor? scales, Tensor? mins, int group_size, Tensor? bias, "
       "Tensor? residual) -> Tensor");
@@ -36,6 +37,7 @@ PAGEDLLM_LIBRARY_IMPL(PAGEDLLM_NAMESPACE, CPU, m) {
   m.impl("rms_norm", &pagedllm::rms_norm);
   m.impl("act_and_mul", &pagedllm::act_and_mul);
   m.impl("rotary_embedding", &pagedllm::rotary_embedding);
+  m.impl("argmax_rows", &pagedllm::argmax_rows);
   m.impl("linear", &pagedllm::linear);
   m.impl("dequantize_rows", &pagedllm::dequantize_rows);
   m.impl("decoder_layer", &pagedllm::decoder_layer);

@@ -69,6 +69,10 @@ inline VecF max(VecF a, VecF b) { return _mm512_max_ps(a.v, b.v); }
 inline VecF min(VecF a, VecF b) { return _mm512_min_ps(a.v, b.v); }
 inline float reduce_add(VecF a) { return _mm512_reduce_add_ps(a.v); }
 inline float reduce_max(VecF a) { return _mm512_reduce_max_ps(a.v); }
+inline int first_lane_equal(VecF a, float x) {  // -1 if none
+  const unsigned m = _mm512_cmp_ps_mask(a.v, _mm512_set1_ps(x), _CMP_EQ_OQ);
+  return m ? __builtin_ctz(m) : -1;
+}
 inline VecF round_nearest(VecF a) { return _mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline VecF scale_by_pow2(VecF a, VecF n) { return _mm512_scalef_ps(a.v, n.v); }  // a * 2^n, n integral
 inline VecF reciprocal_estimate(VecF a) { return _mm512_rcp14_ps(a.v); }  // relative error < 2^-14
@@ -161,6 +165,10 @@ inline float reduce_max(VecF a) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+inline int first_lane_equal(VecF a, float x) {  // -1 if none
+  const int m = _mm256_movemask_ps(_mm256_cmp_ps(a.v, _mm256_set1_ps(x), _CMP_EQ_OQ));
+  return m ? __builtin_ctz(m) : -1;
 }
 inline VecF round_nearest(VecF a) { return _mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline VecF reciprocal_estimate(VecF a) { return _mm256_rcp_ps(a.v); }  // relative error < 1.5 * 2^-12
