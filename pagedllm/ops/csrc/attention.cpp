@@ -30,17 +30,6 @@ constexpr int64_t kRowsPerTile = 16;  // query rows of one sequence handled by o
 constexpr int kRows = 4;              // query rows of a micro-kernel: they share every K/V load
 constexpr int64_t kBlocksAhead = 1;  // how far ahead blocks are prefetched
 
-// Calls fn(std::integral_constant<int, N>) for n in 1..kRows, so that N is a compile-time row count.
-template <typename F>
-inline void with_rows(int64_t n, const F& fn) {
-  switch (n) {
-    case 1: return fn(std::integral_constant<int, 1>{});
-    case 2: return fn(std::integral_constant<int, 2>{});
-    case 3: return fn(std::integral_constant<int, 3>{});
-    default: return fn(std::integral_constant<int, 4>{});
-  }
-}
-
 // Dot products of N fp32 query rows (d apart) with one key row; lane r of the result holds row r's.
 template <int N, typename T>
 inline __m128 dot_rows(const float* q, const T* k, int64_t d) {
@@ -249,6 +238,8 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   const TKV* v_ptr = v_cache.data_ptr<TKV>();
   TQ* out_ptr = out.data_ptr<TQ>();
 
+  // Keys a query row of sequence s reads at most: its context, or its window of it.
+  auto keys_of = [&](int64_t s) { return window > 0 ? std::min<int64_t>(window, lens[s]) : lens[s]; };
   std::vector<WorkItem> items;
   int64_t work = 0;  // multiply-adds (an upper bound for prefill rows, which see fewer keys)
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -270,20 +261,19 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
         for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({s, h, 1, r, end});
       }
     }
-    work += 2 * q_len * num_heads * head_dim * (window > 0 ? std::min<int64_t>(window, lens[s]) : lens[s]);
+    work += 2 * q_len * num_heads * head_dim * keys_of(s);
   }
   // A decode item holding much more than its share of the keys (1 / (2 x threads) of them all) would keep
   // one thread busy while the others wait: its keys are split into parts, combined after.
   const int64_t threads = at::get_num_threads();
-  auto keys_of = [&](const WorkItem& it) { return window > 0 ? std::min<int64_t>(window, lens[it.seq]) : lens[it.seq]; };
   bool any_split = false;
   if (threads > 1 && work >= kInlineWork) {
     int64_t all_pairs = 0;  // (key, kv head) pairs read for each query row, over all items
-    for (const WorkItem& it : items) all_pairs += keys_of(it) * it.kv_heads * (it.row_end - it.row_begin);
+    for (const WorkItem& it : items) all_pairs += keys_of(it.seq) * it.kv_heads * (it.row_end - it.row_begin);
     const int64_t share = std::max<int64_t>(1, all_pairs / (2 * threads));
     std::vector<WorkItem> split;
     for (const WorkItem& it : items) {
-      const int64_t keys = keys_of(it), pairs = keys * it.kv_heads;
+      const int64_t keys = keys_of(it.seq), pairs = keys * it.kv_heads;
       // At least kMinPartKeys pairs and 16 keys a part: never an empty part.
       const int64_t most = std::min({(pairs + share - 1) / share, pairs / kMinPartKeys, keys / 16});
       const int64_t parts = it.row_end - it.row_begin == 1 ? std::clamp<int64_t>(most, 1, 2 * threads) : 1;
@@ -339,7 +329,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
     paged.for_each_block(k_ptr, lo, hi, [&](int64_t t0, int64_t t1, const TKV* k_rows) {
       for (int64_t hl = 0; hl < it.kv_heads; ++hl) {
         for (int64_t m0 = hl * m_count; m0 < (hl + 1) * m_count; m0 += kRows) {
-          with_rows((hl + 1) * m_count - m0, [&](auto n) {
+          with_count<kRows>((hl + 1) * m_count - m0, [&](auto n) {
             score_rows<n, C>(&scores[m0 * span + t0 - lo], span, &query[m0 * head_dim], k_rows + hl * head_stride,
                              slot_stride, t1 - t0, head_dim);
           });
@@ -360,7 +350,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
     paged.for_each_block(v_ptr, lo, hi, [&](int64_t t0, int64_t t1, const TKV* v_rows) {
       for (int64_t hl = 0; hl < it.kv_heads; ++hl) {
         for (int64_t m0 = hl * m_count; m0 < (hl + 1) * m_count; m0 += kRows) {
-          with_rows((hl + 1) * m_count - m0, [&](auto n) {
+          with_count<kRows>((hl + 1) * m_count - m0, [&](auto n) {
             accumulate_rows<n, C>(&acc[m0 * head_dim], &scores[m0 * span + t0 - lo], span, v_rows + hl * head_stride,
                                   slot_stride, t1 - t0, head_dim);
           });

@@ -470,15 +470,6 @@ void panel_tile(const float* panel, const float* x, int64_t ld_x, int64_t cols, 
   }
 }
 
-// Calls fn(std::integral_constant<int, R>) for R = min(rows, kPanelTileRows) >= 1: a compile-time tile height.
-template <int R = kPanelTileRows, typename F>
-void with_tile_rows(int64_t rows, const F& fn) {
-  if constexpr (R > 1) {
-    if (rows < R) return with_tile_rows<R - 1>(rows, fn);
-  }
-  fn(std::integral_constant<int, R>{});
-}
-
 // Rows of x a panel multiplies before the next panel takes them: at most this many bytes of them, so
 // that they stay in L2 while every panel of W passes over them (a prefill's x, megabytes, was read from
 // L3 or memory again for each of the panels).
@@ -504,7 +495,7 @@ void panel_matmul(const float* packed, int64_t n_rows, int64_t cols, const float
         const float* xm = x + m * cols;
         float* om = out + m * n_rows + n;
         const float* rm = residual != nullptr ? residual + m * ld_residual + n : nullptr;
-        with_tile_rows(m_end - m, [&](auto rows) {
+        with_count<kPanelTileRows>(m_end - m, [&](auto rows) {
           constexpr int MR = decltype(rows)::value;
           constexpr int KU = std::max(1, 12 / (MR * kPanelVectors));  // ~12 sums in flight, within the registers
           panel_tile<MR, KU>(panel, xm, cols, cols, om, n_rows, b, rm, ld_residual, valid);

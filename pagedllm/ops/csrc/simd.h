@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace pagedllm {
 
@@ -279,6 +280,16 @@ inline VecF reciprocal(VecF a) {
   VecF r = reciprocal_estimate(a);
   r = r * (VecF::set1(2.f) - a * r);
   return r * (VecF::set1(2.f) - a * r);
+}
+
+// Calls fn(std::integral_constant<int, N>) with N = min(n, Max) for n >= 1: a row count the micro-kernels
+// take at compile time.
+template <int Max, typename F>
+inline void with_count(int64_t n, const F& fn) {
+  if constexpr (Max > 1) {
+    if (n < Max) return with_count<Max - 1>(n, fn);
+  }
+  fn(std::integral_constant<int, Max>{});
 }
 
 // Calls fn(i, n) for each SIMD chunk [i, i + n) of [0, d): full vectors, then one partial tail.
