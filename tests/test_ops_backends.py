@@ -68,6 +68,16 @@ PREFILL = {
     "bf16-window": Case(8, 2, 16, 4, (40, 24), (17, 24), window=8, dtype=torch.bfloat16),
     "head-major-mixed": Case(9, 3, 16, 8, (30, 40, 9, 4, 21), (1, 19, 1, 4, 0), head_major=True),
     "fp32-q-bf16-cache": Case(6, 2, 32, 8, (30, 40, 9), (1, 19, 9), kv_dtype=torch.bfloat16),
+    # the cpu kernel's prefill tiles (16 query rows x the GQA group, scores kept transposed): whole and
+    # partial tiles and blocks, groups whose rows fill no whole vector, head sizes with a partial vector
+    "tiles-gqa3-d64": Case(9, 3, 64, 16, (70, 37, 300), (70, 21, 300), head_major=True),
+    "tiles-gqa4-chunk": Case(8, 2, 64, 16, (100, 45), (33, 45)),
+    "tiles-gqa7-d72": Case(14, 2, 72, 16, (41, 18), (41, 18), head_major=True),
+    "tiles-d256-window": Case(4, 1, 256, 16, (90, 60), (50, 60), window=24),
+    "tiles-bf16-d64": Case(9, 3, 64, 16, (70, 130), (70, 100), dtype=torch.bfloat16, head_major=True),
+    "tiles-fp32-q-bf16-cache": Case(
+        9, 3, 64, 16, (70, 37), (70, 20), kv_dtype=torch.bfloat16, head_major=True
+    ),
 }
 
 

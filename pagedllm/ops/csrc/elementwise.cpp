@@ -10,6 +10,7 @@
 
 #include "ops.h"
 #include "simd.h"
+#include "threads.h"
 
 namespace pagedllm {
 namespace {
@@ -31,18 +32,12 @@ struct Rows {
 template <typename T>
 constexpr bool kIsBF16 = std::is_same_v<T, c10::BFloat16>;
 
-// Rows per parallel task such that each task has about `elements` elements of work: waking the thread
-// pool costs tens of microseconds with passive OpenMP threads, more than a decode batch's norm or rotary
-// takes on one core, so small work runs inline on the calling thread.
-inline int64_t grain(int64_t row_elements, int64_t elements) { return std::max<int64_t>(1, elements / row_elements); }
 
 // v rounded to bf16 and back when T is bf16 (PyTorch stores a bf16 op's result before the next op).
 template <typename T>
 inline VecF round_as(VecF v) {
   if constexpr (kIsBF16<T>) {
-    alignas(64) c10::BFloat16 tmp[VecF::kWidth];
-    v.store(tmp);
-    return VecF::load(tmp);
+    return VecF::round_bf16(v);
   } else {
     return v;
   }
@@ -90,7 +85,7 @@ void act_and_mul_kernel(at::Tensor& out, const at::Tensor& x, int64_t activation
   const int64_t rows = x.size(0), d = out.size(1), x_stride = x.stride(0), out_stride = out.stride(0);
   const T* in = x.data_ptr<T>();
   T* dst = out.data_ptr<T>();
-  at::parallel_for(0, rows, grain(d, 1 << 17), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_by_wake_cost(d, 1 << 15), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = in + r * x_stride;
       const T* up = gate + d;

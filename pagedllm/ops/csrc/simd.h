@@ -38,15 +38,16 @@ struct VecF {
   static VecF from_int(__m512i x) { return _mm512_cvtepi32_ps(x); }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   void store(float* p, int n) const { _mm512_mask_storeu_ps(p, mask(n), v); }
-  // Round to nearest even, as c10::BFloat16 does; NaN stays NaN.
-  static __m256i to_bf16(__m512 x) {
+  // Each lane rounded to nearest even as c10::BFloat16 does (NaN stays NaN), the bf16 in its low 16 bits.
+  static __m512i bf16_bits(__m512 x) {
     const __m512i bits = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, lsb), _mm512_set1_epi32(0x7fff)), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
-    return _mm512_cvtepi32_epi16(rounded);
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, lsb), _mm512_set1_epi32(0x7fff)), 16);
+    return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
   }
+  static __m256i to_bf16(__m512 x) { return _mm512_cvtepi32_epi16(bf16_bits(x)); }
+  // The lanes rounded to bf16 and widened back, in registers.
+  static VecF round_bf16(VecF x) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x.v), 16)); }
   void store(c10::BFloat16* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v)); }
   void store(c10::BFloat16* p, int n) const { _mm256_mask_storeu_epi16(p, mask(n), to_bf16(v)); }
   // kWidth int8 values as floats.
@@ -77,6 +78,11 @@ inline int first_lane_equal(VecF a, float x) {  // -1 if none
 inline VecF round_nearest(VecF a) { return _mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline VecF scale_by_pow2(VecF a, VecF n) { return _mm512_scalef_ps(a.v, n.v); }  // a * 2^n, n integral
 inline VecF reciprocal_estimate(VecF a) { return _mm512_rcp14_ps(a.v); }  // relative error < 2^-14
+// x where begin <= t < end, lane by lane; else fill.
+inline VecF select_in_range(VecF x, VecF t, VecF begin, VecF end, VecF fill) {
+  const __mmask16 in = _mm512_cmp_ps_mask(t.v, begin.v, _CMP_GE_OQ) & _mm512_cmp_ps_mask(t.v, end.v, _CMP_LT_OQ);
+  return _mm512_mask_mov_ps(fill.v, in, x.v);
+}
 
 // A 4-bit code's 16 possible values, scale * q + min for q = 0..15, one a lane: a table for lookup_nibbles.
 inline VecF nibble_table(VecF scale, VecF min) {
@@ -121,17 +127,22 @@ struct VecF {
   static VecF from_int(__m256i x) { return _mm256_cvtepi32_ps(x); }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   void store(float* p, int n) const { _mm256_maskstore_ps(p, mask(n), v); }
-  // Round to nearest even, as c10::BFloat16 does; NaN stays NaN.
-  static __m128i to_bf16(__m256 x) {
+  // Each lane rounded to nearest even as c10::BFloat16 does (NaN stays NaN), the bf16 in its low 16 bits.
+  static __m256i bf16_bits(__m256 x) {
     const __m256i bits = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, lsb), _mm256_set1_epi32(0x7fff)), 16);
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, lsb), _mm256_set1_epi32(0x7fff)), 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+    return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+  }
+  static __m128i to_bf16(__m256 x) {
     // Pack the eight 32-bit lanes (each < 2^16) into eight 16-bit values, in order.
+    const __m256i rounded = bf16_bits(x);
     const __m256i packed = _mm256_packus_epi32(rounded, rounded);
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0xd8));
   }
+  // The lanes rounded to bf16 and widened back, in registers.
+  static VecF round_bf16(VecF x) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(x.v), 16)); }
   void store(c10::BFloat16* p) const { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(v)); }
   void store(c10::BFloat16* p, int n) const {
     alignas(16) uint16_t tmp[8];
@@ -173,6 +184,10 @@ inline int first_lane_equal(VecF a, float x) {  // -1 if none
 }
 inline VecF round_nearest(VecF a) { return _mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline VecF reciprocal_estimate(VecF a) { return _mm256_rcp_ps(a.v); }  // relative error < 1.5 * 2^-12
+inline VecF select_in_range(VecF x, VecF t, VecF begin, VecF end, VecF fill) {
+  const __m256 in = _mm256_and_ps(_mm256_cmp_ps(t.v, begin.v, _CMP_GE_OQ), _mm256_cmp_ps(t.v, end.v, _CMP_LT_OQ));
+  return _mm256_blendv_ps(fill.v, x.v, in);
+}
 inline VecF scale_by_pow2(VecF a, VecF n) {  // a * 2^n, n integral in [-126, 127]
   const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127));
   return _mm256_mul_ps(a.v, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
