@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from helpers import assert_all_blocks_free
 
 from pagedllm.bench import throughput
 
@@ -152,3 +153,27 @@ def test_differences_from_a_peer_report_the_top2_margin_at_the_first_differing_t
     reported = float(line.rsplit("largest margin ", 1)[1])
     assert reported == pytest.approx(best - second, abs=2e-3)
     assert (" 0 are fp32 near-ties" in line) == (best - second >= throughput.NEAR_TIE)
+
+
+def test_a_bfloat16_comparison_reports_each_systems_agreement_with_float32_tokens():
+    """Tokens before the first difference from pagedllm's float32 greedy tokens, per system: a system
+    identical to a float32 run made here scores every token, a peer changed at step 2 of one request two."""
+    from argparse import Namespace
+
+    from pagedllm import LLM, SamplingParams
+
+    prompts = throughput.make_prompts(2, 5, 12, 49152, seed=3)
+    args = Namespace(
+        model="smollm2-135m", dtype="bfloat16", kv_cache_memory="16MiB", max_model_len=64, output_len=6
+    )
+    llm = LLM("smollm2-135m", dtype="float32", kv_cache_memory="16MiB", max_model_len=64)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    float32 = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    assert_all_blocks_free(llm)
+    peer = [list(float32[0]), list(float32[1])]
+    peer[1][2] = (peer[1][2] + 1) % 49152
+    line = throughput.agreement_with_float32(args, prompts, {"paged": float32, "peer": peer})
+    assert line == (
+        "against pagedllm's float32 greedy tokens (bfloat16): paged 2 of 2 requests identical, 6.0 tokens "
+        "before any difference; peer 1 of 2 requests identical, 4.0 tokens before any difference"
+    )

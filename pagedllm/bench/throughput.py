@@ -286,6 +286,31 @@ def explain_differences(
     )
 
 
+def agreement_with_float32(args, prompts: list[list[int]], systems: dict[str, list[list[int]]]) -> str:
+    """How close each system's greedy tokens at a lower precision (bfloat16) stay to pagedllm's float32
+    tokens on the same prompts: two engines rounding bf16 activations in different places part ways at
+    different steps, so the float32 run is the reference that says whether either one drifts further."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(
+        args.model, dtype="float32", kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len
+    )
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    reference = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    def agreed(a: list[int], b: list[int]) -> int:  # tokens before the first difference
+        return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+    parts = []
+    for name, tokens in systems.items():
+        same = sum(a == b for a, b in zip(tokens, reference, strict=True))
+        mean = sum(agreed(a, b) for a, b in zip(tokens, reference, strict=True)) / len(tokens)
+        parts.append(
+            f"{name} {same} of {len(tokens)} requests identical, {mean:.1f} tokens before any difference"
+        )
+    return f"against pagedllm's float32 greedy tokens ({args.dtype}): " + "; ".join(parts)
+
+
 def _opt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -417,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_hf(args, prompts))
     if args.vllm:
         rows.append(run_vllm(args, prompts))
-    tie_lines = []
+    tie_lines, differing = [], {}
     for row, tokens in rows:
         if paged_tokens is not None:
             row.same_tokens_as_paged = sum(a == b for a, b in zip(tokens, paged_tokens, strict=True)) / len(
@@ -425,6 +450,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             if row.same_tokens_as_paged < 1 and not row.system.startswith("paged"):
                 tie_lines.append(explain_differences(args, row.system, prompts, paged_tokens, tokens))
+                differing[row.system] = tokens
+    if differing and config.torch_dtype != torch.float32:
+        systems = {base.system: paged_tokens, **differing}
+        tie_lines.append(agreement_with_float32(args, prompts, systems))
     rows = [row for row, _ in rows]
     workload = Workload(len(prompts), sum(len(p) for p in prompts), len(prompts) * args.output_len)
     if args.json:
