@@ -69,6 +69,8 @@ def test_bench_serve_reports_and_compares_with_offline(capsys, tiny_chat_model):
     assert 0 < s["ttft_ms"]["p50"] <= s["e2e_ms"]["p99"]
     assert s["itl_ms"]["p50"] <= s["itl_ms"]["p99"] and s["client_cpu_seconds"] > 0
     assert report["offline"]["output_tok_s"] > 0 and report["served_over_offline"] > 0
+    # random prompts share no block, and the warm-up request left none of them cached
+    assert s["prefix_cache"] == {"queries": s["prompt_tokens"], "hits": 0}
 
 
 def test_bench_serve_on_a_given_server_with_a_key_over_chat(capsys, tiny_chat_model):
@@ -79,6 +81,14 @@ def test_bench_serve_on_a_given_server_with_a_key_over_chat(capsys, tiny_chat_mo
         code, report = _run_json(capsys, [*argv, "--api-key", "k", "--request-rate", "50"])
         assert code == 0 and report["summary"]["completed"] == 6
         assert report["summary"]["output_tokens"] == 24
+        # the same prompts again against the same server: its prefix cache holds them now, and says so
+        first = report["summary"]["prefix_cache"]
+        code, report = _run_json(capsys, [*argv, "--api-key", "k", "--request-rate", "50"])
+        again = report["summary"]["prefix_cache"]
+        assert code == 0 and again["queries"] == first["queries"] and again["hits"] > first["hits"], (
+            first,
+            again,
+        )
         with pytest.raises(SystemExit) as info:  # without the key the server answers nothing
             serve.main(argv)
         assert info.value.code == 2 and "answered 401" in capsys.readouterr().err
@@ -90,3 +100,19 @@ def test_input_len_must_be_a_range(text, capsys):
     with pytest.raises(SystemExit):
         serve.main(["--input-len", text])
     assert "--input-len" in capsys.readouterr().err
+
+
+def test_prefix_cache_counters_are_read_from_pagedllm_and_vllm_metrics():
+    pagedllm_text = (
+        "# HELP pagedllm:prefix_cache_hits_total Prompt tokens found in the prefix cache\n"
+        "pagedllm:prefix_cache_queries_total 26272.0\npagedllm:prefix_cache_hits_total 320.0\n"
+    )
+    vllm_text = (
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 13275.0\n'
+        'vllm:prefix_cache_queries_created{engine="0",model_name="m"} 1.796e+09\n'
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 128.0\n'
+        'vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 7.0\n'
+    )
+    assert serve.prefix_cache_counters(pagedllm_text) == serve.PrefixCacheUse(26272.0, 320.0)
+    assert serve.prefix_cache_counters(vllm_text) == serve.PrefixCacheUse(13275.0, 128.0)
+    assert serve.prefix_cache_counters("other_metric_total 3.0\n") is None

@@ -10,10 +10,14 @@ prompts random token ids of the drawn lengths. `--ignore-eos` asks for exactly t
 
 Printed: request throughput, output and total tokens/s, time to first token (TTFT), time per output
 token after the first (TPOT), inter-token latency (ITL, between streamed chunks) and end-to-end latency
-(E2E), mean / p50 / p99, as a table or `--json`; and the CPU time the load generator itself used, so a
-reader can see it was not the bottleneck. `--compare-offline` then runs `LLM.generate` on the same
-requests in this process (the server stopped first, the same engine settings, max_num_seqs capped at
-the concurrency the server saw) and prints served / offline output tokens/s.
+(E2E), mean / p50 / p99, as a table or `--json`; the CPU time the load generator itself used, so a
+reader can see it was not the bottleneck; and, from the server's /metrics where it has the counters
+(pagedllm, vLLM), the share of the run's prompt tokens its prefix cache already held: against a server
+that stays up, a second run of the same `--seed` finds its prompts cached and measures far less
+prefill, so give each run against a long-lived server its own seed. `--compare-offline` then runs
+`LLM.generate` on the same requests in this process (the server stopped first, the same engine
+settings, max_num_seqs capped at the concurrency the server saw) and prints served / offline output
+tokens/s.
 
 `--soak` also injects faults (pagedllm.bench.soak): clients that disconnect mid-stream, bad
 parameters, over-long prompts, malformed JSON, at `--max-concurrency` past the server's max_num_seqs;
@@ -29,6 +33,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -86,6 +91,19 @@ class Summary:
     itl_ms: Stats
     e2e_ms: Stats
     client_cpu_seconds: float  # CPU time of this process while the requests ran
+    prefix_cache: PrefixCacheUse | None = None  # the server's own counters over the run, where it has them
+
+
+@dataclass
+class PrefixCacheUse:
+    """Prompt tokens the server looked up in its prefix cache during the run, and found there."""
+
+    queries: float
+    hits: float
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
 
 
 # -- workload ---------------------------------------------------------------------------------------
@@ -236,7 +254,39 @@ def format_summary(s: Summary) -> str:
     lines.append(
         f"load generator CPU   {s.client_cpu_seconds:10.2f} s  ({share:.1%} of one core over the run)"
     )
+    if s.prefix_cache is not None:
+        pc = s.prefix_cache
+        lines.append(
+            f"server prefix cache  {pc.hit_rate:10.1%}   ({pc.hits:,.0f} of {pc.queries:,.0f} prompt tokens "
+            "found cached, from its /metrics)"
+        )
     return "\n".join(lines)
+
+
+_PREFIX_CACHE_COUNTER = re.compile(
+    r"^\w+:prefix_cache_(hits|queries)_total(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M
+)
+
+
+def prefix_cache_counters(metrics_text: str) -> PrefixCacheUse | None:
+    """The prefix cache's hit and query counters in a Prometheus /metrics text (pagedllm's
+    `pagedllm:prefix_cache_*_total`, vLLM's `vllm:prefix_cache_*_total`), or None if it has none."""
+    totals: dict[str, float] = {}
+    for kind, value in _PREFIX_CACHE_COUNTER.findall(metrics_text):
+        totals[kind] = totals.get(kind, 0.0) + float(value)
+    return PrefixCacheUse(totals["queries"], totals.get("hits", 0.0)) if "queries" in totals else None
+
+
+def read_prefix_cache(base_url: str, api_key: str | None) -> PrefixCacheUse | None:
+    """The server's prefix-cache counters now, or None where it exposes none."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with urllib.request.urlopen(
+            urllib.request.Request(f"{base_url}/metrics", headers=headers), timeout=30
+        ) as r:
+            return prefix_cache_counters(r.read().decode())
+    except (OSError, ValueError):
+        return None
 
 
 # -- the server -------------------------------------------------------------------------------------
@@ -432,8 +482,18 @@ async def _serve_load(args, base_url: str, model: str, requests: list[Request]):
         async def send(request: Request) -> Result:
             return await send_streaming(client, path, request_body(args, model, request), request.prompt_len)
 
-        await send(Request(requests[0].prompt, requests[0].prompt_len, 4))  # warm-up, not counted
-        return await run_load(requests, args.request_rate, args.max_concurrency, args.seed, send)
+        # Warm-up, not counted: the first prompt reversed, so that it leaves nothing in the server's prefix
+        # cache that the workload asks for.
+        await send(Request(requests[0].prompt[::-1], requests[0].prompt_len, 4))
+        before = read_prefix_cache(base_url, args.api_key)
+        report = await run_load(requests, args.request_rate, args.max_concurrency, args.seed, send)
+        after = read_prefix_cache(base_url, args.api_key)
+        used = (
+            PrefixCacheUse(after.queries - before.queries, after.hits - before.hits)
+            if before and after
+            else None
+        )
+        return report, used
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -472,8 +532,9 @@ def main(argv: list[str] | None = None) -> int:
         if code != 0 and server is not None:
             print(f"--- the server's log (tail):\n{server.log_text()}", file=sys.stderr)
         return code
-    results, seconds, cpu = report
+    (results, seconds, cpu), prefix_cache = report
     summary = summarize(results, seconds, cpu)
+    summary.prefix_cache = prefix_cache
     offline = run_offline(args, requests) if args.compare_offline else None
     lengths = "{}-{} input tokens, {} output tokens".format(*args.input_len, args.output_len)
     workload = (
