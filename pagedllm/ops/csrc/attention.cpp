@@ -10,8 +10,8 @@
 // them either way). Softmax is two-pass over a per-thread score buffer: scores, exp/normalise, sum of V.
 // An item of many query rows (a prompt's) runs prefill_tile, which keeps its scores transposed and does
 // both products register-tiled like a GEMM (1.2x the row-at-a-time path on 100-300-token prompts, 1.36x
-// on 1,000-2,000). Arithmetic is fp32; a bf16 cache is widened in registers. The query may be a strided view (e.g. the
-// q part of a fused qkv projection): only its last dimension must be contiguous.
+// on 1,000-2,000). Arithmetic is fp32; a bf16 cache is widened in registers. The query may be a strided
+// view (e.g. the q part of a fused qkv projection): only its last dimension must be contiguous.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -241,7 +241,8 @@ inline void weighted_sum(TQ* const* dst, const float* inv, const float* w, int64
                          const TKV* v_cache, int64_t lo, int64_t hi, int64_t i0) {
   constexpr int W = VecF::kWidth;
   int widths[kSumVecs];
-  for (int g = 0; g < kSumVecs; ++g) widths[g] = static_cast<int>(std::clamp<int64_t>(paged.head_dim - i0 - g * W, 0, W));
+  for (int g = 0; g < kSumVecs; ++g)
+    widths[g] = static_cast<int>(std::clamp<int64_t>(paged.head_dim - i0 - g * W, 0, W));
   VecF acc[N][kSumVecs];
   for (auto& row : acc)
     for (auto& a : row) a = VecF::zero();
@@ -281,7 +282,8 @@ void prefill_tile(TQ* out, int64_t num_heads, const TQ* q, int64_t q_row_stride,
   st.resize(span * mp);
   sums.resize(mp);
   for (int64_t m = 0; m < m_count; ++m) {
-    const TQ* src = q + (tile.first_row + m / tile.group) * q_row_stride + (tile.first_head + m % tile.group) * q_head_stride;
+    const int64_t row = tile.first_row + m / tile.group, head = tile.first_head + m % tile.group;
+    const TQ* src = q + row * q_row_stride + head * q_head_stride;
     for (int64_t i = 0; i < d; ++i) qt[i * mp + m] = static_cast<float>(src[i]) * scale;
   }
   // Pass 1: scores, kScoreKeys keys by kScoreVecs vectors of rows at a time; a bf16 block is widened first.
@@ -294,7 +296,9 @@ void prefill_tile(TQ* out, int64_t num_heads, const TQ* q, int64_t q_row_stride,
     } else {
       keys.resize((t1 - t0) * d);
       for (int64_t t = 0; t < t1 - t0; ++t)
-        for_each_chunk(d, [&](int64_t i, int n) { store(load(k_rows + t * paged.slot_stride + i, n), &keys[t * d + i], n); });
+        for_each_chunk(d, [&](int64_t i, int n) {
+          store(load(k_rows + t * paged.slot_stride + i, n), &keys[t * d + i], n);
+        });
       k = keys.data();
     }
     for (int64_t t = t0; t < t1; t += kScoreKeys) {
@@ -323,7 +327,8 @@ void prefill_tile(TQ* out, int64_t num_heads, const TQ* q, int64_t q_row_stride,
       row_max = max(row_max, select_in_range(VecF::load(&st[t * mp + v]), VecF::set1(t), first, last, none));
     VecF row_sum = VecF::zero();
     for (int64_t t = 0; t < span; ++t) {
-      const VecF p = select_in_range(exp(VecF::load(&st[t * mp + v]) - row_max), VecF::set1(t), first, last, VecF::zero());
+      const VecF e = exp(VecF::load(&st[t * mp + v]) - row_max);
+      const VecF p = select_in_range(e, VecF::set1(t), first, last, VecF::zero());
       p.store(&st[t * mp + v]);
       row_sum = row_sum + p;
     }
@@ -628,7 +633,8 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
     using S = decltype(src_tag);
     using D = decltype(dst_tag);
     // Tokens split across threads (a prompt's thousands; a decode step's few run inline).
-    at::parallel_for(0, slot_mapping.size(0), grain_by_wake_cost(2 * heads * d, 1 << 15), [&](int64_t begin, int64_t end) {
+    const int64_t tokens_per_task = grain_by_wake_cost(2 * heads * d, 1 << 15);
+    at::parallel_for(0, slot_mapping.size(0), tokens_per_task, [&](int64_t begin, int64_t end) {
       for (auto [src, dst] : {std::pair{&key, &k_cache}, std::pair{&value, &v_cache}}) {
         const S* s = src->template data_ptr<S>();
         D* base = dst->template data_ptr<D>();
