@@ -159,24 +159,28 @@ def _mixed_steps(model, kv_dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("quantization", "dtype", "kv_dtype"),
+    ("quantization", "dtype", "kv_dtype", "method"),
     [
-        ("none", torch.float32, torch.float32),
-        ("none", torch.bfloat16, torch.bfloat16),
-        ("int8", torch.float32, torch.bfloat16),  # kv_cache_dtype=bfloat16 under float32 activations
-        ("int4", torch.bfloat16, torch.bfloat16),
+        ("none", torch.float32, torch.float32, "kernel"),
+        ("none", torch.bfloat16, torch.bfloat16, "kernel"),
+        ("int8", torch.float32, torch.bfloat16, None),  # kv_cache_dtype=bfloat16 under float32 activations
+        ("int4", torch.bfloat16, torch.bfloat16, None),
+        ("none", torch.float32, torch.float32, "onednn"),  # oneDNN's packed weights: the AVX2 float32 default
+        ("none", torch.bfloat16, torch.bfloat16, "onednn"),  # and bfloat16's above a few rows
     ],
 )
 @pytest.mark.parametrize("isa", cpu.supported_isas() or [None])
 def test_a_layer_in_one_call_equals_its_ops_one_by_one(
-    checkpoint, quantization, dtype, kv_dtype, isa, monkeypatch
+    checkpoint, quantization, dtype, kv_dtype, method, isa, monkeypatch
 ):
-    """Where every weight is in the C++ kernel's storage, a Llama-family layer runs as one call of the same
-    kernels (cpu.decoder_layer): its logits must be bit-identical to the layer's ops called from Python,
-    on every C++ build this CPU runs."""
+    """Where every weight is in the C++ kernel's storage or oneDNN's, a Llama-family layer runs as one call
+    of the same kernels (cpu.decoder_layer): its logits must be bit-identical to the layer's ops called
+    from Python, on every C++ build this CPU runs."""
     if isa is None:
         pytest.skip(cpu.unavailable_reason() or "no C++ build for this CPU")
     monkeypatch.setattr(cpu, "selected_isa", lambda: isa)
+    if method is not None:
+        monkeypatch.setenv("PAGEDLLM_LINEAR_METHOD", method)
     _, folder = checkpoint
     model = load_model(str(folder), dtype=dtype, quantization=quantization, max_num_seqs=4).model
     one_call = [getattr(layer, "one_call", None) for layer in model.layers]
@@ -193,13 +197,15 @@ def test_a_layer_in_one_call_equals_its_ops_one_by_one(
 
 
 def test_a_layer_runs_one_call_only_where_the_kernels_run_every_op(checkpoint, monkeypatch):
-    """oneDNN's prepacked weights (a large engine's float32 default on AVX2 CPUs) keep the layer's ops one
-    by one; the kernel's float32 panels (the default where AVX-512 runs) take the one call."""
+    """torch's plain F.linear (the dense method) keeps the layer's ops one by one; oneDNN's prepacked
+    weights and the kernel's storage take the one call."""
     hf, folder = checkpoint
-    monkeypatch.setenv("PAGEDLLM_LINEAR_METHOD", "onednn")
+    monkeypatch.setenv("PAGEDLLM_LINEAR_METHOD", "dense")
     model = load_model(str(folder), quantization="none", max_num_seqs=64).model
     assert all(getattr(layer, "one_call", None) is None for layer in model.layers)
-    monkeypatch.setenv("PAGEDLLM_LINEAR_METHOD", "kernel")
-    model = load_model(str(folder), quantization="none", max_num_seqs=64).model
-    fused = [getattr(layer, "one_call", None) is not None for layer in model.layers]
-    assert all(fused) if not hf.config.model_type.startswith("gemma3") else not any(fused)  # Gemma 3: modules
+    for method in ("onednn", "kernel"):
+        monkeypatch.setenv("PAGEDLLM_LINEAR_METHOD", method)
+        model = load_model(str(folder), quantization="none", max_num_seqs=64).model
+        fused = [getattr(layer, "one_call", None) is not None for layer in model.layers]
+        gemma3 = hf.config.model_type.startswith("gemma3")  # Gemma 3's layers stay modules
+        assert all(fused) if not gemma3 else not any(fused)

@@ -134,6 +134,11 @@ class OneDNNLinear(LinearMethod):
     def tensors(self, layer: Linear) -> list[torch.Tensor]:
         return [layer.packed_weight, *([layer.weight] if hasattr(layer, "weight") else [])]
 
+    def kernel_args(self, layer: Linear) -> tuple:
+        """The layer as the one-call decoder layer takes it (csrc/decoder.cpp): the packed weight and the
+        bias, group size cpu.ONEDNN_PACKED."""
+        return layer.packed_weight, None, None, cpu.ONEDNN_PACKED, layer.bias
+
 
 @dataclass
 class StoredWeight:

@@ -12,7 +12,7 @@ from pagedllm import ops
 from pagedllm.models.attention import AttentionMetadata
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, RotaryEmbedding
-from pagedllm.models.linear import KernelLinear
+from pagedllm.models.linear import KernelLinear, OneDNNLinear
 from pagedllm.models.parallel import SINGLE, TensorParallel
 from pagedllm.ops import cpu
 
@@ -52,14 +52,14 @@ class LlamaDecoderLayer(nn.Module):
 
     def use_one_call(self, rotary: RotaryEmbedding) -> None:
         """After loading: where the CPU kernels run every op of this layer (the cpu backend, every weight
-        in the kernel's storage, one rank), run the layer as one C++ call of the same kernels
+        in the kernel's storage or oneDNN's, one rank), run the layer as one C++ call of the same kernels
         (cpu.decoder_layer), which spares the ~80 us of Python its ten op calls cost (a quarter of a
         one-row decode step on 4-bit weights)."""
         attn, mlp, norm = self.self_attn, self.mlp, self.input_layernorm
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         usable = (
             ops.get_backend_name(norm.weight.device, norm.weight.dtype) == "cpu"
-            and all(isinstance(linear.method, KernelLinear) for linear in linears)
+            and all(isinstance(linear.method, KernelLinear | OneDNNLinear) for linear in linears)
             and attn.o_proj.tp.size == 1
         )
         self.one_call = (

@@ -28,6 +28,7 @@ ISA_FLAGS = {
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 ISA_ENV_VAR = "PAGEDLLM_CPU_ISA"
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
+ONEDNN_PACKED = -1  # decoder_layer's group size for a oneDNN-packed weight (csrc/decoder.cpp kOneDNNPacked)
 
 
 def supported_isas() -> list[str]:
@@ -239,7 +240,8 @@ def decoder_layer_args(
 ) -> tuple:
     """What decoder_layer needs of one layer besides the step's tensors, built once: the rotary table,
     both norms' weights, the qkv, o, gate_up and down projections as (data, scales, mins, group_size,
-    bias) in csrc/linear.cpp's storage, and the layer's constants."""
+    bias) in csrc/linear.cpp's storage (or a oneDNN-packed weight, group_size ONEDNN_PACKED), and the
+    layer's constants."""
     weights = [t for data, scales, mins, _, bias in linears for t in (data, scales, mins, bias)]
     group_sizes = [group_size for _, _, _, group_size, _ in linears]
     return (

@@ -1,11 +1,13 @@
 // A Llama-family decoder layer in one call: the kernels models/llama.py's layer calls one by one
-// (rms_norm, linear, rotary_embedding, write_kv, paged_attention, act_and_mul), in the same order on the
-// same tensors, so its result is the same to the bit. It exists for speed alone: at one decode row a
+// (rms_norm, linear, rotary_embedding, write_kv, paged_attention, act_and_mul; linear being pagedllm's
+// kernel, or oneDNN's for prepacked weights), in the same order on the same tensors, so its result is the
+// same to the bit. It exists for speed alone: at one decode row a
 // layer's ten op calls from Python cost ~80 us, a quarter of a step on 4-bit weights; here, one call.
 //
 //   x = rms_norm(h) ; q, k, v = split(x Wqkv^T) ; rotate q, k ; store k, v ; a = attention(q)
 //   h = h + a Wo^T ; x = rms_norm(h) ; h = h + act_and_mul(x Wgate_up^T) Wdown^T
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/record_function.h>
 
@@ -30,11 +32,34 @@ auto profiled(std::string_view name, const F& fn) {
   return fn();
 }
 
-// One linear layer's storage as csrc/linear.cpp reads it: weights[4 * i ...] = data, scales, mins, bias.
+// group_size of a weight in oneDNN's prepacked layout (models/linear.py OneDNNLinear), multiplied by
+// torch's mkldnn::_linear_pointwise ops as that class does from Python, the residual add fused.
+constexpr int64_t kOneDNNPacked = -1;
+
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         const c10::optional<at::Tensor>& residual) {
+  if (residual.has_value()) {
+    static const auto add = c10::Dispatcher::singleton()
+                                .findSchemaOrThrow("mkldnn::_linear_pointwise", "binary")
+                                .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                  const c10::optional<at::Tensor>&, c10::string_view)>();
+    return add.call(x, *residual, packed, bias, "add");
+  }
+  static const auto plain =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, c10::string_view,
+                            c10::List<c10::optional<at::Scalar>>, c10::optional<c10::string_view>)>();
+  return plain.call(x, packed, bias, "none", c10::List<c10::optional<at::Scalar>>(), c10::nullopt);
+}
+
+// One linear layer's storage as csrc/linear.cpp reads it: weights[4 * i ...] = data, scales, mins, bias;
+// or, with group_size kOneDNNPacked, oneDNN's packed weight and the bias.
 at::Tensor project(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights, int64_t i,
                    int64_t group_size, const c10::optional<at::Tensor>& residual) {
   const c10::optional<at::Tensor> data = weights.get(4 * i);
   TORCH_CHECK(data.has_value(), "linear layer ", i, " has no weight");
+  if (group_size == kOneDNNPacked) return onednn_linear(x, *data, weights.get(4 * i + 3), residual);
   return profiled(OP("linear"), [&] {
     return linear(x, *data, weights.get(4 * i + 1), weights.get(4 * i + 2), group_size, weights.get(4 * i + 3),
                   residual);

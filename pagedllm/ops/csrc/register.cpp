@@ -42,3 +42,7 @@ PAGEDLLM_LIBRARY_IMPL(PAGEDLLM_NAMESPACE, CPU, m) {
   m.impl("dequantize_rows", &pagedllm::dequantize_rows);
   m.impl("decoder_layer", &pagedllm::decoder_layer);
 }
+
+// A layer whose weights are oneDNN-packed (MkldnnCPU tensors, models/linear.py OneDNNLinear) dispatches
+// on that key; the same function handles it.
+PAGEDLLM_LIBRARY_IMPL(PAGEDLLM_NAMESPACE, MkldnnCPU, m) { m.impl("decoder_layer", &pagedllm::decoder_layer); }
