@@ -1,8 +1,8 @@
 // A Llama-family decoder layer in one call: the kernels models/llama.py's layer calls one by one
 // (rms_norm, linear, rotary_embedding, write_kv, paged_attention, act_and_mul; linear being pagedllm's
 // kernel, or oneDNN's for prepacked weights), in the same order on the same tensors, so its result is the
-// same to the bit. It exists for speed alone: at one decode row a
-// layer's ten op calls from Python cost ~80 us, a quarter of a step on 4-bit weights; here, one call.
+// same to the bit. It exists for speed alone: at one decode row a layer's ten op calls from Python cost
+// ~80 us, a quarter of a step on 4-bit weights; here, one call.
 //
 //   x = rms_norm(h) ; q, k, v = split(x Wqkv^T) ; rotate q, k ; store k, v ; a = attention(q)
 //   h = h + a Wo^T ; x = rms_norm(h) ; h = h + act_and_mul(x Wgate_up^T) Wdown^T

@@ -32,7 +32,6 @@ struct Rows {
 template <typename T>
 constexpr bool kIsBF16 = std::is_same_v<T, c10::BFloat16>;
 
-
 // v rounded to bf16 and back when T is bf16 (PyTorch stores a bf16 op's result before the next op).
 template <typename T>
 inline VecF round_as(VecF v) {

@@ -136,8 +136,8 @@ struct VecF {
     return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
   }
   static __m128i to_bf16(__m256 x) {
-    // Pack the eight 32-bit lanes (each < 2^16) into eight 16-bit values, in order.
     const __m256i rounded = bf16_bits(x);
+    // Pack the eight 32-bit lanes (each < 2^16) into eight 16-bit values, in order.
     const __m256i packed = _mm256_packus_epi32(rounded, rounded);
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0xd8));
   }
