@@ -263,6 +263,11 @@ def format_summary(s: Summary) -> str:
     return "\n".join(lines)
 
 
+# Random token prompts (the completions endpoint; chat wraps them in a template, which does share blocks)
+# share no block: a run that finds this share of their tokens cached repeats prompts the server has served
+# before (the same --seed against a server that stayed up).
+REPEAT_HIT_RATE = 0.1
+
 _PREFIX_CACHE_COUNTER = re.compile(
     r"^\w+:prefix_cache_(hits|queries)_total(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M
 )
@@ -535,6 +540,14 @@ def main(argv: list[str] | None = None) -> int:
     (results, seconds, cpu), prefix_cache = report
     summary = summarize(results, seconds, cpu)
     summary.prefix_cache = prefix_cache
+    repeated = prefix_cache is not None and prefix_cache.hit_rate >= REPEAT_HIT_RATE
+    if repeated and args.dataset == "random" and args.endpoint == "completions":
+        print(
+            f"warning: the server's prefix cache already held {prefix_cache.hit_rate:.0%} of these random "
+            "prompts' tokens (an earlier run with this --seed): this run measured little prefill; give "
+            "each run against a server that stays up its own --seed",
+            file=sys.stderr,
+        )
     offline = run_offline(args, requests) if args.compare_offline else None
     lengths = "{}-{} input tokens, {} output tokens".format(*args.input_len, args.output_len)
     workload = (
