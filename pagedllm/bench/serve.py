@@ -284,12 +284,8 @@ def prefix_cache_counters(metrics_text: str) -> PrefixCacheUse | None:
 
 def read_prefix_cache(base_url: str, api_key: str | None) -> PrefixCacheUse | None:
     """The server's prefix-cache counters now, or None where it exposes none."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(
-            urllib.request.Request(f"{base_url}/metrics", headers=headers), timeout=30
-        ) as r:
-            return prefix_cache_counters(r.read().decode())
+        return prefix_cache_counters(http_get(base_url, "/metrics", api_key).decode())
     except (OSError, ValueError):
         return None
 
@@ -357,12 +353,16 @@ class ServerProcess:
         return text if tail is None else text[-tail:]
 
 
-def get_json(base_url: str, path: str, api_key: str | None) -> dict:
+def http_get(base_url: str, path: str, api_key: str | None) -> bytes:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with urllib.request.urlopen(
         urllib.request.Request(f"{base_url}{path}", headers=headers), timeout=30
     ) as r:
-        return json.loads(r.read())
+        return r.read()
+
+
+def get_json(base_url: str, path: str, api_key: str | None) -> dict:
+    return json.loads(http_get(base_url, path, api_key))
 
 
 # -- offline comparison -------------------------------------------------------------------------------
