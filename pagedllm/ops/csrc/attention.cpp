@@ -204,6 +204,12 @@ struct PagedRows {
 // transposed queries (no horizontal sums); softmax runs down the columns; the weighted sum of V is an
 // [M x keys] x [keys x D] product, a key's weights for a few rows broadcast against its V row. Both
 // products keep their sums in registers, tiled like a GEMM.
+// The first key a query row sees, given the end of its keys (its position + 1) and the sliding window
+// (0: none).
+inline int64_t window_begin(int64_t key_end, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, key_end - window) : 0;
+}
+
 struct TileRows {
   int64_t first_row;   // the tile's first query row in q and out
   int64_t rows, group;  // query rows and heads a kv head serves
@@ -316,7 +322,7 @@ void prefill_tile(TQ* out, int64_t num_heads, const TQ* q, int64_t q_row_stride,
     alignas(64) float begin[W], end[W];
     for (int l = 0; l < W; ++l) {
       const int64_t m = v + l, key_end = tile.first_pos + m / tile.group + 1;
-      const int64_t key_begin = window > 0 ? std::max<int64_t>(0, key_end - window) : 0;
+      const int64_t key_begin = window_begin(key_end, window);
       begin[l] = m < m_count ? static_cast<float>(std::max(key_begin, lo) - lo) : 0.f;
       end[l] = m < m_count ? static_cast<float>(std::min(key_end, hi) - lo) : 0.f;
     }
@@ -454,7 +460,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
     const int64_t rows = it.row_end - it.row_begin, m_count = rows * group;
     // Row r sits at absolute position context_len - q_len + r and sees keys (pos - window, pos].
     auto key_end = [&](int64_t r) { return context_len - q_len + r + 1; };
-    auto key_begin = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, key_end(r) - window) : 0; };
+    auto key_begin = [&](int64_t r) { return window_begin(key_end(r), window); };
     int64_t lo = key_begin(it.row_begin), hi = key_end(it.row_end - 1);
     if (it.parts > 1) {  // a single row: its part of [lo, hi)
       const int64_t share = (hi - lo + it.parts - 1) / it.parts;

@@ -10,6 +10,7 @@
 
 #include "ops.h"
 #include "simd.h"
+#include "threads.h"
 
 namespace pagedllm {
 namespace {
@@ -69,7 +70,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
   const float* base = x.data_ptr<float>();
   int64_t* dst = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 16) / n), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(n, 1 << 16), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) dst[r] = argmax_row(base + r * ld, n);
   });
   return out;
