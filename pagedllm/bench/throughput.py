@@ -259,6 +259,11 @@ def run_vllm(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
 NEAR_TIE = 1e-3  # top-2 logit margin under which two correct fp32 runs may pick different tokens
 
 
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The number of tokens two outputs share before they part (the shorter's length if they never do)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def explain_differences(
     args, system: str, prompts: list[list[int]], ours: list[list[int]], theirs: list[list[int]]
 ) -> str:
@@ -274,7 +279,7 @@ def explain_differences(
     for prompt, a, b in zip(prompts, ours, theirs, strict=True):
         if a == b:
             continue
-        step = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+        step = first_difference(a, b)
         (out,) = llm.generate([prompt + a[:step]], SamplingParams(max_tokens=1, temperature=0, logprobs=2))
         best, second = sorted(out.outputs[0].logprobs[0].values(), reverse=True)[:2]
         margins.append(best - second)
@@ -298,13 +303,10 @@ def agreement_with_float32(args, prompts: list[list[int]], systems: dict[str, li
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     reference = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    def agreed(a: list[int], b: list[int]) -> int:  # tokens before the first difference
-        return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-
     parts = []
     for name, tokens in systems.items():
         same = sum(a == b for a, b in zip(tokens, reference, strict=True))
-        mean = sum(agreed(a, b) for a, b in zip(tokens, reference, strict=True)) / len(tokens)
+        mean = sum(first_difference(a, b) for a, b in zip(tokens, reference, strict=True)) / len(tokens)
         parts.append(
             f"{name} {same} of {len(tokens)} requests identical, {mean:.1f} tokens before any difference"
         )
