@@ -68,10 +68,11 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     repetition_penalty if positive, multiplied if not (Hugging Face's RepetitionPenaltyLogitsProcessor);
     then each output token loses frequency_penalty per occurrence and presence_penalty once (OpenAI)."""
     vocab, finfo = logits.shape[1], torch.finfo(logits.dtype)
-    for i, row in enumerate(rows):
+    penalized = [(i, row) for i, row in enumerate(rows) if row.params.penalized]
+    if not penalized:  # nothing to do: no pass over the whole [rows, vocab] logits
+        return logits
+    for i, row in penalized:
         params = row.params
-        if not params.penalized:
-            continue
         output = torch.tensor(row.output_token_ids, dtype=torch.int64, device=logits.device)
         counts = torch.bincount(output, minlength=vocab).to(logits.dtype)
         if params.repetition_penalty != 1.0:
