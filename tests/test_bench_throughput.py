@@ -164,7 +164,12 @@ def test_a_bfloat16_comparison_reports_each_systems_agreement_with_float32_token
 
     prompts = throughput.make_prompts(2, 5, 12, 49152, seed=3)
     args = Namespace(
-        model="smollm2-135m", dtype="bfloat16", kv_cache_memory="16MiB", max_model_len=64, output_len=6
+        model="smollm2-135m",
+        dtype="bfloat16",
+        kv_cache_dtype="auto",
+        kv_cache_memory="16MiB",
+        max_model_len=64,
+        output_len=6,
     )
     llm = LLM("smollm2-135m", dtype="float32", kv_cache_memory="16MiB", max_model_len=64)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -176,4 +181,9 @@ def test_a_bfloat16_comparison_reports_each_systems_agreement_with_float32_token
     assert line == (
         "against pagedllm's float32 greedy tokens (bfloat16): paged 2 of 2 requests identical, 6.0 tokens "
         "before any difference; peer 1 of 2 requests identical, 4.0 tokens before any difference"
+    )
+    args.dtype, args.kv_cache_dtype = "auto", "bfloat16"  # float32 weights over a bfloat16 cache
+    line = throughput.agreement_with_float32(args, prompts, {"paged": float32})
+    assert line.startswith(
+        "against pagedllm's float32 greedy tokens (float32 weights, bfloat16 KV): paged 2 of 2"
     )

@@ -292,8 +292,8 @@ def explain_differences(
 
 
 def agreement_with_float32(args, prompts: list[list[int]], systems: dict[str, list[list[int]]]) -> str:
-    """How close each system's greedy tokens at a lower precision (bfloat16) stay to pagedllm's float32
-    tokens on the same prompts: two engines rounding bf16 activations in different places part ways at
+    """How close each system's greedy tokens at a lower precision (bfloat16 weights or KV) stay to
+    pagedllm's float32 tokens on the same prompts: two engines rounding in different places part ways at
     different steps, so the float32 run is the reference that says whether either one drifts further."""
     from pagedllm import LLM, SamplingParams
 
@@ -310,7 +310,10 @@ def agreement_with_float32(args, prompts: list[list[int]], systems: dict[str, li
         parts.append(
             f"{name} {same} of {len(tokens)} requests identical, {mean:.1f} tokens before any difference"
         )
-    return f"against pagedllm's float32 greedy tokens ({args.dtype}): " + "; ".join(parts)
+    precision = weights = "float32" if args.dtype == "auto" else args.dtype  # auto: float32 on the CPU
+    if args.kv_cache_dtype not in ("auto", weights):
+        precision = f"{weights} weights, {args.kv_cache_dtype} KV"
+    return f"against pagedllm's float32 greedy tokens ({precision}): " + "; ".join(parts)
 
 
 def _opt(value, spec: str) -> str:
@@ -453,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
             if row.same_tokens_as_paged < 1 and not row.system.startswith("paged"):
                 tie_lines.append(explain_differences(args, row.system, prompts, paged_tokens, tokens))
                 differing[row.system] = tokens
-    if differing and config.torch_dtype != torch.float32:
+    if differing and {config.torch_dtype, config.kv_torch_dtype} != {torch.float32}:
         systems = {base.system: paged_tokens, **differing}
         tie_lines.append(agreement_with_float32(args, prompts, systems))
     rows = [row for row, _ in rows]
