@@ -138,11 +138,11 @@ def test_lru_eviction_evicts_tail_blocks_first_and_plain_blocks_before_cached_on
     kv.free("a")
     kv.free("b")
     # Plain blocks go first; cached ones least recently used first, a sequence's tail before its head.
-    assert [b.block_id for b in kv.pool.free_queue] == [a2, 5, 6, 7, a1, a0, b1, b0]
-    kv.allocate("x", [0] * 9, 4)  # five blocks: the four plain ones, then evicts a1
-    assert kv.block_table("x") == [a2, 5, 6, 7, a1]
+    assert [b.block_id for b in kv.pool.free_blocks()] == [a2, 5, 6, 7, a1, a0, b1, b0]
+    kv.allocate("x", [0] * 9, 4)  # five blocks: the four plain ones, then evicts a1 (in address order)
+    assert kv.block_table("x") == sorted([a2, 5, 6, 7, a1])
     assert kv.allocate("a'", [1, 2, 3, 4, 5], 4) == 2  # only a's head block survived
-    assert kv.block_table("a'") == [a0, b1, b0]  # then b is evicted, tail block first
+    assert kv.block_table("a'") == [a0, *sorted([b1, b0])]  # then b is evicted (the new blocks ascending)
 
 
 def test_reusing_a_cached_block_makes_it_most_recently_used():
@@ -154,7 +154,7 @@ def test_reusing_a_cached_block_makes_it_most_recently_used():
     kv.free("b")
     kv.allocate("a'", [1, 2, 0], 2)  # touches a0, takes the plain block
     kv.free("a'")
-    assert [b.block_id for b in kv.pool.free_queue][-2:] == [b0, a0]
+    assert [b.block_id for b in kv.pool.free_blocks()][-2:] == [b0, a0]
 
 
 def test_allocate_that_does_not_fit_raises_and_changes_nothing():
@@ -162,11 +162,11 @@ def test_allocate_that_does_not_fit_raises_and_changes_nothing():
     kv.allocate("a", list(range(9)), 4)
     kv.free("a")  # three cached-or-free blocks
     kv.allocate("b", [5] * 5, 4)  # takes two blocks, evicting cached ones
-    before = (kv.usage(), [b.block_id for b in kv.pool.free_queue], dict(kv.pool.cached))
+    before = (kv.usage(), [b.block_id for b in kv.pool.free_blocks()], dict(kv.pool.cached))
     assert not kv.can_allocate(list(range(12)), 4)
     with pytest.raises(NoFreeBlocks, match="'c'"):
         kv.allocate("c", list(range(12)), 4)
-    assert (kv.usage(), [b.block_id for b in kv.pool.free_queue], dict(kv.pool.cached)) == before
+    assert (kv.usage(), [b.block_id for b in kv.pool.free_blocks()], dict(kv.pool.cached)) == before
     assert "c" not in kv
 
 
@@ -275,3 +275,50 @@ def test_usage_reports_each_kind_of_slot():
         shared_saved_slots=5,
     )
     assert u.live_fraction == 5 / 16
+
+
+def test_growing_sequences_each_keep_one_run_of_blocks():
+    """Blocks after a sequence's newest are set aside for it, so interleaved growth still gives each
+    sequence consecutive block ids (one run of memory for the attention kernel to read)."""
+    kv = PagedAllocator(num_blocks=64, block_size=16)
+    kv.allocate("a", list(range(20)), 100)
+    kv.allocate("b", list(range(20)), 100)
+    for t in range(100):
+        for seq_id in ("a", "b"):
+            kv.append(seq_id, t)
+    for seq_id in ("a", "b"):
+        table = kv.block_table(seq_id)
+        assert len(table) == 8 and table == list(range(table[0], table[0] + 8))
+    kv.free("a")
+    kv.free("b")
+    assert kv.all_free()
+
+
+def test_room_set_aside_is_still_handed_out_when_nothing_else_is_free():
+    kv = PagedAllocator(num_blocks=8, block_size=16)
+    kv.allocate("a", [1] * 16, 4)  # block 0; blocks 1-7 set aside as its room
+    assert kv.num_free_blocks == 7 and len(kv.pool.room_queue) == 7
+    kv.allocate("b", [2] * 100, 4)  # seven blocks: all the room
+    assert kv.num_free_blocks == 0 and not kv.can_append("a")
+    kv.free("a")
+    kv.free("b")
+    assert kv.all_free()
+
+
+@pytest.mark.parametrize("b_freed_early", [True, False])
+def test_a_run_grows_over_a_cached_block_only_if_it_is_cold(b_freed_early):
+    """Extending a run may evict the cached block after it (out of least-recently-used order) only when a
+    cached block is evicted anyway and that one sits in the older half of the free queue; recently used
+    content stays findable."""
+    kv = PagedAllocator(num_blocks=6, block_size=4, enable_prefix_caching=True)
+    for seq_id, token in zip("abcdef", range(6), strict=True):
+        kv.allocate(seq_id, [token] * 4, 4)
+    assert [kv.block_table(s) for s in "abcdef"] == [[i] for i in range(6)]
+    for seq_id in "cbdef" if b_freed_early else "cdebf":  # b's block 1: second or fourth of five
+        kv.free(seq_id)
+    kv.append("a", 9)  # a's block 0 is full: its follower is b's cached block 1; c's block 2 is oldest
+    assert kv.block_table("a") == ([0, 1] if b_freed_early else [0, 2])
+    assert kv.allocate("b", [1] * 4 + [5], 4) == (0 if b_freed_early else 4)  # b's block still cached?
+    kv.free("a")
+    kv.free("b")
+    assert kv.all_free()

@@ -55,7 +55,7 @@ class KVMachine(RuleBasedStateMachine):
         state = [kv.usage(), kv.num_free_blocks, {s: kv.block_table(s) for s in self.resident()}]
         if isinstance(kv, PagedAllocator):
             state += [
-                [b.block_id for b in kv.pool.free_queue],
+                [b.block_id for b in kv.pool.free_blocks()],
                 {h: b.block_id for h, b in kv.pool.cached.items()},
                 kv.num_free_host_blocks,
             ]
@@ -205,7 +205,8 @@ class PagedMachine(KVMachine):
             for block_id in table:
                 holders[block_id] += 1
         assert [b.ref_cnt for b in pool.blocks] == holders
-        free = [b.block_id for b in pool.free_queue]
+        free = [b.block_id for b in pool.free_blocks()]
+        assert all(b.room == (b in pool.room_queue) for b in pool.blocks)  # room: free blocks set aside
         assert len(free) == len(set(free)) == self.kv.num_free_blocks
         assert set(free) == {i for i, n in enumerate(holders) if n == 0}
         assert all(b.block_hash == h for h, b in pool.cached.items())

@@ -23,6 +23,8 @@ from pagedllm.kv.interface import (
     unknown,
 )
 
+GROWTH_ROOM_TOKENS = 128  # free slots after a sequence's newest block set aside for it (BlockPool.room)
+
 
 @dataclass(frozen=True)
 class BlockStates:
@@ -63,7 +65,7 @@ class PagedAllocator:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_host_blocks = num_host_blocks
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, room=-(-GROWTH_ROOM_TOKENS // block_size))
         self._free_host_blocks = list(range(num_host_blocks - 1, -1, -1))  # a stack, lowest id on top
         self._seqs: dict[Hashable, _Seq] = {}
         self._resident_tokens = 0  # tokens of sequences on the device
@@ -138,7 +140,7 @@ class PagedAllocator:
             )
         for block in hits:
             self.pool.touch(block)
-        seq = _Seq(list(prompt_token_ids), hits + [self.pool.allocate() for _ in range(num_new)])
+        seq = _Seq(list(prompt_token_ids), self._take_blocks(hits + [None] * num_new))
         seq.block_hashes, seq.extra_key = hashes, extra_key
         seq.num_cached_blocks = len(hits)
         for i in range(len(hits), len(seq.blocks)):
@@ -174,6 +176,17 @@ class PagedAllocator:
                 hits.append(block)
         return hashes, hits, -(-len(prompt) // bs) - len(hits)
 
+    def _take_blocks(self, blocks: list[Block | None]) -> list[Block]:
+        """`blocks` with each None replaced by a newly taken block, placed right after the one before it
+        where that one is free (one run of memory per sequence where the pool allows)."""
+        taken: list[Block] = []
+        for block in blocks:
+            taken.append(self.pool.allocate(after=taken[-1] if taken else None) if block is None else block)
+        new = [i for i, block in enumerate(blocks) if block is None]
+        for i, block in zip(new, sorted((taken[i] for i in new), key=lambda b: b.block_id), strict=True):
+            taken[i] = block  # ascending: blocks evicted tail first come back as a forward run
+        return taken
+
     def _fits(self, reused: list[Block], num_new: int) -> bool:
         """Reused cached blocks that no one holds leave the free queue too."""
         return num_new + sum(block.ref_cnt == 0 for block in reused) <= self.pool.num_free
@@ -199,7 +212,7 @@ class PagedAllocator:
         if offset == 0 or seq.blocks[-1].ref_cnt > 1:  # the last block is full, or shared
             if pool.num_free == 0:
                 raise NoFreeBlocks(f"sequence {seq_id!r} needs a block for token {len(seq.token_ids)}")
-            block = pool.allocate()
+            block = pool.allocate(after=None if offset else seq.blocks[-1])
             if offset:  # copy on write: the shared last block is only partly filled
                 shared = seq.blocks.pop()
                 copies.append((shared.block_id, block.block_id))
@@ -284,7 +297,7 @@ class PagedAllocator:
         for block in hits:
             if block is not None:
                 self.pool.touch(block)
-        seq.blocks = [self.pool.allocate() if block is None else block for block in hits]
+        seq.blocks = self._take_blocks(hits)
         copies = []
         for i, (hit, host) in enumerate(zip(hits, seq.host_blocks, strict=True)):
             if hit is None:
