@@ -100,8 +100,9 @@ class ModelRunner:
             kv_caches=self.kv_caches,
         )
         hidden = self.model(self._tensor(step.input_ids), self._tensor(step.positions), meta)
-        last_rows = self._tensor(step.query_start_loc[1:].astype(np.int64) - 1)
-        return self.model.compute_logits(hidden[last_rows])
+        if step.max_query_len > 1:  # some sequence computed several rows: keep each one's last
+            hidden = hidden[self._tensor(step.query_start_loc[1:].astype(np.int64) - 1)]
+        return self.model.compute_logits(hidden)
 
     def prepare_inputs(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepInputs:
         """The step's arrays for the scheduled sequences, whose KV blocks are given by `block_tables`.
