@@ -100,6 +100,25 @@ def test_profile_reports_phases_gemm_floor_and_top_ops(capsys):
     assert "prefill: " in profile[4] and "whole run: " in profile[5]
     assert profile[6] == "  top ops over decode steps (self CPU time):"
     assert any("linear" in line or "mm" in line for line in profile[7:])  # the matmuls show up
+    rate, share, read = re.search(
+        r"read ([\d.]+) GB/s of K/V, (\d+)% of the ([\d.]+) GB/s", profile[-1]
+    ).groups()
+    assert float(rate) > 0 and float(read) > 0 and int(share) == round(100 * float(rate) / float(read))
+
+
+def test_profiled_attention_bytes_are_every_layers_context_of_each_step():
+    """K/V bytes the profiled decode steps' attention reads: per step, each sequence's prompt plus the
+    tokens generated so far, for K and V of every layer (SmolLM2: 30 layers, 3 KV heads of 64, fp32)."""
+    from pagedllm import LLM
+    from pagedllm.bench.profile import top_ops
+
+    llm = LLM("smollm2-135m", kv_cache_memory="8MiB", max_model_len=64)
+    prompts = throughput.make_prompts(3, 4, 20, 49152, seed=1)
+    profiled = top_ops(llm.engine, prompts, decode_steps=3)
+    contexts = sum(len(p) + step for p in prompts for step in (1, 2, 3))
+    assert profiled.kv_bytes == contexts * 2 * 30 * 3 * 64 * 4
+    assert profiled.attention_seconds > 0
+    assert_all_blocks_free(llm)
 
 
 def test_gemm_floor_counts_every_linear_layer_once():

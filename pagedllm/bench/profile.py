@@ -4,7 +4,8 @@ Three views of the same engine, all measured in the process that ran the benchma
   phases  wall time of each engine phase per step (schedule, building the step's inputs, the model
           forward, sampling, the rest: block tables, appending tokens, detokenizing, outputs), split
           into steps that prefill and decode-only steps; host work = everything but the forward
-  ops     torch.profiler's top operators over a few decode steps at the workload's batch size
+  ops     torch.profiler's top operators over a few decode steps at the workload's batch size, and
+          the rate paged attention read K/V at there against a read of memory in order (a sum)
   GEMMs   the model's own linear layers timed alone at the step's row counts: their sum is the floor
           a step cannot go below, and model FLOPs / time is the rate to hold against their rate
 """
@@ -103,9 +104,18 @@ def record_phases(engine) -> Iterator[PhaseProfile]:
         llm_engine_module.sample = original_sample
 
 
-def top_ops(engine, prompts: list[list[int]], decode_steps: int = 3, limit: int = 8) -> list[tuple]:
-    """(name, share of profiled CPU time, ms per step) of the top operators over a few decode steps of
-    the given prompts (their prefill runs first, unprofiled)."""
+@dataclass
+class OpProfile:
+    """torch.profiler's view of a few decode steps."""
+
+    ops: list[tuple[str, float, float]]  # the top operators: name, share of CPU time, ms per step
+    attention_seconds: float  # self time of the paged attention op over the steps
+    kv_bytes: int  # K/V bytes that attention had to read over the steps (every layer's context)
+
+
+def top_ops(engine, prompts: list[list[int]], decode_steps: int = 3, limit: int = 8) -> OpProfile:
+    """The top operators over a few decode steps of the given prompts (their prefill runs first,
+    unprofiled), and what paged attention read in them."""
     from torch.profiler import ProfilerActivity, profile
 
     from pagedllm.sampling_params import SamplingParams
@@ -115,17 +125,25 @@ def top_ops(engine, prompts: list[list[int]], decode_steps: int = 3, limit: int 
         engine.add_request(f"profile-{i}", ids, params)
     while engine.scheduler.waiting:  # prefill every prompt first
         engine.step()
+    k_cache = engine.runner.kv_caches[0][0]  # [num_blocks, block_size, Hkv, D]
+    token_bytes = (
+        2 * len(engine.runner.kv_caches) * k_cache.size(2) * k_cache.size(3) * k_cache.element_size()
+    )
+    context_tokens = 0
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(decode_steps):
-            engine.step()
+            engine.step()  # each sequence's context this step: its tokens with a slot, the new one's too
+            context_tokens += sum(engine.allocator.num_tokens(s.seq_id) for s in engine.scheduler.running)
     while engine.has_unfinished_requests():
         engine.step()
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
-    return [
+    attention = sum(e.self_cpu_time_total for e in events if e.key.endswith("::paged_attention")) / 1e6
+    ops = [
         (e.key, e.self_cpu_time_total / total, e.self_cpu_time_total / 1e3 / decode_steps)
         for e in events[:limit]
     ]
+    return OpProfile(ops, attention, context_tokens * token_bytes)
 
 
 @dataclass
@@ -197,7 +215,7 @@ def model_flops(model: torch.nn.Module, tokens: int, logit_rows: int) -> float:
     return per_token * tokens + 2.0 * head.in_features * head.out_features * logit_rows
 
 
-def report(engine, profile: PhaseProfile, ops: list[tuple], dtype: torch.dtype) -> list[str]:
+def report(engine, profile: PhaseProfile, ops: OpProfile, dtype: torch.dtype) -> list[str]:
     """The --profile section of `bench throughput`, as printed lines."""
     model = engine.model
     lines = ["profile (paged):"]
@@ -241,5 +259,13 @@ def report(engine, profile: PhaseProfile, ops: list[tuple], dtype: torch.dtype) 
         f"{seconds:.1f} s = {model_flops(model, all_tokens, logit_rows) / seconds / 1e9:.0f} GFLOP/s"
     )
     lines.append("  top ops over decode steps (self CPU time):")
-    lines += [f"    {name:<40} {share:6.1%} {ms:8.2f} ms/step" for name, share, ms in ops]
+    lines += [f"    {name:<40} {share:6.1%} {ms:8.2f} ms/step" for name, share, ms in ops.ops]
+    if ops.attention_seconds:
+        from pagedllm.bench.kernel import read_bandwidth_gb_s
+
+        rate, read = ops.kv_bytes / ops.attention_seconds / 1e9, read_bandwidth_gb_s(torch.device("cpu"))
+        lines.append(
+            f"  paged attention over those steps read {rate:.1f} GB/s of K/V, {rate / read:.0%} of the "
+            f"{read:.1f} GB/s a sum over 512 MiB reads here"
+        )
     return lines
