@@ -132,7 +132,7 @@ def top_ops(engine, prompts: list[list[int]], decode_steps: int = 3, limit: int 
     context_tokens = 0
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(decode_steps):
-            engine.step()  # each sequence's context this step: its tokens with a slot, the new one's too
+            engine.step()  # each running sequence attended over every token that has a slot now
             context_tokens += sum(engine.allocator.num_tokens(s.seq_id) for s in engine.scheduler.running)
     while engine.has_unfinished_requests():
         engine.step()
