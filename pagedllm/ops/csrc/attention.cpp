@@ -197,19 +197,19 @@ struct PagedRows {
   }
 };
 
-// A prefill tile: many query rows of one sequence against one kv head. Its M query rows (rows x GQA group;
-// row m is query row m / group of the tile, head first_head + m % group) keep their scores transposed,
-// st[t * mp + m] for key t (mp: M rounded up to whole vectors), so that every instruction works on a vector
-// of rows: scores are a [keys x D] x [D x M] product, a key element broadcast against a vector of the
-// transposed queries (no horizontal sums); softmax runs down the columns; the weighted sum of V is an
-// [M x keys] x [keys x D] product, a key's weights for a few rows broadcast against its V row. Both
-// products keep their sums in registers, tiled like a GEMM.
 // The first key a query row sees, given the end of its keys (its position + 1) and the sliding window
 // (0: none).
 inline int64_t window_begin(int64_t key_end, int64_t window) {
   return window > 0 ? std::max<int64_t>(0, key_end - window) : 0;
 }
 
+// A prefill tile (prefill_tile below): many query rows of one sequence against one kv head. Its M query
+// rows (rows x GQA group; row m is query row m / group of the tile, head first_head + m % group) keep their
+// scores transposed, st[t * mp + m] for key t (mp: M rounded up to whole vectors), so that every
+// instruction works on a vector of rows: scores are a [keys x D] x [D x M] product, a key element broadcast against a vector of the
+// transposed queries (no horizontal sums); softmax runs down the columns; the weighted sum of V is an
+// [M x keys] x [keys x D] product, a key's weights for a few rows broadcast against its V row. Both
+// products keep their sums in registers, tiled like a GEMM.
 struct TileRows {
   int64_t first_row;   // the tile's first query row in q and out
   int64_t rows, group;  // query rows and heads a kv head serves
