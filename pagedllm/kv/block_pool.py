@@ -19,7 +19,7 @@ class Block:
         self.num_tokens = 0  # slots written
         self.block_hash: bytes | None = None  # set while the block is findable in the prefix cache
         self.room = False  # free and set aside for the growth of the sequence just before it
-        self.freed_at = 0  # BlockPool.clock when last released (the free queue's order, as a number)
+        self.freed_at = 0  # BlockPool.clock when last released cached (its place in the release order)
         self.prev: Block | None = None  # neighbours in the free queue
         self.next: Block | None = None
 
@@ -96,7 +96,7 @@ class BlockPool:
         self.room = room
         self.cached: dict[bytes, Block] = {}
         self.live_slots = 0
-        self.clock = 0  # blocks released so far
+        self.clock = 0  # cached blocks released so far
 
     @property
     def num_free(self) -> int:
@@ -142,8 +142,9 @@ class BlockPool:
         return following if self._extends_runs(following, evicting) else None
 
     def _extends_runs(self, block: Block, evicting: bool) -> bool:
-        """Free, and plain, or (when some cached block is evicted anyway) cached in the older half of the
-        free queue: taking it out of queue order evicts no recently used content."""
+        """Free, and plain, or (when some cached block is evicted anyway) cached and released at least half
+        the free queue's length of releases ago, i.e. in about its older half: taking it out of queue order
+        evicts no recently used content."""
         if block.ref_cnt:
             return False
         if block.block_hash is None or block.room:
