@@ -17,7 +17,8 @@ def assert_all_blocks_free(llm_or_engine) -> None:
     """Every engine test ends here: no request left, every KV block back in the free pool."""
     engine = getattr(llm_or_engine, "engine", llm_or_engine)
     assert not engine.has_unfinished_requests()
-    assert engine.allocator.all_free(), engine.allocator.usage()
+    stats = engine.stats()
+    assert stats.kv_all_free, stats.kv_usage
 
 
 @contextlib.contextmanager
@@ -61,7 +62,7 @@ def wait_until_idle(engine, timeout: float = 10.0) -> None:
     """The engine thread finishes (or aborts) asynchronously: give it a moment, then nothing may be left."""
     deadline = time.monotonic() + timeout
     while (
-        engine.has_unfinished_requests() or not engine.allocator.all_free()
+        engine.has_unfinished_requests() or not engine.stats().kv_all_free
     ) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert_all_blocks_free(engine)

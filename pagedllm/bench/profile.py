@@ -14,94 +14,38 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
-import pagedllm.engine.llm_engine as llm_engine_module
+from pagedllm.engine.stats import STEP_PHASES, StepTrace
 from pagedllm.models.linear import Linear
-
-PHASES = ("schedule", "inputs", "forward", "sample", "rest")
-
-
-@dataclass
-class StepRecord:
-    seconds: dict[str, float]  # per phase
-    prefill_tokens: int
-    decode_seqs: int
 
 
 @dataclass
 class PhaseProfile:
     """Per-step phase times of one engine run."""
 
-    steps: list[StepRecord] = field(default_factory=list)
+    steps: list[StepTrace] = field(default_factory=list)
 
     def totals(self, prefill: bool) -> tuple[int, dict[str, float]]:
         """Number of steps of one kind (with a prefill, or decode-only) and their summed phase seconds."""
         chosen = [s for s in self.steps if (s.prefill_tokens > 0) == prefill]
-        summed = {p: sum(s.seconds[p] for s in chosen) for p in PHASES}
+        summed = {p: sum(s.seconds[p] for s in chosen) for p in STEP_PHASES}
         return len(chosen), summed
 
 
 @contextmanager
 def record_phases(engine) -> Iterator[PhaseProfile]:
-    """Time every engine.step() while the block runs, by wrapping the engine's components in place."""
+    """Record every engine step's phase times while the block runs (the engine's step observer)."""
     profile = PhaseProfile()
-    current: dict[str, float] = defaultdict(float)
-    kind = {"prefill_tokens": 0, "decode_seqs": 0}
-
-    def timed(phase: str, fn: Callable) -> Callable:
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                current[phase] += time.perf_counter() - start
-
-        return wrapper
-
-    original_schedule = engine.scheduler.schedule
-
-    def schedule():
-        out = original_schedule()
-        kind["prefill_tokens"] = sum(out.num_new_tokens[s.seq_id] for s in out.prefills)
-        kind["decode_seqs"] = len(out.decodes)
-        return out
-
-    original_step, original_sample = engine.step, llm_engine_module.sample
-    original_execute, original_prepare = engine.runner.execute, engine.runner.prepare_inputs
-
-    def step():
-        current.clear()
-        start = time.perf_counter()
-        outputs = original_step()
-        total = time.perf_counter() - start
-        seconds = {p: current[p] for p in ("schedule", "inputs", "sample")}
-        seconds["forward"] = current["execute"] - current["inputs"]
-        seconds["rest"] = total - current["schedule"] - current["execute"] - current["sample"]
-        profile.steps.append(StepRecord(seconds, kind["prefill_tokens"], kind["decode_seqs"]))
-        return outputs
-
-    engine.scheduler.schedule = timed("schedule", schedule)
-    engine.runner.execute = timed("execute", original_execute)
-    engine.runner.prepare_inputs = timed("inputs", original_prepare)
-    llm_engine_module.sample = timed("sample", original_sample)
-    engine.step = step
+    engine.add_step_observer(profile.steps.append)
     try:
         yield profile
-    finally:  # drop the instance attributes that shadowed the classes' methods
-        for obj, name in (
-            (engine.scheduler, "schedule"),
-            (engine.runner, "execute"),
-            (engine.runner, "prepare_inputs"),
-            (engine, "step"),
-        ):
-            delattr(obj, name)
-        llm_engine_module.sample = original_sample
+    finally:
+        engine.remove_step_observer(profile.steps.append)
 
 
 @dataclass
@@ -123,17 +67,13 @@ def top_ops(engine, prompts: list[list[int]], decode_steps: int = 3, limit: int 
     params = SamplingParams(max_tokens=decode_steps + 2, temperature=0, ignore_eos=True)
     for i, ids in enumerate(prompts):
         engine.add_request(f"profile-{i}", ids, params)
-    while engine.scheduler.waiting:  # prefill every prompt first
+    while engine.stats().num_waiting:  # prefill every prompt first
         engine.step()
-    k_cache = engine.runner.kv_caches[0][0]  # [num_blocks, block_size, Hkv, D]
-    token_bytes = (
-        2 * len(engine.runner.kv_caches) * k_cache.size(2) * k_cache.size(3) * k_cache.element_size()
-    )
-    context_tokens = 0
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    token_bytes = engine.kv_cache_bytes // (engine.num_kv_blocks * engine.config.block_size)
+    with record_phases(engine) as steps, profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(decode_steps):
-            engine.step()  # each running sequence attended over every token that has a slot now
-            context_tokens += sum(engine.allocator.num_tokens(s.seq_id) for s in engine.scheduler.running)
+            engine.step()
+    context_tokens = sum(trace.context_tokens for trace in steps.steps)
     while engine.has_unfinished_requests():
         engine.step()
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
@@ -225,7 +165,7 @@ def report(engine, profile: PhaseProfile, ops: OpProfile, dtype: torch.dtype) ->
             continue
         total = sum(phases.values())
         host = total - phases["forward"]
-        shares = ", ".join(f"{p} {phases[p] / total:.1%}" for p in PHASES)
+        shares = ", ".join(f"{p} {phases[p] / total:.1%}" for p in STEP_PHASES)
         lines.append(
             f"  {label}: {count} steps, {total:.2f} s ({total / count * 1e3:.1f} ms/step): {shares}; "
             f"host work {host / total:.1%}"

@@ -23,7 +23,6 @@ def measure(args) -> dict:
     from fastapi.responses import JSONResponse
 
     from pagedllm import LLM, SamplingParams
-    from pagedllm.engine.kv_snapshot import KVSnapshots
     from pagedllm.entrypoints.openai.dashboard import kv_payload
     from pagedllm.entrypoints.openai.metrics import EngineMetrics
 
@@ -60,13 +59,13 @@ def measure(args) -> dict:
         if scheduler.num_preemptions or len(engine.requests) < args.num_seqs:
             break
     check_whole_batch()
-    snapshots, metrics = KVSnapshots(engine), EngineMetrics()
+    metrics = EngineMetrics()
     step_ms, snapshot_ms, encode_ms, size = [], [], [], 0
     for _ in range(args.steps):
         start = time.perf_counter()
         engine.step()
         stepped = time.perf_counter()
-        payload = kv_payload(snapshots, metrics)
+        payload = kv_payload(engine, metrics)
         snapped = time.perf_counter()
         size = len(JSONResponse(payload).body)
         encoded = time.perf_counter()

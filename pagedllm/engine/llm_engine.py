@@ -20,8 +20,9 @@ from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.parallel.executor import Executor
 from pagedllm.engine.parallel.runner import ParallelModelRunner
 from pagedllm.engine.sampler import SampleRow, sample
-from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Sequence
+from pagedllm.engine.stats import STEP_PHASES, EngineStats, StepObserver, StepTrace
 from pagedllm.kv import ContiguousAllocator, PagedAllocator
 from pagedllm.models import LoadedModel, ModelConfig, load_model
 from pagedllm.models.linear import few_rows
@@ -159,6 +160,8 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        self._observers: list[StepObserver] = []
+        self._snapshots = None  # the dashboard's KVSnapshots, made on first use
 
     @staticmethod
     def _check_max_model_len(requested: int | None, context: int) -> int:
@@ -302,7 +305,9 @@ class LLMEngine:
         """Schedule, run one forward pass, sample, and report every request that changed (a beam
         search only once it is done)."""
         self.num_steps += 1
+        clock = _PhaseClock()
         out = self.scheduler.schedule()
+        clock.lap("schedule")
         touched: dict[str, Request] = {}
         for seq in out.ignored:
             seq.finish_reason = "length"
@@ -315,9 +320,14 @@ class LLMEngine:
                 request.beam_tops.pop(seq.seq_id, None)
                 if self._advance_beams(request):
                     touched[seq.request_id] = request
+        context_tokens = sum(s.num_cached_tokens + out.num_new_tokens[s.seq_id] for s in out.scheduled)
         if out.scheduled:
             block_tables = [self.allocator.block_table(seq.seq_id) for seq in out.scheduled]
-            logits = self.runner.execute(out, block_tables)
+            clock.lap("rest")
+            inputs = self.runner.prepare_inputs(out, block_tables)
+            clock.lap("inputs")
+            logits = self.runner.execute_step(inputs)
+            clock.lap("forward")
             ready = self.scheduler.update_after_step(out)  # rows of sequences that need a next token
             rows, beams = [], []
             for row in ready:
@@ -326,13 +336,71 @@ class LLMEngine:
             seqs, rows = self._fork_parallel_samples([out.scheduled[row] for row in rows], rows)
             if seqs:
                 picked = logits if rows == list(range(len(logits))) else logits[rows]  # all: no copy
+                clock.lap("rest")
                 samples = sample(picked, [self._sample_row(seq) for seq in seqs])
+                clock.lap("sample")
                 for seq, smp in zip(seqs, samples, strict=True):
                     self._append_token(seq, smp)
                     touched[seq.request_id] = self.requests[seq.request_id]
             if beams:
                 touched.update(self._step_beams(logits[beams], [out.scheduled[row] for row in beams]))
-        return [self._request_output(r) for r in touched.values()]
+        outputs = [self._request_output(r) for r in touched.values()]
+        clock.lap("rest")
+        if self._observers:
+            self._notify(out, clock.seconds, context_tokens)
+        return outputs
+
+    def _notify(self, out: SchedulerOutput, seconds: dict[str, float], context_tokens: int) -> None:
+        prefill_tokens = sum(out.num_new_tokens[seq.seq_id] for seq in out.prefills)
+        trace = StepTrace(self.num_steps, seconds, prefill_tokens, len(out.decodes), context_tokens)
+        for observer in self._observers:
+            observer(trace)
+
+    # -- the engine's face: what callers read between steps ---------------------------------------
+
+    def add_step_observer(self, observer: StepObserver) -> None:
+        """Call `observer(trace)` after every step from now on (profiling, pictures, benchmarks)."""
+        self._observers.append(observer)
+
+    def remove_step_observer(self, observer: StepObserver) -> None:
+        self._observers.remove(observer)
+
+    def stats(self) -> EngineStats:
+        """Queues, counters and KV usage now (call between steps, on the thread that steps)."""
+        scheduler = self.scheduler
+        return EngineStats(
+            num_steps=self.num_steps,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_swapped=len(scheduler.swapped),
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=scheduler.prefix_cache_queries,
+            prefix_cache_hits=scheduler.prefix_cache_hits,
+            num_blocks_swapped_out=scheduler.num_blocks_swapped_out,
+            num_blocks_swapped_in=scheduler.num_blocks_swapped_in,
+            kv_usage=self.allocator.usage(),
+            kv_all_free=self.allocator.all_free(),
+        )
+
+    def kv_snapshot(self) -> dict:
+        """The KV cache as the dashboard draws it (`GET /v1/kv`): usage, queues, counters, the block map
+        and each resident sequence's block table; call between steps."""
+        if self._snapshots is None:
+            from pagedllm.engine.kv_snapshot import KVSnapshots
+
+            self._snapshots = KVSnapshots(self)
+        return self._snapshots.take()
+
+    def unfinished_request_ids(self) -> list[str]:
+        """Requests added and not yet finished or aborted, in the order they were added."""
+        return list(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def comm_stats(self) -> list | None:
+        """Tensor parallelism: each collective's calls and seconds so far (None on one process)."""
+        return self.executor.comm_stats() if self.executor is not None else None
 
     def _fork_parallel_samples(
         self, seqs: list[Sequence], rows: list[int]
@@ -476,3 +544,16 @@ class LLMEngine:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+class _PhaseClock:
+    """Adds the wall time since the previous lap to a phase of the step."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(STEP_PHASES, 0.0)
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] += now - self._last
+        self._last = now

@@ -127,11 +127,10 @@ def make_engine(args, kv_layout: str):
 
 def record(args, kv_layout: str, arrivals: list[Arrival]) -> Run:
     """Run the requests through a fresh engine, recording every step."""
-    from pagedllm.engine.kv_snapshot import KVSnapshots
     from pagedllm.kv import ContiguousAllocator
 
     engine = make_engine(args, kv_layout)
-    allocator, scheduler, snapshots = engine.allocator, engine.scheduler, KVSnapshots(engine)
+    allocator, scheduler = engine.allocator, engine.scheduler
     run = Run("paged" if kv_layout == "paged" else f"contiguous ({args.reserve})")
     pending = list(arrivals)
     while pending or engine.has_unfinished_requests():
@@ -143,7 +142,7 @@ def record(args, kv_layout: str, arrivals: list[Arrival]) -> Run:
                 if r.external:
                     states[r.start : r.start + r.size] = ["external"] * r.size
         waiting = len(scheduler.waiting) + len(scheduler.swapped)
-        usage, snapshot = allocator.usage(), snapshots.take()
+        usage, snapshot = allocator.usage(), engine.kv_snapshot()
         run.steps.append(
             StepRecord(engine.num_steps, usage, len(scheduler.running), waiting, states, snapshot)
         )

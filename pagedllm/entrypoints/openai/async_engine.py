@@ -32,6 +32,7 @@ class _Stream:
     queue: asyncio.Queue
     times: RequestTimes
     num_generated: int = 0
+    prefilled: bool = False  # its first output came: its prompt tokens are counted
 
 
 class RequestStream:
@@ -126,7 +127,6 @@ class AsyncEngine:
                     engine.add_request(request_id, prompt, params)
                     added.append(request_id)
                     self._streams[request_id] = stream
-                    self.metrics.prompt_tokens.inc(len(engine.requests[request_id].prompt_token_ids))
             except BaseException:
                 for request_id in added:
                     self._abort(request_id)
@@ -172,9 +172,10 @@ class AsyncEngine:
         self._submit(lambda: self._fail_all(error))
 
     def _fail_all(self, error: Exception) -> None:
-        if self.engine.requests:
-            logger.warning("aborting %d requests: %s", len(self.engine.requests), error)
-        for request_id in list(self.engine.requests):
+        request_ids = self.engine.unfinished_request_ids()
+        if request_ids:
+            logger.warning("aborting %d requests: %s", len(request_ids), error)
+        for request_id in request_ids:
             stream = self._streams.get(request_id)
             self._abort(request_id)
             if stream is not None:
@@ -184,7 +185,8 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except Exception as error:  # fail the running requests, keep serving the next ones
-            logger.exception("engine step failed; aborting %d requests", len(self.engine.requests))
+            num = self.engine.get_num_unfinished_requests()
+            logger.exception("engine step failed; aborting %d requests", num)
             self._fail_all(error)
             return
         now = time.monotonic()
@@ -193,6 +195,9 @@ class AsyncEngine:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
+            if not stream.prefilled:  # counted once its prefill is done, as vLLM counts them
+                stream.prefilled = True
+                self.metrics.prompt_tokens.inc(len(output.prompt_token_ids))
             num_generated = self.metrics.num_generated(output)
             new_tokens = num_generated - stream.num_generated
             self.metrics.generation_tokens.inc(new_tokens)

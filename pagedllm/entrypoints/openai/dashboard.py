@@ -11,22 +11,21 @@ from importlib.resources import files
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from pagedllm.engine.kv_snapshot import KVSnapshots
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.metrics import EngineMetrics
 
 STATIC = files(__package__) / "static"
 
 
-def kv_payload(snapshots: KVSnapshots, metrics: EngineMetrics) -> dict:
+def kv_payload(engine: LLMEngine, metrics: EngineMetrics) -> dict:
     """What GET /v1/kv returns: the KV snapshot, with the token counters (for tokens/s). Engine thread."""
-    snapshot = snapshots.take()
+    snapshot = engine.kv_snapshot()
     snapshot["counters"].update(metrics.token_totals())
     return snapshot
 
 
 def router(engine: AsyncEngine) -> APIRouter:
-    snapshots = KVSnapshots(engine.engine)
     page = (STATIC / "dashboard.html").read_text()
     script = (STATIC / "dashboard.js").read_text()
     routes = APIRouter()
@@ -34,7 +33,7 @@ def router(engine: AsyncEngine) -> APIRouter:
     @routes.get("/v1/kv")
     async def kv() -> JSONResponse:
         """The KV cache between two engine steps, and the token counters (for tokens/s)."""
-        return JSONResponse(await engine.run(lambda _: kv_payload(snapshots, engine.metrics)))
+        return JSONResponse(await engine.run(lambda llm_engine: kv_payload(llm_engine, engine.metrics)))
 
     @routes.get("/dashboard", response_class=HTMLResponse)
     async def dashboard() -> HTMLResponse:

@@ -80,25 +80,24 @@ class EngineMetrics:
         self._seen = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
 
     def observe(self, engine: LLMEngine) -> None:
-        """Read the scheduler's queues and counters and the KV pool (engine thread only)."""
-        scheduler = engine.scheduler
+        """Read the engine's queues, counters and KV pool (engine thread only)."""
+        stats = engine.stats()
         self.weight_memory.set(engine.weight_bytes)
         self.kv_cache_memory.set(engine.kv_cache_bytes)
         self.kv_cache_blocks.set(engine.num_kv_blocks)
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting) + len(scheduler.swapped))
-        usage = engine.allocator.usage()
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting + stats.num_swapped)
+        usage = stats.kv_usage
         self.kv_usage.set(1.0 - usage.fraction(usage.free_slots))
         for state, slots in usage.parts().items():
             self.kv_slots.labels(state).set(usage.fraction(slots))
-        queries = scheduler.prefix_cache_queries
-        self.prefix_hit_rate.set(scheduler.prefix_cache_hits / queries if queries else 0.0)
+        self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
         for name, counter in (
             ("num_preemptions", self.preemptions),
             ("prefix_cache_queries", self.prefix_queries),
             ("prefix_cache_hits", self.prefix_hits),
         ):
-            total = getattr(scheduler, name)
+            total = getattr(stats, name)
             counter.inc(total - self._seen[name])
             self._seen[name] = total
 

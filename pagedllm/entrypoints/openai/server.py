@@ -73,11 +73,11 @@ def build_app(
         engine.start()
         yield
         engine.stop()
-        allocator = engine.engine.allocator
-        if allocator.all_free():
-            logger.info("engine stopped: all %d KV blocks are free", allocator.num_total_blocks)
+        stats = engine.engine.stats()
+        if stats.kv_all_free:
+            logger.info("engine stopped: all %d KV blocks are free", engine.engine.num_kv_blocks)
         else:
-            logger.error("engine stopped with KV blocks still held: %s", allocator.usage())
+            logger.error("engine stopped with KV blocks still held: %s", stats.kv_usage)
 
     app = FastAPI(title="pagedllm", lifespan=lifespan)
     app.state.engine = engine
@@ -479,7 +479,7 @@ def main(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_timeout + 10
     )
     DrainingServer(config, app.state.admission, app.state.engine, shutdown_timeout).run()
-    return 0 if app.state.engine.engine.allocator.all_free() else 1
+    return 0 if app.state.engine.engine.stats().kv_all_free else 1
 
 
 class DrainingServer(uvicorn.Server):
