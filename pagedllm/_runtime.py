@@ -27,13 +27,14 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _DEFAULTED = "_PAGEDLLM_DEFAULTED_OMP_NUM_THREADS"  # marks a thread count pagedllm chose
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" in microseconds, or "max ..."
 
 
 def usable_cpus() -> int:
     """CPUs this process may use: its affinity mask, capped by a cgroup v2 `cpu.max` quota."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        quota, period = CGROUP_CPU_MAX.read_text().split()
         if quota != "max":
             cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
     except (OSError, ValueError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from functools import cached_property
 
 from tqdm import tqdm
 
@@ -27,7 +28,23 @@ class LLM:
         self._ids = itertools.count()
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        """The model's tokenizer as transformers loads it (AutoTokenizer on the model's folder), as vLLM's
+        get_tokenizer returns it; None if the model has no tokenizer.
+
+        Built on first call. The engine itself encodes, decodes and renders chat templates with
+        pagedllm.models.tokenizer.Tokenizer, which gives the same ids and text (tests/test_tokenizer.py)
+        without importing transformers at start-up and with a fraction of its per-call overhead on the
+        detokenizer's two decodes per generated token.
+        """
+        return self._transformers_tokenizer
+
+    @cached_property
+    def _transformers_tokenizer(self):
+        if self.engine.tokenizer is None:
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.engine.loaded_model.path), local_files_only=True)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (vLLM's), used when none given."""
@@ -57,7 +74,7 @@ class LLM:
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         prompts = _as_prompt_list(prompts)
         outputs = self._generate(prompts, [params] * len(prompts), use_tqdm)
-        tokenizer = self.get_tokenizer()
+        tokenizer = self.engine.tokenizer
         results = []
         for output in outputs:
             sequences = []
@@ -99,7 +116,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.get_tokenizer()
+        tokenizer = self.engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"model {self.engine.config.model!r} has no chat template")
         prompts = [

@@ -27,8 +27,8 @@ def _token_text(value: Any) -> str | None:
 
 
 class Tokenizer:
-    """encode / decode / apply_chat_template for one model folder (the subset of transformers' API that
-    pagedllm and its users call)."""
+    """encode / decode / apply_chat_template for one model folder: the subset of transformers' API that the
+    engine and the server call (users get transformers' own tokenizer from LLM.get_tokenizer())."""
 
     def __init__(self, folder: Path):
         self._tokenizer = _Tokenizer.from_file(str(folder / "tokenizer.json"))
