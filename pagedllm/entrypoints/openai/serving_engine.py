@@ -93,14 +93,11 @@ class OpenAIServing:
             await close_all(outputs, streams)
 
     def checked_max_tokens(self, requested: int | None, num_prompt_tokens: int) -> int | None:
-        """vLLM's rule: prompt + max_tokens must fit max_model_len; unset, it is what is left."""
+        """vLLM's rule: prompt + max_tokens must fit max_model_len; unset, max_tokens is what is left. A
+        prompt that leaves no room at all is add_request's to refuse (its own check of the token ids)."""
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
-            raise APIError(
-                f"the prompt has {num_prompt_tokens} tokens: this model's maximum context length "
-                f"(max_model_len={self.max_model_len}) leaves no room to generate",
-                param="prompt",
-            )
+            return requested
         if requested is None:
             default = self.default_sampling.get("max_tokens")
             return min(room, default) if default else room
