@@ -38,9 +38,9 @@ def server_cpu_batched_tokens(cpus: int | None = None) -> int:
 
     A step's prefill chunk stalls every running stream and holds back the next prompts' first tokens, so
     it is sized to take about the same time on any CPU rather than vLLM's flat 2048 (its value for GPUs,
-    where 2048 tokens take tens of milliseconds). On 2 cores (the only size measured), 512 against 2048 on
-    16 prompts of 100-300 tokens arriving together: median time to first token 1.3 s against 2.8 s, ITL
-    p99 0.66-0.68 s against 0.86-0.91 s, output tokens/s 1-6% lower (docs/BENCHMARKS.md, Serving).
+    where a chunk that long is still a short step). A smaller chunk costs a little throughput (more steps,
+    each reading all the weights again) for earlier first tokens and steadier streams when prompts arrive
+    together; docs/BENCHMARKS.md (Serving) has the measurements.
     """
     cpus = usable_cpus() if cpus is None else cpus
     return min(MAX_CPU_BATCHED_TOKENS, max(MIN_CPU_BATCHED_TOKENS, TOKENS_PER_CPU * cpus))
