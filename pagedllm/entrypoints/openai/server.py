@@ -61,9 +61,9 @@ def build_app(
             engine_kwargs["max_num_batched_tokens"] = server_cpu_batched_tokens()
     engine = AsyncEngine(LLMEngine(EngineConfig(model=model, **engine_kwargs)))
     limits = limits or ServerLimits()
-    models = OpenAIServingModels(served_model_name or model, engine.engine.max_model_len)
-    completion = OpenAIServingCompletion(engine, models, limits)
-    chat = OpenAIServingChat(engine, models, limits)
+    serving_models = OpenAIServingModels(served_model_name or model, engine.engine.max_model_len)
+    completion = OpenAIServingCompletion(engine, serving_models, limits)
+    chat = OpenAIServingChat(engine, serving_models, limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -99,15 +99,15 @@ def build_app(
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def show_available_models() -> p.ModelList:
-        return models.show_available_models()
+    async def models() -> p.ModelList:
+        return serving_models.show_available_models()
 
     @app.post("/v1/completions")
-    async def create_completion(request: p.CompletionRequest, raw_request: Request):
+    async def completions(request: p.CompletionRequest, raw_request: Request):
         return _respond(await completion.create_completion(request, raw_request))
 
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(request: p.ChatCompletionRequest, raw_request: Request):
+    async def chat_completions(request: p.ChatCompletionRequest, raw_request: Request):
         return _respond(await chat.create_chat_completion(request, raw_request))
 
     return app
