@@ -86,8 +86,8 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Route errors, validation failures, unknown routes and bugs all answer in OpenAI's shape."""
-    # Imported here, not above: the CLI imports this module for its limits' defaults, and FastAPI's
-    # import alone (0.2-0.4 s) would add to every `pagedllm generate`'s start-up.
+    # Imported here, not above: the CLI imports this module for its limits' defaults, and every
+    # `pagedllm generate` would otherwise wait for FastAPI's import, which it never uses.
     from fastapi.exceptions import RequestValidationError
 
     @app.exception_handler(APIError)

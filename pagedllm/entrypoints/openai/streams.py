@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from pagedllm.entrypoints.openai.errors import APIError, error_body
@@ -113,20 +112,17 @@ async def _wait_for_disconnect(raw: Request) -> None:
         pass
 
 
-def sse(chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
+async def sse(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
     """Server-sent events `data: {...}` per chunk, then `data: [DONE]`; an engine error mid-stream is
-    sent as an error event. A client that disconnects cancels the stream, which aborts the request."""
-
-    async def events() -> AsyncIterator[str]:
-        try:
-            async for chunk in chunks:
-                yield f"data: {chunk.model_dump_json(exclude_unset=False)}\n\n"
-        except APIError as error:  # e.g. aborted by a shutdown (503)
-            yield f"data: {json.dumps(error_body(str(error), error.status, error.param))}\n\n"
-        except Exception as error:
-            yield f"data: {json.dumps(error_body(str(error), 500))}\n\n"
-        finally:
-            await chunks.aclose()
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream")
+    sent as an error event. Closing the events early (a client that disconnects) closes `chunks`, which
+    aborts the request."""
+    try:
+        async for chunk in chunks:
+            yield f"data: {chunk.model_dump_json(exclude_unset=False)}\n\n"
+    except APIError as error:  # e.g. aborted by a shutdown (503)
+        yield f"data: {json.dumps(error_body(str(error), error.status, error.param))}\n\n"
+    except Exception as error:
+        yield f"data: {json.dumps(error_body(str(error), 500))}\n\n"
+    finally:
+        await chunks.aclose()
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,133 @@
+"""POST /v1/completions: one prompt or several (text or token ids), whole or streamed."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai import protocol as p
+from pagedllm.entrypoints.openai.async_engine import RequestStream
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.logprobs import completion_logprobs
+from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, Outputs, close_all, remember, usage
+from pagedllm.entrypoints.openai.streams import deltas, merge, sse
+from pagedllm.outputs import RequestOutput
+
+Prompt = str | list[int]
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(
+        self, request: p.CompletionRequest, raw_request: Request | None = None
+    ) -> p.CompletionResponse | AsyncIterator[str]:
+        """The whole response, or (request.stream) its server-sent events; a refusal raises APIError.
+        Choices are prompt-major: choice i * n + j is the j-th completion of prompt i."""
+        self.check_request(request)
+        self.limits.check_logprobs("logprobs", request.logprobs)
+        if request.echo and request.logprobs is not None:
+            raise APIError(
+                "echo with logprobs needs the prompt's log-probabilities, which pagedllm does not compute",
+                param="echo",
+            )
+        guided = await self.guided_params(request)
+        prompts = _prompts(request.prompt)
+        response_id = p.random_id("cmpl")
+        streams = await self.add_requests(
+            response_id,
+            len(prompts),
+            lambda engine: _tokenized(engine, prompts),
+            request,
+            request.max_tokens,
+            request.logprobs,
+            guided,
+        )
+        echoes = [self._echo_text(prompt) for prompt in prompts] if request.echo else []
+        outputs = merge(streams)
+        if request.stream:
+            return sse(self._chunks(request, response_id, outputs, streams, echoes))
+        final = await self.finals(outputs, streams, len(prompts), raw_request)
+        return self._response(request, response_id, final, echoes)
+
+    def _response(
+        self, request: p.CompletionRequest, response_id: str, final: list[RequestOutput], echoes: list[str]
+    ) -> p.CompletionResponse:
+        tokenizer = self.engine.engine.tokenizer
+        choices = []
+        for i, output in enumerate(final):
+            for o in output.outputs:
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = completion_logprobs(tokenizer, o.token_ids, o.logprobs, request.logprobs)
+                choices.append(
+                    p.CompletionChoice(
+                        index=i * request.n + o.index,
+                        text=echoes[i] + o.text if request.echo else o.text,
+                        logprobs=logprobs,
+                        finish_reason=o.finish_reason,
+                        stop_reason=o.stop_reason,
+                    )
+                )
+        model = self.models.model_name
+        return p.CompletionResponse(id=response_id, model=model, choices=choices, usage=usage(final))
+
+    async def _chunks(
+        self,
+        request: p.CompletionRequest,
+        response_id: str,
+        outputs: Outputs,
+        streams: list[RequestStream],
+        echoes: list[str],
+    ) -> AsyncIterator[p.CompletionResponse]:
+        tokenizer, model, offsets = self.engine.engine.tokenizer, self.models.model_name, {}
+        last: dict[int, RequestOutput] = {}
+        try:
+            async for d in deltas(remember(outputs, last), request.n, request.stop):
+                text = (echoes[d.index // request.n] if request.echo and d.first else "") + d.text
+                logprobs = None
+                if request.logprobs is not None:
+                    new = slice(d.token_start, None)
+                    logprobs = completion_logprobs(
+                        tokenizer,
+                        d.output.token_ids[new],
+                        d.output.logprobs[new],
+                        request.logprobs,
+                        offsets.get(d.index, 0),
+                    )
+                offsets[d.index] = offsets.get(d.index, 0) + len(text)
+                choice = p.CompletionChoice(
+                    index=d.index,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=d.output.finish_reason,
+                    stop_reason=d.output.stop_reason,
+                )
+                yield p.CompletionResponse(id=response_id, model=model, choices=[choice])
+            if request.stream_options and request.stream_options.include_usage:
+                final = [last[i] for i in sorted(last)]
+                yield p.CompletionResponse(id=response_id, model=model, choices=[], usage=usage(final))
+        finally:
+            await close_all(outputs, streams)
+
+    def _echo_text(self, prompt: Prompt) -> str:
+        """The prompt as echo puts it before the completion: token ids decoded, text as sent."""
+        if isinstance(prompt, str):
+            return prompt
+        tokenizer = self.engine.engine.tokenizer
+        return tokenizer.decode(prompt) if tokenizer is not None else ""
+
+
+def _prompts(prompt: str | list) -> list[Prompt]:
+    """The request's prompts: one text, one list of token ids, or a list of either."""
+    is_ids = isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int))
+    return [prompt] if isinstance(prompt, str) or is_ids else prompt
+
+
+def _tokenized(engine: LLMEngine, prompts: list[Prompt]) -> list[list[int]]:
+    """Token ids of each prompt: text through the tokenizer (with its special tokens, as the engine does)."""
+    if engine.tokenizer is None and any(isinstance(prompt, str) for prompt in prompts):
+        raise APIError(f"model {engine.config.model!r} has no tokenizer: send token ids", param="prompt")
+    return [
+        engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt) for prompt in prompts
+    ]
