@@ -94,8 +94,15 @@ def test_cpu_kernel_rejects_bad_inputs_by_name():
         cpu.paged_decode_attention(*args[:4], torch.tensor([99], dtype=torch.int32), 0.25)
     bad_table = b.block_tables.clone()
     bad_table[0, 0] = 1000
-    with pytest.raises(RuntimeError, match="block id 1000"):
+    with pytest.raises(RuntimeError, match="block id 1000 of sequence 0 is out of range"):
         cpu.paged_decode_attention(b.q, b.k_cache, b.v_cache, bad_table, b.context_lens, 0.25)
+    p = random_paged_batch([20, 9], [5, 9], 4, 2, 16, 4)
+    bad_table = p.block_tables.clone()
+    bad_table[1, 2] = -1  # the last block sequence 1 reads
+    with pytest.raises(RuntimeError, match="block id -1 of sequence 1 is out of range"):
+        cpu.paged_prefill_attention(
+            p.q, p.k_cache, p.v_cache, bad_table, p.query_start_loc, p.context_lens, 0.25
+        )
     with pytest.raises(RuntimeError, match="dtype"):
         cpu.paged_decode_attention(b.q.bfloat16(), *args[1:])
     with pytest.raises(RuntimeError, match="slot 80"):

@@ -1,17 +1,21 @@
 // Paged attention on the CPU: K/V are read in place through the block table (no gather copy).
 //
 // One kernel serves decode and prefill: sequence s owns query rows query_start_loc[s]..[s+1], the last
-// rows of its context_lens[s] tokens, causal. Work items are (sequence, kv heads, tile of query rows)
-// and hold the whole GQA group, so each block of K/V is read from memory once for every head and query
-// row that uses it. A decode item (one query row) takes every kv head of its sequence and walks the
-// block table once for all of them: in the engine's head-major cache a block's heads lie side by side,
-// so it reads one run of block_size x Hkv x D values per block instead of Hkv runs of block_size x D far
-// apart (blocks in order then read ~1.5x faster; blocks scattered at random, as fast as memory gives
-// them either way). Softmax is two-pass over a per-thread score buffer: scores, exp/normalise, sum of V.
-// An item of many query rows (a prompt's) runs prefill_tile, which keeps its scores transposed and does
-// both products register-tiled like a GEMM (1.2x the row-at-a-time path on 100-300-token prompts, 1.36x
-// on 1,000-2,000). Arithmetic is fp32; a bf16 cache is widened in registers. The query may be a strided
-// view (e.g. the q part of a fused qkv projection): only its last dimension must be contiguous.
+// rows of its context_lens[s] tokens, causal (and inside the sliding window, if any). A call runs in steps:
+//   plan     work items of (sequence, kv heads, query rows), each holding the whole GQA group, so that a
+//            block of K/V is read from memory once for every head and query row that uses it; the input is
+//            checked here, before any work.
+//   decode   a decode step's query row is one item (decode_row) of every kv head of its sequence, which
+//            walks the block table once for all of them: in the engine's head-major cache a block's heads
+//            lie side by side, so it reads one run of block_size x Hkv x D values a block instead of Hkv
+//            runs far apart. Memory-bound: two passes over a per-thread score buffer (scores; exp, then the
+//            sum of V).
+//   prefill  an item of many query rows (prefill_tile) keeps its scores transposed and does both products
+//            register-tiled like a GEMM: at prompt lengths the work is arithmetic, which a row at a time wastes.
+//   combine  a decode row with far more than its share of the batch's keys would keep one thread busy while
+//            the others wait, so its keys are split into parts on several threads, merged after.
+// Arithmetic is fp32; a bf16 cache is widened in registers. The query may be a strided view (e.g. the q
+// part of a fused qkv projection): only its last dimension must be contiguous.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -32,6 +36,241 @@ namespace {
 constexpr int64_t kRowsPerTile = 16;  // query rows of one sequence handled by one work item
 constexpr int kRows = 4;              // query rows of a micro-kernel: they share every K/V load
 constexpr int64_t kBlocksAhead = 1;  // how far ahead blocks are prefetched
+
+// ---- Shared: the items and the rows they read ----
+
+// Key/value rows of one sequence and `heads` kv heads from the first, addressed through its block table.
+template <typename T>
+struct PagedRows {
+  const int32_t* table;
+  int64_t block_size, block_stride, slot_stride, head_stride, first_head, heads, head_dim;
+
+  const T* block_start(const T* cache, int64_t b) const {
+    return cache + static_cast<int64_t>(table[b]) * block_stride + first_head * head_stride;
+  }
+
+  // Asks for block b's rows of [lo, hi), every head's, to be brought into the cache ahead of use.
+  void prefetch(const T* cache, int64_t b, int64_t hi) const {
+    const int64_t first = b * block_size;
+    if (first >= hi) return;
+    const char* start = reinterpret_cast<const char*>(block_start(cache, b));
+    const int64_t rows = std::min(block_size, hi - first), bytes = head_dim * sizeof(T);
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t j = 0; j < rows; ++j)
+        for (int64_t off = 0; off < bytes; off += 64)
+          _mm_prefetch(start + (h * head_stride + j * slot_stride) * sizeof(T) + off, _MM_HINT_T1);
+  }
+
+  // fn(t0, t1, row_t0) for each block's share [t0, t1) of [lo, hi); token rows are slot_stride apart and
+  // row_t0 is the first head's (head h's rows start h * head_stride further).
+  // Blocks are scattered in memory, so the hardware cannot guess the next one: with Prefetch, each is
+  // prefetched kBlocksAhead blocks before its turn. For decode, which memory's rate for random runs limits,
+  // how far ahead (or whether) made little difference; a prefill tile, which does much more arithmetic a
+  // block, runs faster without.
+  template <bool Prefetch = true, typename F>
+  void for_each_block(const T* cache, int64_t lo, int64_t hi, const F& fn) const {
+    const int64_t first_block = lo / block_size;
+    if constexpr (Prefetch)
+      for (int64_t b = first_block; b < first_block + kBlocksAhead; ++b) prefetch(cache, b, hi);
+    for (int64_t b = first_block; b * block_size < hi; ++b) {
+      if constexpr (Prefetch) prefetch(cache, b + kBlocksAhead, hi);
+      const int64_t first = b * block_size, next = first + block_size;
+      const int64_t t0 = std::max(lo, first);
+      fn(t0, std::min(hi, next), block_start(cache, b) + (t0 - first) * slot_stride);
+    }
+  }
+};
+
+// The first key a query row sees, given the end of its keys (its position + 1) and the sliding window
+// (0: none).
+inline int64_t window_begin(int64_t key_end, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, key_end - window) : 0;
+}
+
+// One call's tensors as pointers and strides. The caches are [num_blocks, block_size, Hkv, D] views; their
+// memory may be slot-major or head-major.
+template <typename TQ, typename TKV>
+struct Batch {
+  const TQ* q;
+  TQ* out;
+  const TKV* k_cache;
+  const TKV* v_cache;
+  const int32_t* tables;  // block_tables, max_blocks a row
+  const int32_t* starts;  // query_start_loc
+  const int32_t* lens;    // context_lens
+  int64_t num_seqs, num_heads, group, head_dim, q_row_stride, q_head_stride;
+  int64_t num_blocks, max_blocks, block_size, block_stride, slot_stride, head_stride;
+  double scale;
+  int64_t window;  // 0: none
+
+  int64_t q_len(int64_t s) const { return starts[s + 1] - starts[s]; }
+  // Query row r of sequence s sits at position first_pos(s) + r and sees keys (pos - window, pos].
+  int64_t first_pos(int64_t s) const { return lens[s] - q_len(s); }
+  // Keys a query row of sequence s reads at most: its context, or its window of it.
+  int64_t keys_of(int64_t s) const { return window > 0 ? std::min<int64_t>(window, lens[s]) : lens[s]; }
+  int64_t blocks_of(int64_t s) const { return (lens[s] + block_size - 1) / block_size; }
+  PagedRows<TKV> paged(int64_t s, int64_t first_head, int64_t heads) const {
+    return {tables + s * max_blocks, block_size, block_stride, slot_stride, head_stride, first_head, heads, head_dim};
+  }
+};
+
+// The Batch of paged_attention's tensors (checked there first).
+template <typename TQ, typename TKV>
+Batch<TQ, TKV> batch_of(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                        const at::Tensor& context_lens, double scale, int64_t window) {
+  return {
+      .q = q.data_ptr<TQ>(),
+      .out = out.data_ptr<TQ>(),
+      .k_cache = k_cache.data_ptr<TKV>(),
+      .v_cache = v_cache.data_ptr<TKV>(),
+      .tables = block_tables.data_ptr<int32_t>(),
+      .starts = query_start_loc.data_ptr<int32_t>(),
+      .lens = context_lens.data_ptr<int32_t>(),
+      .num_seqs = context_lens.size(0),
+      .num_heads = q.size(1),
+      .group = q.size(1) / k_cache.size(2),
+      .head_dim = q.size(2),
+      .q_row_stride = q.stride(0),
+      .q_head_stride = q.stride(1),
+      .num_blocks = k_cache.size(0),
+      .max_blocks = block_tables.size(1),
+      .block_size = k_cache.size(1),
+      .block_stride = k_cache.stride(0),
+      .slot_stride = k_cache.stride(1),
+      .head_stride = k_cache.stride(2),
+      .scale = scale,
+      .window = window,
+  };
+}
+
+struct WorkItem {
+  int64_t seq, kv_head, kv_heads, row_begin, row_end;  // rows relative to the sequence's first query row
+  int64_t part = 0, parts = 1;                         // this item's share of a single row's keys
+
+  int64_t rows() const { return row_end - row_begin; }
+};
+
+struct KeyRange {
+  int64_t lo, hi;
+};
+
+// The keys [lo, hi) an item reads: those its rows see, and for a part of a split row, that part's share.
+template <typename TQ, typename TKV>
+KeyRange key_range(const Batch<TQ, TKV>& b, const WorkItem& it) {
+  const int64_t first_pos = b.first_pos(it.seq);
+  int64_t lo = window_begin(first_pos + it.row_begin + 1, b.window), hi = first_pos + it.row_end;
+  if (it.parts > 1) {
+    const int64_t share = (hi - lo + it.parts - 1) / it.parts;
+    lo = std::min(hi, lo + it.part * share);
+    hi = std::min(hi, lo + share);
+  }
+  return {lo, hi};
+}
+
+// What each part of a split row leaves for the combine step, per query head m of its item: the max score
+// (at m), the sum of exp(score - max) (at num_heads + m) and the unnormalised sum of V rows weighted by
+// exp(score - max) (at 2 num_heads + m D).
+template <typename TQ, typename TKV>
+int64_t partial_size(const Batch<TQ, TKV>& b) {
+  return b.num_heads * (b.head_dim + 2);
+}
+
+// ---- Plan: the work items ----
+
+// Below this many multiply-adds in all, a call runs on the calling thread: one sequence's decode
+// attention over a few hundred tokens takes less time than waking the pool's passive threads.
+constexpr int64_t kInlineWork = 1 << 19;
+
+// Runs fn(i) for i in [0, n) on the intra-op thread pool (inline when `work` is small), handing out items
+// one at a time so that sequences of very different lengths still balance across threads.
+template <typename F>
+void parallel_dynamic(int64_t n, int64_t work, const F& fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t tasks = work < kInlineWork ? 1 : std::min<int64_t>(n, at::get_num_threads());
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < n; i = next++) fn(i);
+  });
+}
+
+// A decode row's keys are split into parts of at least this many (key, kv head) pairs when its item alone
+// would keep a thread busy for long (one request: a 4,000-token context on 2 threads).
+constexpr int64_t kMinPartKeys = 256;
+
+struct Plan {
+  std::vector<WorkItem> items;
+  int64_t work = 0;    // multiply-adds (an upper bound for prefill rows, which see fewer keys)
+  bool split = false;  // whether some row's keys are split into parts (combine_parts merges them)
+};
+
+// Refuses the first block id the batch reads that is not a block of the cache; called once a call's
+// lowest and highest ids say there is one, so that a valid call does no more than that min/max.
+template <typename TQ, typename TKV>
+void refuse_bad_block_id(const Batch<TQ, TKV>& b) {
+  for (int64_t s = 0; s < b.num_seqs; ++s)
+    for (int64_t i = 0; i < b.blocks_of(s); ++i) {
+      const int32_t id = b.tables[s * b.max_blocks + i];
+      TORCH_CHECK(id >= 0 && id < b.num_blocks, "block id ", id, " of sequence ", s, " is out of range (the cache has ",
+                  b.num_blocks, " blocks)");
+    }
+}
+
+// A decode item holding much more than its share of the keys (1 / (2 x threads) of them all) would keep
+// one thread busy while the others wait: its keys are split into parts, combined after.
+template <typename TQ, typename TKV>
+void split_long_rows(const Batch<TQ, TKV>& b, Plan& plan) {
+  const int64_t threads = at::get_num_threads();
+  if (threads <= 1 || plan.work < kInlineWork) return;
+  int64_t all_pairs = 0;  // (key, kv head) pairs read for each query row, over all items
+  for (const WorkItem& it : plan.items) all_pairs += b.keys_of(it.seq) * it.kv_heads * it.rows();
+  const int64_t share = std::max<int64_t>(1, all_pairs / (2 * threads));
+  std::vector<WorkItem> split;
+  for (const WorkItem& it : plan.items) {
+    const int64_t keys = b.keys_of(it.seq), pairs = keys * it.kv_heads;
+    // At least kMinPartKeys pairs and 16 keys a part: never an empty part.
+    const int64_t most = std::min({(pairs + share - 1) / share, pairs / kMinPartKeys, keys / 16});
+    const int64_t parts = it.rows() == 1 ? std::clamp<int64_t>(most, 1, 2 * threads) : 1;
+    for (int64_t part = 0; part < parts; ++part)
+      split.push_back({it.seq, it.kv_head, it.kv_heads, it.row_begin, it.row_end, part, parts});
+    plan.split = plan.split || parts > 1;
+  }
+  plan.items.swap(split);
+}
+
+// The work items: a sequence's single query row (a decode step) is one item of all its kv heads; a
+// prompt's rows are tiles of kRowsPerTile rows, one item per kv head. Checks each sequence's lengths
+// against its query rows and its block table.
+template <typename TQ, typename TKV>
+Plan plan_items(const Batch<TQ, TKV>& b) {
+  Plan plan;
+  const int64_t num_kv_heads = b.num_heads / b.group;
+  int32_t lowest_id = 0, highest_id = -1;  // over every block the call reads
+  for (int64_t s = 0; s < b.num_seqs; ++s) {
+    const int64_t q_len = b.q_len(s);
+    TORCH_CHECK(q_len <= b.lens[s], "sequence ", s, " has ", q_len, " query rows but context length ", b.lens[s]);
+    TORCH_CHECK(b.blocks_of(s) <= b.max_blocks, "context length ", b.lens[s], " of sequence ", s,
+                " needs more blocks than block_tables has columns (", b.max_blocks, ")");
+    const int32_t* table = b.tables + s * b.max_blocks;
+    for (int64_t i = 0; i < b.blocks_of(s); ++i) {
+      lowest_id = std::min(lowest_id, table[i]);
+      highest_id = std::max(highest_id, table[i]);
+    }
+    if (q_len == 1) {
+      plan.items.push_back({s, 0, num_kv_heads, 0, 1});
+    } else {
+      for (int64_t r = 0; r < q_len; r += kRowsPerTile) {
+        const int64_t end = std::min(q_len, r + kRowsPerTile);
+        for (int64_t h = 0; h < num_kv_heads; ++h) plan.items.push_back({s, h, 1, r, end});
+      }
+    }
+    plan.work += 2 * q_len * b.num_heads * b.head_dim * b.keys_of(s);
+  }
+  if (lowest_id < 0 || highest_id >= b.num_blocks) refuse_bad_block_id(b);
+  split_long_rows(b, plan);
+  return plan;
+}
+
+// ---- Decode: one query row ----
 
 // Dot products of N fp32 query rows (d apart) with one key row; lane r of the result holds row r's.
 template <int N, typename T>
@@ -127,22 +366,6 @@ inline void accumulate_rows(float* y, const float* w, int64_t w_stride, const T*
   }
 }
 
-// Calls fn(std::integral_constant<int, C>) with C = head_dim / kWidth for the common head sizes (up to
-// 8 whole vectors: 128 with AVX-512), else with C = 0 (the general, runtime-sized path).
-template <typename F>
-inline void with_head_vectors(int64_t head_dim, const F& fn) {
-  if (head_dim % VecF::kWidth == 0) {
-    switch (head_dim / VecF::kWidth) {
-      case 1: return fn(std::integral_constant<int, 1>{});
-      case 2: return fn(std::integral_constant<int, 2>{});
-      case 4: return fn(std::integral_constant<int, 4>{});
-      case 8: return fn(std::integral_constant<int, 8>{});
-      default: break;
-    }
-  }
-  fn(std::integral_constant<int, 0>{});
-}
-
 // x[i] = exp(x[i] - max) in place; returns the sum.
 inline float exp_shifted_sum(float* x, int64_t count, float max_value) {
   VecF sum = VecF::zero();
@@ -155,67 +378,73 @@ inline float exp_shifted_sum(float* x, int64_t count, float max_value) {
   return reduce_add(sum);
 }
 
-// Key/value rows of one sequence and `heads` kv heads from the first, addressed through its block table.
-template <typename T>
-struct PagedRows {
-  const int32_t* table;
-  int64_t block_size, block_stride, slot_stride, head_stride, first_head, heads, head_dim;
+// One query row (a decode step's, or a prompt tile's when it holds one) against the item's kv heads, both
+// passes over its keys blockwise, every kv head's rows of a block in turn. Writes the row to out, or for a
+// part of a split row, its partial sums to `partial`.
+template <int C, typename TQ, typename TKV>
+void decode_row(const Batch<TQ, TKV>& b, const WorkItem& it, float* partial) {
+  const KeyRange range = key_range(b, it);
+  const int64_t lo = range.lo, hi = range.hi, span = hi - lo;
+  const int64_t d = b.head_dim, group = b.group, row = b.starts[it.seq] + it.row_begin;
+  // Score row i is query head first_head + i: the GQA groups of the item's kv heads, one after another.
+  const int64_t first_head = it.kv_head * group, heads = it.kv_heads * group;
 
-  const T* block_start(const T* cache, int64_t b) const {
-    return cache + static_cast<int64_t>(table[b]) * block_stride + first_head * head_stride;
+  thread_local std::vector<float> scores, query, acc, row_max, row_sum;
+  scores.resize(heads * span);
+  query.resize(heads * d);
+  acc.assign(heads * d, 0.f);
+  row_max.resize(heads);
+  row_sum.resize(heads);
+  for (int64_t i = 0; i < heads; ++i) {  // scaled queries kept in fp32
+    const TQ* src = b.q + row * b.q_row_stride + (first_head + i) * b.q_head_stride;
+    for (int64_t j = 0; j < d; ++j) query[i * d + j] = static_cast<float>(src[j]) * b.scale;
   }
+  const PagedRows<TKV> paged = b.paged(it.seq, it.kv_head, it.kv_heads);
 
-  // Asks for block b's rows of [lo, hi), every head's, to be brought into the cache ahead of use.
-  void prefetch(const T* cache, int64_t b, int64_t hi) const {
-    const int64_t first = b * block_size;
-    if (first >= hi) return;
-    const char* start = reinterpret_cast<const char*>(block_start(cache, b));
-    const int64_t rows = std::min(block_size, hi - first), bytes = head_dim * sizeof(T);
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t j = 0; j < rows; ++j)
-        for (int64_t off = 0; off < bytes; off += 64)
-          _mm_prefetch(start + (h * head_stride + j * slot_stride) * sizeof(T) + off, _MM_HINT_T1);
-  }
-
-  // fn(t0, t1, row_t0) for each block's share [t0, t1) of [lo, hi); token rows are slot_stride apart and
-  // row_t0 is the first head's (head h's rows start h * head_stride further).
-  // Blocks are scattered in memory, so the hardware cannot guess the next one: with Prefetch, each is
-  // prefetched kBlocksAhead blocks before its turn. (On AMD Zen 4 this, 2 or 4 blocks ahead, a few lines a
-  // block or none changed a 30-layer decode by under 5%: memory's rate for random runs is the limit there.
-  // A prefill tile, which does much more arithmetic a block, ran 3% faster without.)
-  template <bool Prefetch = true, typename F>
-  void for_each_block(const T* cache, int64_t lo, int64_t hi, const F& fn) const {
-    const int64_t first_block = lo / block_size;
-    if constexpr (Prefetch)
-      for (int64_t b = first_block; b < first_block + kBlocksAhead; ++b) prefetch(cache, b, hi);
-    for (int64_t b = first_block; b * block_size < hi; ++b) {
-      if constexpr (Prefetch) prefetch(cache, b + kBlocksAhead, hi);
-      const int64_t first = b * block_size, next = first + block_size;
-      const int64_t t0 = std::max(lo, first);
-      fn(t0, std::min(hi, next), block_start(cache, b) + (t0 - first) * slot_stride);
+  // Pass 1: scores of every head against every key of [lo, hi). Each block of keys is loaded once and
+  // scored against all its kv head's query heads, kRows at a time.
+  paged.for_each_block(b.k_cache, lo, hi, [&](int64_t t0, int64_t t1, const TKV* k_rows) {
+    for (int64_t hl = 0; hl < it.kv_heads; ++hl) {
+      for (int64_t m0 = hl * group; m0 < (hl + 1) * group; m0 += kRows) {
+        with_count<kRows>((hl + 1) * group - m0, [&](auto n) {
+          score_rows<n, C>(&scores[m0 * span + t0 - lo], span, &query[m0 * d], k_rows + hl * b.head_stride,
+                           b.slot_stride, t1 - t0, d);
+        });
+      }
     }
+  });
+  // Softmax: the row sees every key of [lo, hi).
+  for (int64_t i = 0; i < heads; ++i) {
+    float* s = &scores[i * span];
+    row_max[i] = *std::max_element(s, s + span);
+    row_sum[i] = exp_shifted_sum(s, span, row_max[i]);
   }
-};
+  // Pass 2: weighted sum of V rows, block by block, kRows accumulator rows at a time.
+  paged.for_each_block(b.v_cache, lo, hi, [&](int64_t t0, int64_t t1, const TKV* v_rows) {
+    for (int64_t hl = 0; hl < it.kv_heads; ++hl) {
+      for (int64_t m0 = hl * group; m0 < (hl + 1) * group; m0 += kRows) {
+        with_count<kRows>((hl + 1) * group - m0, [&](auto n) {
+          accumulate_rows<n, C>(&acc[m0 * d], &scores[m0 * span + t0 - lo], span, v_rows + hl * b.head_stride,
+                                b.slot_stride, t1 - t0, d);
+        });
+      }
+    }
+  });
 
-// The first key a query row sees, given the end of its keys (its position + 1) and the sliding window
-// (0: none).
-inline int64_t window_begin(int64_t key_end, int64_t window) {
-  return window > 0 ? std::max<int64_t>(0, key_end - window) : 0;
+  if (partial != nullptr) {
+    std::copy(row_max.begin(), row_max.begin() + heads, partial);
+    std::copy(row_sum.begin(), row_sum.begin() + heads, partial + b.num_heads);
+    std::copy(acc.begin(), acc.begin() + heads * d, partial + 2 * b.num_heads);
+    return;
+  }
+  for (int64_t i = 0; i < heads; ++i) {
+    TQ* dst = b.out + (row * b.num_heads + first_head + i) * d;
+    const VecF inv = VecF::set1(1.f / row_sum[i]);
+    for_each_chunk(d, [&](int64_t j, int n) { store(load(&acc[i * d + j], n) * inv, dst + j, n); });
+  }
 }
 
-// A prefill tile (prefill_tile below): many query rows of one sequence against one kv head. Its M query
-// rows (rows x GQA group; row m is query row m / group of the tile, head first_head + m % group) keep their
-// scores transposed, st[t * mp + m] for key t (mp: M rounded up to whole vectors), so that every
-// instruction works on a vector of rows: scores are a [keys x D] x [D x M] product, a key element broadcast against a vector of the
-// transposed queries (no horizontal sums); softmax runs down the columns; the weighted sum of V is an
-// [M x keys] x [keys x D] product, a key's weights for a few rows broadcast against its V row. Both
-// products keep their sums in registers, tiled like a GEMM.
-struct TileRows {
-  int64_t first_row;   // the tile's first query row in q and out
-  int64_t rows, group;  // query rows and heads a kv head serves
-  int64_t first_head;  // the first query head of the kv head
-  int64_t first_pos;   // row r sits at position first_pos + r and sees keys (pos - window, pos]
-};
+// ---- Prefill: a tile of many query rows ----
 
 constexpr int kScoreKeys = VecF::kWidth == 16 ? 8 : 4;  // the score micro-kernel: keys ...
 constexpr int kScoreVecs = 3;                           // ... by vectors of query rows
@@ -276,24 +505,35 @@ inline void weighted_sum(TQ* const* dst, const float* inv, const float* w, int64
       if (widths[g] > 0) store(acc[r][g] * VecF::set1(inv[r]), dst[r] + i0 + g * W, widths[g]);
 }
 
+// Many query rows of one sequence (up to kRowsPerTile) against one kv head. Its M query rows (rows x GQA
+// group; row m is query row m / group of the tile, head first_head + m % group) keep their scores
+// transposed, st[t * mp + m] for key t (mp: M rounded up to whole vectors), so that every instruction works
+// on a vector of rows: scores are a [keys x D] x [D x M] product, a key element broadcast against a vector
+// of the transposed queries (no horizontal sums); softmax runs down the columns; the weighted sum of V is
+// an [M x keys] x [keys x D] product, a key's weights for a few rows broadcast against its V row. Both
+// products keep their sums in registers, tiled like a GEMM.
 template <typename TQ, typename TKV>
-void prefill_tile(TQ* out, int64_t num_heads, const TQ* q, int64_t q_row_stride, int64_t q_head_stride, float scale,
-                  const TileRows& tile, const PagedRows<TKV>& paged, const TKV* k_cache, const TKV* v_cache,
-                  int64_t lo, int64_t hi, int64_t window) {
+void prefill_tile(const Batch<TQ, TKV>& b, const WorkItem& it) {
   constexpr int W = VecF::kWidth;
-  const int64_t d = paged.head_dim, m_count = tile.rows * tile.group, mp = (m_count + W - 1) / W * W;
-  const int64_t span = hi - lo;
+  const KeyRange range = key_range(b, it);
+  const int64_t lo = range.lo, hi = range.hi, span = hi - lo;
+  const int64_t d = b.head_dim, group = b.group, m_count = it.rows() * group, mp = (m_count + W - 1) / W * W;
+  const int64_t first_row = b.starts[it.seq] + it.row_begin, first_head = it.kv_head * group;
+  const int64_t first_pos = b.first_pos(it.seq) + it.row_begin;  // the position of the tile's first row
+  const float scale = static_cast<float>(b.scale);
+  const PagedRows<TKV> paged = b.paged(it.seq, it.kv_head, 1);
+
   thread_local std::vector<float> qt, st, keys, sums;
   qt.assign(d * mp, 0.f);  // the scaled queries, transposed: qt[i * mp + m]
   st.resize(span * mp);
   sums.resize(mp);
   for (int64_t m = 0; m < m_count; ++m) {
-    const int64_t row = tile.first_row + m / tile.group, head = tile.first_head + m % tile.group;
-    const TQ* src = q + row * q_row_stride + head * q_head_stride;
+    const int64_t row = first_row + m / group, head = first_head + m % group;
+    const TQ* src = b.q + row * b.q_row_stride + head * b.q_head_stride;
     for (int64_t i = 0; i < d; ++i) qt[i * mp + m] = static_cast<float>(src[i]) * scale;
   }
   // Pass 1: scores, kScoreKeys keys by kScoreVecs vectors of rows at a time; a bf16 block is widened first.
-  paged.template for_each_block<false>(k_cache, lo, hi, [&](int64_t t0, int64_t t1, const TKV* k_rows) {
+  paged.template for_each_block<false>(b.k_cache, lo, hi, [&](int64_t t0, int64_t t1, const TKV* k_rows) {
     const float* k = nullptr;
     int64_t k_stride = d;
     if constexpr (std::is_same_v<TKV, float>) {
@@ -321,8 +561,8 @@ void prefill_tile(TQ* out, int64_t num_heads, const TQ* q, int64_t q_row_stride,
   for (int64_t v = 0; v < mp; v += W) {
     alignas(64) float begin[W], end[W];
     for (int l = 0; l < W; ++l) {
-      const int64_t m = v + l, key_end = tile.first_pos + m / tile.group + 1;
-      const int64_t key_begin = window_begin(key_end, window);
+      const int64_t m = v + l, key_end = first_pos + m / group + 1;
+      const int64_t key_begin = window_begin(key_end, b.window);
       begin[l] = m < m_count ? static_cast<float>(std::max(key_begin, lo) - lo) : 0.f;
       end[l] = m < m_count ? static_cast<float>(std::min(key_end, hi) - lo) : 0.f;
     }
@@ -347,223 +587,76 @@ void prefill_tile(TQ* out, int64_t num_heads, const TQ* q, int64_t q_row_stride,
       float inv[n];
       for (int r = 0; r < n; ++r) {
         const int64_t m = m0 + r;
-        dst[r] = out + ((tile.first_row + m / tile.group) * num_heads + tile.first_head + m % tile.group) * d;
+        dst[r] = b.out + ((first_row + m / group) * b.num_heads + first_head + m % group) * d;
         inv[r] = 1.f / sums[m];
       }
       for (int64_t i0 = 0; i0 < d; i0 += kSumVecs * W)
-        weighted_sum<n>(dst, inv, &st[m0], mp, paged, v_cache, lo, hi, i0);
+        weighted_sum<n>(dst, inv, &st[m0], mp, paged, b.v_cache, lo, hi, i0);
     });
   }
 }
 
-// Below this many multiply-adds in all, a call runs on the calling thread: one sequence's decode
-// attention over a few hundred tokens takes less time than waking the pool's passive threads.
-constexpr int64_t kInlineWork = 1 << 19;
+// ---- Combine: the parts of split rows ----
 
-// Runs fn(i) for i in [0, n) on the intra-op thread pool (inline when `work` is small), handing out items
-// one at a time so that sequences of very different lengths still balance across threads.
-template <typename F>
-void parallel_dynamic(int64_t n, int64_t work, const F& fn) {
-  std::atomic<int64_t> next{0};
-  const int64_t tasks = work < kInlineWork ? 1 : std::min<int64_t>(n, at::get_num_threads());
-  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
-    for (int64_t i = next++; i < n; i = next++) fn(i);
-  });
-}
-
-// A decode row's keys are split into parts of at least this many (key, kv head) pairs when its item alone
-// would keep a thread busy for long (one request: a 4,000-token context on 2 threads).
-constexpr int64_t kMinPartKeys = 256;
-
-struct WorkItem {
-  int64_t seq, kv_head, kv_heads, row_begin, row_end;  // rows relative to the sequence's first query row
-  int64_t part = 0, parts = 1;                         // this item's share of a single row's keys
-};
-
-// C: the head dimension in whole SIMD vectors when the micro-kernels specialise on it, else 0.
-template <int C, typename TQ, typename TKV>
-void attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-                      const at::Tensor& v_cache, const at::Tensor& block_tables,
-                      const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale,
-                      int64_t window) {
-  const int64_t num_seqs = context_lens.size(0);
-  const int64_t num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t q_row_stride = q.stride(0), q_head_stride = q.stride(1);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_tables.size(1);
-  // The caches are [num_blocks, block_size, Hkv, D] views; their memory may be slot-major or head-major.
-  const int64_t block_stride = k_cache.stride(0), slot_stride = k_cache.stride(1), head_stride = k_cache.stride(2);
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
-  const int32_t* lens = context_lens.data_ptr<int32_t>();
-  const TQ* q_ptr = q.data_ptr<TQ>();
-  const TKV* k_ptr = k_cache.data_ptr<TKV>();
-  const TKV* v_ptr = v_cache.data_ptr<TKV>();
-  TQ* out_ptr = out.data_ptr<TQ>();
-
-  // Keys a query row of sequence s reads at most: its context, or its window of it.
-  auto keys_of = [&](int64_t s) { return window > 0 ? std::min<int64_t>(window, lens[s]) : lens[s]; };
-  std::vector<WorkItem> items;
-  int64_t work = 0;  // multiply-adds (an upper bound for prefill rows, which see fewer keys)
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t q_len = starts[s + 1] - starts[s];
-    TORCH_CHECK(q_len <= lens[s], "sequence ", s, " has ", q_len, " query rows but context length ",
-                lens[s]);
-    const int64_t needed_blocks = (lens[s] + block_size - 1) / block_size;
-    TORCH_CHECK(needed_blocks <= max_blocks, "context length ", lens[s], " of sequence ", s,
-                " needs more blocks than block_tables has columns (", max_blocks, ")");
-    for (int64_t b = 0; b < needed_blocks; ++b) {
-      const int32_t id = tables[s * max_blocks + b];
-      TORCH_CHECK(id >= 0 && id < k_cache.size(0), "block id ", id, " of sequence ", s, " is out of range");
-    }
-    if (q_len == 1) {
-      items.push_back({s, 0, num_kv_heads, 0, 1});
-    } else {
-      for (int64_t r = 0; r < q_len; r += kRowsPerTile) {
-        const int64_t end = std::min(q_len, r + kRowsPerTile);
-        for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({s, h, 1, r, end});
-      }
-    }
-    work += 2 * q_len * num_heads * head_dim * keys_of(s);
-  }
-  // A decode item holding much more than its share of the keys (1 / (2 x threads) of them all) would keep
-  // one thread busy while the others wait: its keys are split into parts, combined after.
-  const int64_t threads = at::get_num_threads();
-  bool any_split = false;
-  if (threads > 1 && work >= kInlineWork) {
-    int64_t all_pairs = 0;  // (key, kv head) pairs read for each query row, over all items
-    for (const WorkItem& it : items) all_pairs += keys_of(it.seq) * it.kv_heads * (it.row_end - it.row_begin);
-    const int64_t share = std::max<int64_t>(1, all_pairs / (2 * threads));
-    std::vector<WorkItem> split;
-    for (const WorkItem& it : items) {
-      const int64_t keys = keys_of(it.seq), pairs = keys * it.kv_heads;
-      // At least kMinPartKeys pairs and 16 keys a part: never an empty part.
-      const int64_t most = std::min({(pairs + share - 1) / share, pairs / kMinPartKeys, keys / 16});
-      const int64_t parts = it.row_end - it.row_begin == 1 ? std::clamp<int64_t>(most, 1, 2 * threads) : 1;
-      for (int64_t part = 0; part < parts; ++part) split.push_back({it.seq, it.kv_head, it.kv_heads, it.row_begin, it.row_end, part, parts});
-      any_split = any_split || parts > 1;
-    }
-    items.swap(split);
-  }
-  // What each part of a split row leaves for the combine step, per query head: the max score, the sum
-  // of exp(score - max) and the unnormalised sum of V rows weighted by exp(score - max).
-  const int64_t partial_size = num_heads * (head_dim + 2);
-  std::vector<float> partials(any_split ? items.size() * partial_size : 0);
-
-  parallel_dynamic(static_cast<int64_t>(items.size()), work, [&](int64_t idx) {
-    const WorkItem& it = items[idx];
-    const int64_t context_len = lens[it.seq];
-    const int64_t first_row = starts[it.seq];
-    const int64_t q_len = starts[it.seq + 1] - first_row;
-    const int32_t* table = tables + it.seq * max_blocks;
-    const int64_t rows = it.row_end - it.row_begin, m_count = rows * group;
-    // Row r sits at absolute position context_len - q_len + r and sees keys (pos - window, pos].
-    auto key_end = [&](int64_t r) { return context_len - q_len + r + 1; };
-    auto key_begin = [&](int64_t r) { return window_begin(key_end(r), window); };
-    int64_t lo = key_begin(it.row_begin), hi = key_end(it.row_end - 1);
-    if (it.parts > 1) {  // a single row: its part of [lo, hi)
-      const int64_t share = (hi - lo + it.parts - 1) / it.parts;
-      lo = std::min(hi, lo + it.part * share);
-      hi = std::min(hi, lo + share);
-    }
-    const int64_t span = hi - lo;
-    if (rows > 1) {
-      const PagedRows<TKV> paged{table, block_size, block_stride, slot_stride, head_stride, it.kv_head, 1, head_dim};
-      const TileRows tile{first_row + it.row_begin, rows, group, it.kv_head * group, context_len - q_len + it.row_begin};
-      prefill_tile(out_ptr, num_heads, q_ptr, q_row_stride, q_head_stride, static_cast<float>(scale), tile, paged, k_ptr,
-                   v_ptr, lo, hi, window);
-      return;
-    }
-
-    // Score rows: i = hl * m_count + r * group + g is query row r, head (kv_head + hl) * group + g, so the
-    // rows of one kv head are consecutive and each head's index inside the GQA group is i % group.
-    const int64_t total_rows = it.kv_heads * m_count;
-    auto head_of = [&](int64_t i) { return (it.kv_head + i / m_count) * group + i % group; };
-    auto row_of = [&](int64_t i) { return it.row_begin + (i % m_count) / group; };
-
-    thread_local std::vector<float> scores, query, acc, row_max, row_sum;
-    scores.resize(total_rows * span);
-    query.resize(total_rows * head_dim);
-    acc.assign(total_rows * head_dim, 0.f);
-    row_max.resize(total_rows);
-    row_sum.resize(total_rows);
-    for (int64_t i = 0; i < total_rows; ++i) {  // scaled queries kept in fp32
-      const TQ* src = q_ptr + (first_row + row_of(i)) * q_row_stride + head_of(i) * q_head_stride;
-      for (int64_t j = 0; j < head_dim; ++j) query[i * head_dim + j] = static_cast<float>(src[j]) * scale;
-    }
-    const PagedRows<TKV> paged{table, block_size, block_stride, slot_stride, head_stride, it.kv_head, it.kv_heads,
-                               head_dim};
-
-    // Pass 1: scores of every (row, head) against every key of the tile's range. Each block of keys is
-    // loaded once and scored against all its head's rows, kRows rows at a time.
-    paged.for_each_block(k_ptr, lo, hi, [&](int64_t t0, int64_t t1, const TKV* k_rows) {
-      for (int64_t hl = 0; hl < it.kv_heads; ++hl) {
-        for (int64_t m0 = hl * m_count; m0 < (hl + 1) * m_count; m0 += kRows) {
-          with_count<kRows>((hl + 1) * m_count - m0, [&](auto n) {
-            score_rows<n, C>(&scores[m0 * span + t0 - lo], span, &query[m0 * head_dim], k_rows + hl * head_stride,
-                             slot_stride, t1 - t0, head_dim);
-          });
-        }
-      }
-    });
-    // Softmax over each row's own visible range; invisible keys get weight 0.
-    for (int64_t i = 0; i < total_rows; ++i) {
-      float* row = &scores[i * span];
-      const int64_t a = std::max(key_begin(row_of(i)), lo) - lo;
-      const int64_t b = std::min(key_end(row_of(i)), hi) - lo;
-      row_max[i] = *std::max_element(row + a, row + b);
-      row_sum[i] = exp_shifted_sum(row + a, b - a, row_max[i]);
-      std::fill(row, row + a, 0.f);
-      std::fill(row + b, row + span, 0.f);
-    }
-    // Pass 2: weighted sum of V rows, block by block, kRows accumulator rows at a time.
-    paged.for_each_block(v_ptr, lo, hi, [&](int64_t t0, int64_t t1, const TKV* v_rows) {
-      for (int64_t hl = 0; hl < it.kv_heads; ++hl) {
-        for (int64_t m0 = hl * m_count; m0 < (hl + 1) * m_count; m0 += kRows) {
-          with_count<kRows>((hl + 1) * m_count - m0, [&](auto n) {
-            accumulate_rows<n, C>(&acc[m0 * head_dim], &scores[m0 * span + t0 - lo], span, v_rows + hl * head_stride,
-                                  slot_stride, t1 - t0, head_dim);
-          });
-        }
-      }
-    });
-    if (it.parts > 1) {  // one query row: total_rows heads, at most num_heads
-      float* partial = partials.data() + idx * partial_size;
-      std::copy(row_max.begin(), row_max.begin() + total_rows, partial);
-      std::copy(row_sum.begin(), row_sum.begin() + total_rows, partial + num_heads);
-      std::copy(acc.begin(), acc.begin() + total_rows * head_dim, partial + 2 * num_heads);
-      return;
-    }
-    for (int64_t i = 0; i < total_rows; ++i) {
-      TQ* dst = out_ptr + ((first_row + row_of(i)) * num_heads + head_of(i)) * head_dim;
-      const VecF inv = VecF::set1(1.f / row_sum[i]);
-      for_each_chunk(head_dim, [&](int64_t j, int n) { store(load(&acc[i * head_dim + j], n) * inv, dst + j, n); });
-    }
-  });
-
-  // Combine the parts of each split row: rescale every part's sums to the row's overall max.
-  if (partials.empty()) return;
-  std::vector<float> total(head_dim);
+// Each split row's parts merged: every part's sums rescaled to the row's overall max.
+template <typename TQ, typename TKV>
+void combine_parts(const Batch<TQ, TKV>& b, const std::vector<WorkItem>& items, const std::vector<float>& partials) {
+  const int64_t d = b.head_dim, size = partial_size(b);
+  std::vector<float> total(d);
   for (size_t first = 0; first < items.size(); first += items[first].parts) {
     const WorkItem& it = items[first];
     if (it.parts == 1) continue;
-    const float* part0 = partials.data() + first * partial_size;
-    for (int64_t m = 0; m < it.kv_heads * group; ++m) {
+    const float* part0 = partials.data() + first * size;
+    for (int64_t m = 0; m < it.kv_heads * b.group; ++m) {
       float max_score = -std::numeric_limits<float>::infinity();
-      for (int64_t p = 0; p < it.parts; ++p) max_score = std::max(max_score, part0[p * partial_size + m]);
+      for (int64_t p = 0; p < it.parts; ++p) max_score = std::max(max_score, part0[p * size + m]);
       std::fill(total.begin(), total.end(), 0.f);
       float sum = 0.f;
       for (int64_t p = 0; p < it.parts; ++p) {
-        const float* part = part0 + p * partial_size;
+        const float* part = part0 + p * size;
         const float w = std::exp(part[m] - max_score);
-        sum += w * part[num_heads + m];
-        for (int64_t i = 0; i < head_dim; ++i) total[i] += w * part[2 * num_heads + m * head_dim + i];
+        sum += w * part[b.num_heads + m];
+        for (int64_t i = 0; i < d; ++i) total[i] += w * part[2 * b.num_heads + m * d + i];
       }
-      TQ* dst = out_ptr + ((starts[it.seq] + it.row_begin) * num_heads + it.kv_head * group + m) * head_dim;
-      for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<TQ>(total[i] / sum);
+      TQ* dst = b.out + ((b.starts[it.seq] + it.row_begin) * b.num_heads + it.kv_head * b.group + m) * d;
+      for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<TQ>(total[i] / sum);
     }
   }
+}
+
+// ---- The kernel: plan, run the items, combine ----
+
+// Calls fn(std::integral_constant<int, C>) with C = head_dim / kWidth for the common head sizes (up to
+// 8 whole vectors: 128 with AVX-512), else with C = 0 (the general, runtime-sized path).
+template <typename F>
+inline void with_head_vectors(int64_t head_dim, const F& fn) {
+  if (head_dim % VecF::kWidth == 0) {
+    switch (head_dim / VecF::kWidth) {
+      case 1: return fn(std::integral_constant<int, 1>{});
+      case 2: return fn(std::integral_constant<int, 2>{});
+      case 4: return fn(std::integral_constant<int, 4>{});
+      case 8: return fn(std::integral_constant<int, 8>{});
+      default: break;
+    }
+  }
+  fn(std::integral_constant<int, 0>{});
+}
+
+// C: the head dimension in whole SIMD vectors when the micro-kernels specialise on it, else 0.
+template <int C, typename TQ, typename TKV>
+void attention_kernel(const Batch<TQ, TKV>& b) {
+  const Plan plan = plan_items(b);
+  const int64_t size = partial_size(b);
+  std::vector<float> partials(plan.split ? plan.items.size() * size : 0);
+  parallel_dynamic(static_cast<int64_t>(plan.items.size()), plan.work, [&](int64_t idx) {
+    const WorkItem& it = plan.items[idx];
+    if (it.rows() > 1) {
+      prefill_tile(b, it);
+    } else {
+      decode_row<C>(b, it, it.parts > 1 ? partials.data() + idx * size : nullptr);
+    }
+  });
+  if (plan.split) combine_parts(b, plan.items, partials);
 }
 
 void check_int32_cpu(const at::Tensor& t, const char* name) {
@@ -596,10 +689,9 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   auto run = [&](auto q_tag, auto kv_tag) {
     using TQ = decltype(q_tag);
     using TKV = decltype(kv_tag);
-    with_head_vectors(q.size(2), [&](auto c) {
-      attention_kernel<c, TQ, TKV>(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
-                                   window);
-    });
+    const Batch<TQ, TKV> batch =
+        batch_of<TQ, TKV>(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window);
+    with_head_vectors(q.size(2), [&](auto c) { attention_kernel<c>(batch); });
   };
   if (q_type == at::kFloat && kv_type == at::kFloat) {
     run(float{}, float{});
