@@ -3,16 +3,14 @@
 OpenMP settings for torch's CPU threads are applied when pagedllm is imported (before torch, if possible).
 
 OpenMP threads that spin while waiting between parallel regions collapse as soon as anything else
-shares the cores (a busy 2-core machine ran `pagedllm generate` in 16.5 s with spinning threads and
-7.5 s with passive ones), so pagedllm makes them wait passively unless the user chose otherwise. Yet a
-thread that sleeps at once must be woken for each of a decode step's ~150 parallel regions (the
-matmuls and attention of every layer), 50 us each: one request on the GGUF blocks decoded 53 tok/s that
-way and 89 tok/s when the threads spin 10,000 rounds (libgomp's GOMP_SPINCOUNT, tens of microseconds)
-before sleeping, the gap between two ops of a step. With both cores busy with other work that short
-spin cost nothing against sleeping at once (6.5 s vs 6.8-7.1 s for `pagedllm generate`; libgomp's
-default 300,000 rounds took 12 s once), so it is the default too. The thread count defaults to the
-CPUs this process may run on (its affinity mask, capped by a cgroup CPU quota), where torch would count
-every CPU of the machine.
+shares the cores, so pagedllm makes them wait passively unless the user chose otherwise. Yet a thread
+that sleeps at once must be woken for each of a decode step's parallel regions (the matmuls and
+attention of every layer), so they first spin a short while (libgomp's GOMP_SPINCOUNT of 10,000 rounds,
+tens of microseconds: the gap between two ops of a step) before sleeping; with the cores busy with other
+work that short spin costs no more than sleeping at once, while libgomp's default spin is far longer.
+The measurements behind each choice: docs/JOURNAL.md, "One user" (OpenMP wake-ups). The thread count
+defaults to the CPUs this process may run on (its affinity mask, capped by a cgroup CPU quota), where
+torch would count every CPU of the machine.
 """
 
 from __future__ import annotations
@@ -62,8 +60,8 @@ def release_openmp_threads() -> bool:
     """Free the OpenMP threads the calling thread has started (OpenMP 5's omp_pause_resource_all), before
     another thread takes over the parallel work, as the server's engine thread does from the thread that
     loaded the model. libgomp counts idle pools' threads against the CPUs, and with more of its threads
-    than CPUs every thread spins at most 100 rounds, not GOMP_SPINCOUNT, before it sleeps: a batch-16
-    decode step run from a second thread took 38-40 ms that way and 32 ms after this call. Returns whether
+    than CPUs every thread spins at most 100 rounds, not GOMP_SPINCOUNT, before it sleeps, and a step run
+    from the second thread pays a wake-up per parallel region (docs/JOURNAL.md, Serving). Returns whether
     a loaded libgomp did it (a runtime loaded later starts its threads afresh anyway)."""
     try:
         gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
@@ -102,7 +100,7 @@ def keep_large_allocations() -> bool:
 
     By default glibc hands every allocation above 32 MiB to mmap and unmaps it when freed, so each
     prefill step's large activations (a 100 MB MLP intermediate at 8192 tokens) are page-faulted in
-    afresh: act_and_mul over 8389 x 3072 floats took 17.5 ms that way and 5.5 ms with the memory reused.
+    afresh in every layer instead of reused (commit 38f61b1 measured the cost).
     Called when an engine starts on the CPU; returns whether glibc accepted the settings.
     """
     try:
