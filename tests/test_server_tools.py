@@ -154,14 +154,16 @@ def test_the_template_gets_the_tools_the_calls_and_the_results_as_transformers_g
 )
 def test_streamed_calls_reassemble_to_the_whole_response(client, tool_choice, parallel):
     """Greedy, so both runs write the same text: the chunks' content and call deltas add up to the whole
-    response's message; each call's first delta has its id, type and name, the next ones arguments."""
-    request = dict(tool_choice=tool_choice, parallel_tool_calls=parallel)
+    response's message; each call's first delta has its id, type and name, the next ones arguments;
+    the chunks that carry text or calls carry every token's logprob between them."""
+    request = dict(tool_choice=tool_choice, parallel_tool_calls=parallel, logprobs=True)
     whole = chat(client, **request).choices[0]
     chunks = list(chat(client, stream=True, **request))
-    content, calls, finish = "", {}, None
+    content, calls, finish, logprobs = "", {}, None, []
     for chunk in chunks:
         (choice,) = chunk.choices
         content += choice.delta.content or ""
+        logprobs += choice.logprobs.content if choice.logprobs else []
         for delta in choice.delta.tool_calls or []:
             if delta.index not in calls:
                 assert delta.id.startswith("call_") and delta.type == "function" and delta.function.name
@@ -173,6 +175,7 @@ def test_streamed_calls_reassemble_to_the_whole_response(client, tool_choice, pa
     made = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
     assert (content, [tuple(calls[i]) for i in sorted(calls)]) == (whole.message.content or "", made)
     assert finish == whole.finish_reason
+    assert [(t.token, t.logprob) for t in logprobs] == [(t.token, t.logprob) for t in whole.logprobs.content]
     if tool_choice == "auto":
         assert whole.message.content and not made  # random weights: text, no <tool_call>
         return
