@@ -72,7 +72,9 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
             continue
         name = ".".join(loc)
         params.append(name or None)
-        if not name:
+        if not name and e["type"] == "value_error":  # a rule across fields (model_validator)
+            parts.append(e["msg"].removeprefix("Value error, "))
+        elif not name:
             got = type(e.get("input")).__name__ if e.get("input") is not None else "nothing"
             parts.append(f"request body must be a JSON object (Content-Type: application/json), got {got}")
         elif e["type"] == "extra_forbidden":
@@ -80,7 +82,7 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
         elif e["type"] == "missing":
             parts.append(f"{name}: required")
         else:
-            parts.append(f"{name}: {e['msg']} (got {_short(e.get('input'))})")
+            parts.append(f"{name}: {e['msg'].removeprefix('Value error, ')} (got {_short(e.get('input'))})")
     return "; ".join(parts), params[0] if params else None
 
 

@@ -1,7 +1,8 @@
 """What a server left running needs at its door: an API key, body and concurrency limits, draining.
 
 `LimitsMiddleware` wraps the app (plain ASGI, so streaming responses pass through untouched) and
-guards every `/v1/*` route; `/health`, `/metrics` and the OpenAPI schema stay open, as in vLLM.
+guards every `/v1/*` route and vLLM's `/tokenize` and `/detokenize` (which vLLM leaves open: they read
+a request body too); `/health`, `/version`, `/metrics` and the OpenAPI schema stay open, as in vLLM.
 Each refusal is an OpenAI-style error naming the limit and the option that sets it.
 """
 
@@ -13,6 +14,8 @@ import os
 from dataclasses import dataclass
 
 from pagedllm.entrypoints.openai.errors import APIError, error_body
+
+GUARDED = ("/v1", "/tokenize", "/detokenize")  # the routes behind the door (path prefixes)
 
 
 @dataclass
@@ -53,7 +56,7 @@ class Admission:
 
 
 class LimitsMiddleware:
-    """API key, body size, concurrent requests and shutdown draining for the /v1 routes."""
+    """API key, body size, concurrent requests and shutdown draining for the GUARDED routes."""
 
     def __init__(self, app, limits: ServerLimits, admission: Admission):
         self.app = app
@@ -61,7 +64,7 @@ class LimitsMiddleware:
         self.admission = admission
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+        if scope["type"] != "http" or not scope["path"].startswith(GUARDED):
             await self.app(scope, receive, send)
             return
         limits, admission = self.limits, self.admission

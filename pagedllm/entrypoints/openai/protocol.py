@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 
 def random_id(prefix: str) -> str:
@@ -94,6 +94,44 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
 
 
+class FunctionDefinition(RequestModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments; unset: no arguments
+    strict: bool | None = None  # honoured where the call is guided (tool_choice required or named)
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+TOOL_CHOICES = ("none", "auto", "required")
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(RequestModel):
+    """A call the model made: in a response, and in the assistant messages a client sends back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class TextPart(RequestModel):
     type: Literal["text"]
     text: str
@@ -102,6 +140,8 @@ class TextPart(RequestModel):
 class ChatMessage(RequestModel):
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -121,6 +161,62 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: Annotated[Int, Field(ge=0)] | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # unset: "auto" with tools, "none" without (OpenAI's)
+    parallel_tool_calls: bool = True
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _one_tool_choice(cls, choice):
+        """One error naming what tool_choice may be, not one per member of the union."""
+        if isinstance(choice, dict):
+            return NamedToolChoice.model_validate(choice)
+        if choice is not None and not (isinstance(choice, str) and choice in TOOL_CHOICES):
+            raise ValueError(
+                'must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}'
+            )
+        return choice
+
+
+class TokenizeRequest(RequestModel):
+    """vLLM's POST /tokenize body: a `prompt` (TokenizeCompletionRequest) or `messages` through the chat
+    template (TokenizeChatRequest), one model here so that a mistake is named by its field."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # unset: true for a prompt, false for messages (vLLM's)
+    add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt or messages")
+        if self.prompt is not None and self.tools is not None:
+            raise ValueError("tools go with messages, not with a prompt")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[Annotated[Int, Field(ge=0)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class CompletionLogprobs(BaseModel):
@@ -163,7 +259,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: the turn is tool calls only
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -183,9 +280,33 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nones(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call: its first delta has id, type and name; the next ones add to its arguments, as
+    OpenAI streams them (the absent keys are left out, not sent as null)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _without_nones(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -210,6 +331,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedllm"
+    root: str  # the model it was loaded from (a built-in name or a path), as vLLM's
+    parent: str | None = None
     max_model_len: int
 
 

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
+from pagedllm import __version__
 from pagedllm._runtime import usable_cpus
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
@@ -26,6 +27,7 @@ from pagedllm.entrypoints.openai.limits import Admission, LimitsMiddleware, Serv
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +63,10 @@ def build_app(
             engine_kwargs["max_num_batched_tokens"] = server_cpu_batched_tokens()
     engine = AsyncEngine(LLMEngine(EngineConfig(model=model, **engine_kwargs)))
     limits = limits or ServerLimits()
-    serving_models = OpenAIServingModels(served_model_name or model, engine.engine.max_model_len)
+    serving_models = OpenAIServingModels(served_model_name or model, engine.engine.max_model_len, model)
     completion = OpenAIServingCompletion(engine, serving_models, limits)
     chat = OpenAIServingChat(engine, serving_models, limits)
+    tokenization = OpenAIServingTokenization(engine, serving_models, limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -98,9 +101,21 @@ def build_app(
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    @app.get("/version")
+    async def version() -> p.VersionResponse:
+        return p.VersionResponse(version=__version__)
+
     @app.get("/v1/models")
     async def models() -> p.ModelList:
         return serving_models.show_available_models()
+
+    @app.post("/tokenize")
+    async def tokenize(request: p.TokenizeRequest) -> p.TokenizeResponse:
+        return await tokenization.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        return await tokenization.detokenize(request)
 
     @app.post("/v1/completions")
     async def completions(request: p.CompletionRequest, raw_request: Request):

@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: a conversation through the model's chat template, whole or streamed."""
+"""POST /v1/chat/completions: a conversation through the model's chat template, whole or streamed, with
+the tools it may call (tools.py) and its calls parsed out of the output (tool_parser.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.logprobs import chat_logprobs
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, Outputs, close_all, remember, usage
 from pagedllm.entrypoints.openai.streams import deltas, merge, sse
-from pagedllm.outputs import RequestOutput
+from pagedllm.entrypoints.openai.tool_parser import ParsedDelta, ToolParser
+from pagedllm.entrypoints.openai.tools import ToolPlan, plan_tools, template_messages
+from pagedllm.outputs import CompletionOutput, RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -26,13 +29,17 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.limits.check_logprobs("top_logprobs", request.top_logprobs)
         num_top = (request.top_logprobs or 0) if request.logprobs else None
-        guided = await self.guided_params(request)
-        messages = [m.model_dump() for m in request.messages]
+        plan = plan_tools(request, getattr(self.engine.engine.tokenizer, "chat_template", None))
+        if plan.guided is not None:
+            guided = await self.compiled(plan.guided, "tools")
+        else:
+            guided = await self.guided_params(request)
+        messages = template_messages(request.messages)
         response_id = p.random_id("chatcmpl")
         streams = await self.add_requests(
             response_id,
             1,
-            lambda engine: [chat_prompt(engine, messages, request.add_generation_prompt)],
+            lambda engine: [chat_prompt(engine, messages, request.add_generation_prompt, plan.tools)],
             request,
             request.max_completion_tokens or request.max_tokens,
             num_top,
@@ -40,26 +47,36 @@ class OpenAIServingChat(OpenAIServing):
         )
         outputs = merge(streams)
         if request.stream:
-            return sse(self._chunks(request, response_id, outputs, streams, num_top))
+            return sse(self._chunks(request, response_id, outputs, streams, num_top, plan))
         (final,) = await self.finals(outputs, streams, 1, raw_request)
-        return self._response(response_id, final, num_top)
+        return self._response(response_id, final, num_top, plan)
 
     def _response(
-        self, response_id: str, final: RequestOutput, num_top: int | None
+        self, response_id: str, final: RequestOutput, num_top: int | None, plan: ToolPlan
     ) -> p.ChatCompletionResponse:
         tokenizer = self.engine.engine.tokenizer
-        choices = [
-            p.ChatChoice(
-                index=o.index,
-                message=p.AssistantMessage(content=o.text),
-                logprobs=None
-                if num_top is None
-                else chat_logprobs(tokenizer, o.token_ids, o.logprobs, num_top),
-                finish_reason=o.finish_reason,
-                stop_reason=o.stop_reason,
+        choices = []
+        for o in final.outputs:
+            parser = plan.new_parser()
+            content, calls = (o.text, []) if parser is None else parser.parse(o.text)
+            message = p.AssistantMessage(
+                content=None if calls and not content else content,
+                tool_calls=[
+                    p.ToolCall(id=c.id, function=p.FunctionCall(name=c.name, arguments=c.arguments))
+                    for c in calls
+                ],
             )
-            for o in final.outputs
-        ]
+            choices.append(
+                p.ChatChoice(
+                    index=o.index,
+                    message=message,
+                    logprobs=None
+                    if num_top is None
+                    else chat_logprobs(tokenizer, o.token_ids, o.logprobs, num_top),
+                    finish_reason=_finish_reason(o, parser),
+                    stop_reason=o.stop_reason,
+                )
+            )
         return p.ChatCompletionResponse(
             id=response_id, model=self.models.model_name, choices=choices, usage=usage([final])
         )
@@ -71,22 +88,41 @@ class OpenAIServingChat(OpenAIServing):
         outputs: Outputs,
         streams: list[RequestStream],
         num_top: int | None,
+        plan: ToolPlan,
     ) -> AsyncIterator[p.ChatCompletionChunk]:
+        """One chunk per choice that advanced. With tools, a delta that only fed the parser (text held
+        back at a possible `<tool_call>`, a call's name not yet complete) sends nothing; its tokens'
+        logprobs go with the next chunk."""
         tokenizer, model = self.engine.engine.tokenizer, self.models.model_name
         last: dict[int, RequestOutput] = {}
+        parsers: dict[int, ToolParser | None] = {}
+        tokens_sent: dict[int, int] = {}
         try:
             async for d in deltas(remember(outputs, last), request.n, request.stop):
+                if d.index not in parsers:
+                    parsers[d.index] = plan.new_parser()
+                parser = parsers[d.index]
+                finish_reason = d.output.finish_reason
+                delta = p.DeltaMessage(role="assistant" if d.first else None, content=d.text)
+                if parser is not None:
+                    parsed = parser.feed(d.text)
+                    if finish_reason:
+                        parsed.add(parser.close())
+                    delta.content, delta.tool_calls = _tool_delta(parsed)
+                    if not (d.first or finish_reason or parsed.content or parsed.calls):
+                        continue
                 logprobs = None
                 if num_top is not None:
-                    new = slice(d.token_start, None)
+                    new = slice(tokens_sent.get(d.index, 0), None)
                     logprobs = chat_logprobs(
                         tokenizer, d.output.token_ids[new], d.output.logprobs[new], num_top
                     )
+                tokens_sent[d.index] = len(d.output.token_ids)
                 choice = p.ChatChunkChoice(
                     index=d.index,
-                    delta=p.DeltaMessage(role="assistant" if d.first else None, content=d.text),
+                    delta=delta,
                     logprobs=logprobs,
-                    finish_reason=d.output.finish_reason,
+                    finish_reason=_finish_reason(d.output, parser) if finish_reason else None,
                     stop_reason=d.output.stop_reason,
                 )
                 yield p.ChatCompletionChunk(id=response_id, model=model, choices=[choice])
@@ -97,20 +133,49 @@ class OpenAIServingChat(OpenAIServing):
             await close_all(outputs, streams)
 
 
-def chat_prompt(engine: LLMEngine, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+def _tool_delta(parsed: ParsedDelta) -> tuple[str | None, list[p.DeltaToolCall] | None]:
+    """A parsed delta as the chunk's content and tool_calls (content null beside a call, as OpenAI's)."""
+    if not parsed.calls:
+        return parsed.content, None
+    calls = [
+        p.DeltaToolCall(
+            index=c.index,
+            id=c.id,
+            type=None if c.id is None else "function",
+            function=p.DeltaFunctionCall(name=c.name, arguments=c.arguments),
+        )
+        for c in parsed.calls
+    ]
+    return parsed.content or None, calls
+
+
+def _finish_reason(output: CompletionOutput, parser: ToolParser | None) -> str | None:
+    """ "tool_calls" where the model stopped by itself after calling tools (OpenAI's, vLLM's)."""
+    if parser is not None and parser.called and output.finish_reason == "stop":
+        return "tool_calls"
+    return output.finish_reason
+
+
+def chat_prompt(
+    engine: LLMEngine, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+) -> list[int]:
     """The conversation's token ids through the tokenizer's chat template (runs on the engine thread)."""
+    return engine.tokenizer.encode(
+        chat_text(engine, messages, add_generation_prompt, tools), add_special_tokens=False
+    )
+
+
+def chat_text(
+    engine: LLMEngine, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None
+) -> str:
+    """The conversation rendered by the chat template, as text (`tools` passed as transformers does)."""
     tokenizer = engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(f"model {engine.config.model!r} has no chat template", param="messages")
-    for message in messages:
-        if isinstance(message["content"], list):  # OpenAI content parts (text only: see protocol.py)
-            message["content"] = "".join(part["text"] for part in message["content"])
-        elif message["content"] is None:  # e.g. an assistant turn without text
-            message["content"] = ""
+    extra = {} if tools is None else {"tools": tools}
     try:
-        ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
         )
     except Exception as error:  # the template's own checks (roles, order) raise jinja errors
         raise APIError(f"messages: the chat template refused them: {error}", param="messages") from error
-    return list(ids)

