@@ -10,6 +10,7 @@ import torch
 from helpers import assert_all_blocks_free
 
 from pagedllm.bench import throughput
+from pagedllm.bench.workload import make_prompts
 
 
 def test_throughput_bench_json(capsys):
@@ -31,7 +32,7 @@ def test_throughput_bench_json(capsys):
     ]
     assert throughput.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
-    prompts = throughput.make_prompts(4, 5, 40, 49152, seed=0)  # the default seed, SmolLM2's vocabulary
+    prompts = make_prompts([(5, 40)] * 4, 49152, seed=0)  # the default seed, SmolLM2's vocabulary
     assert report["workload"] == {
         "num_prompts": 4,
         "prompt_tokens": sum(len(p) for p in prompts),
@@ -54,7 +55,7 @@ def test_throughput_table_prints_the_workload_and_dashes_for_unreported_values(c
                             "--kv-cache-memory", "4MiB", "--max-model-len", "32", "--layouts", "paged",
                             "--watermark", "0", "0.2"]) == 0  # fmt: skip
     lines = capsys.readouterr().out.splitlines()
-    prompt_tokens = sum(len(p) for p in throughput.make_prompts(2, 4, 9, 49152, seed=0))
+    prompt_tokens = sum(len(p) for p in make_prompts([(4, 9)] * 2, 49152, seed=0))
     assert lines[0].startswith(f"workload: 2 prompts of 4-9 random tokens, {prompt_tokens} prompt tokens")
     assert "3 output tokens each = 6;" in lines[0] and "watermark 0 / 0.2" in lines[0]
     sweep = [line.split() for line in lines[2:4]]
@@ -113,7 +114,7 @@ def test_profiled_attention_bytes_are_every_layers_context_of_each_step():
     from pagedllm.bench.profile import top_ops
 
     llm = LLM("smollm2-135m", kv_cache_memory="8MiB", max_model_len=64)
-    prompts = throughput.make_prompts(3, 4, 20, 49152, seed=1)
+    prompts = make_prompts([(4, 20)] * 3, 49152, seed=1)
     profiled = top_ops(llm.engine, prompts, decode_steps=3)
     contexts = sum(len(p) + step for p in prompts for step in (1, 2, 3))
     assert profiled.kv_bytes == contexts * 2 * 30 * 3 * 64 * 4
@@ -140,7 +141,7 @@ def test_shared_prefix_workload_compares_prefix_caching_on_and_off(capsys):
     out = json.loads(capsys.readouterr().out)
     rows = {r["system"]: r for r in out["rows"]}
     assert list(rows) == ["paged", "paged-no-prefix-cache"]
-    prompts = throughput.make_prompts(8, 5, 20, 49152, 0, shared_prefix_len=64)
+    prompts = make_prompts([(5, 20)] * 8, 49152, 0, shared_prefix_len=64)
     assert all(p[:64] == prompts[0][:64] for p in prompts)
     # Admitted in one step, the first prompt computes the four prefix blocks the seven others reuse.
     assert rows["paged"]["prefix_hit_rate"] == 7 * 64 / sum(len(p) for p in prompts)
@@ -154,7 +155,7 @@ def test_differences_from_a_peer_report_the_top2_margin_at_the_first_differing_t
     two best next-token logits there, which HF transformers' forward gives independently."""
     from argparse import Namespace
 
-    prompts = throughput.make_prompts(2, 5, 12, 49152, seed=3)
+    prompts = make_prompts([(5, 12)] * 2, 49152, seed=3)
     args = Namespace(model="smollm2-135m", dtype="auto", kv_cache_memory="16MiB", max_model_len=64)
     from pagedllm import LLM, SamplingParams
 
@@ -181,7 +182,7 @@ def test_a_bfloat16_comparison_reports_each_systems_agreement_with_float32_token
 
     from pagedllm import LLM, SamplingParams
 
-    prompts = throughput.make_prompts(2, 5, 12, 49152, seed=3)
+    prompts = make_prompts([(5, 12)] * 2, 49152, seed=3)
     args = Namespace(
         model="smollm2-135m",
         dtype="bfloat16",
