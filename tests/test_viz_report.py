@@ -9,7 +9,7 @@ import pytest
 from helpers import assert_all_blocks_free
 from PIL import Image
 
-from pagedllm.viz import report
+from pagedllm.viz import recording, report
 
 ARGS = ["--num-requests", "5", "--output-len", "6-14", "--num-blocks", "24", "--max-model-len", "128"]
 
@@ -34,10 +34,10 @@ def expected_shares(usage) -> dict[str, str]:
 def replay(layout: str, arrivals, step: int):
     """The oracle: the same requests through a fresh engine, reading usage() and the queues at `step`."""
     args = report.build_parser().parse_args(["--out", "unused", *ARGS])
-    engine = report.make_engine(args, layout)
+    engine = recording.make_engine(args, layout)
     pending, seen = list(arrivals), None
     while pending or engine.has_unfinished_requests():
-        report.add_due(engine, pending)
+        recording.add_due(engine, pending)
         engine.step()
         if engine.num_steps == step:
             scheduler = engine.scheduler
@@ -57,7 +57,7 @@ def test_viz_figures_show_usage_at_their_step(tmp_path, capsys):
     assert all(f"wrote {path}" in printed for path in paths.values())
     memory_map = svg_text(paths["kv_memory_map"])
     step = int(re.search(r"KV memory map at step (\d+)", memory_map).group(1))
-    arrivals = report.make_workload(5, (6, 14), 49152, 128, seed=0)  # the defaults; SmolLM2's vocabulary
+    arrivals = recording.make_workload(5, (6, 14), 49152, 128, seed=0)  # the defaults; SmolLM2's vocabulary
     usage_text = svg_text(paths["kv_usage"])
     for label, layout in (("contiguous (pow2)", "contiguous"), ("paged", "paged")):
         usage, running, waiting = replay(layout, arrivals, step)
@@ -102,3 +102,35 @@ def test_viz_writes_png_by_default_and_refuses_bad_options(tmp_path, capsys):
     with pytest.raises(SystemExit):
         report.main(["--out", str(tmp_path), "--output-len", "9-3"])
     assert "--output-len must be LO-HI" in capsys.readouterr().err
+
+
+def allocator_states(engine) -> list[str]:
+    """The oracle, from the allocator itself: its slot_states(), the slots of contiguous gaps too small
+    for the refused request marked "external"."""
+    allocator = engine.allocator
+    states = [str(state) for state in allocator.slot_states()]
+    for run in allocator.runs() if hasattr(allocator, "runs") else []:
+        if run.external:
+            states[run.start : run.start + run.size] = ["external"] * run.size
+    return states
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_slot_states_read_from_the_kv_snapshot_are_the_allocators_own(layout):
+    """After every step of a real run, the states the pictures draw (derived from kv_snapshot()) equal
+    the allocator's; over the run (8 requests: a pow2 slab once finds only too-small gaps) every state
+    of the layout shows up."""
+    args = report.build_parser().parse_args(["--out", "unused", *ARGS, "--num-requests", "8"])
+    arrivals = recording.make_workload(8, (6, 14), 49152, 128, seed=0)
+    engine = recording.make_engine(args, layout)
+    pending, seen = list(arrivals), set()
+    while pending or engine.has_unfinished_requests():
+        recording.add_due(engine, pending)
+        engine.step()
+        states = recording.slot_states(engine.kv_snapshot())
+        assert states == allocator_states(engine), f"step {engine.stats().num_steps}"
+        seen |= set(states)
+    assert_all_blocks_free(engine)
+    assert seen == (
+        {"live", "tail", "free"} if layout == "paged" else {"live", "reserved", "free", "external"}
+    )

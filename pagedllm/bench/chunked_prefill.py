@@ -61,26 +61,37 @@ def run_engine(args: argparse.Namespace, chunked: bool) -> Result:
     long_prompt = [rng.randrange(vocab) for _ in range(args.long_prompt_len)]
 
     stamps: dict[str, list[float]] = {request_id: [] for request_id in running}  # token arrival times
-    arrival = long_first = long_seq = None
-    prefill_steps = 0
+    arrival = long_first = None
+    prefill_tokens: list[int] = []  # each step's, from the long prompt's arrival to its first token
+
+    def watch(trace) -> None:
+        if arrival is not None and long_first is None:
+            prefill_tokens.append(trace.prefill_tokens)
+
+    engine.add_step_observer(watch)
     while long_first is None or min(map(len, stamps.values())) < args.warm_tokens + args.after_tokens:
         if arrival is None and min(map(len, stamps.values())) >= args.warm_tokens:
             engine.add_request("long", long_prompt, SamplingParams(max_tokens=1, temperature=0))
-            long_seq = engine.requests["long"].seqs[0]
             arrival = time.perf_counter()
-        computed = long_seq.num_cached_tokens if long_seq else 0
         outputs = engine.step()
         now = time.perf_counter()
-        if long_seq and long_seq.num_cached_tokens > computed:
-            prefill_steps += 1
         for out in outputs:
             if out.request_id == "long":
                 long_first = now
             elif len(out.outputs[0].token_ids) > len(stamps[out.request_id]):
                 stamps[out.request_id].append(now)
+    engine.remove_step_observer(watch)
     for request_id in running:
         engine.abort_request(request_id)
-    assert engine.allocator.all_free(), "KV blocks leaked"
+    assert engine.stats().kv_all_free, "KV blocks leaked"
+    # The running requests were all decoding when it arrived: the prompt tokens computed since are the
+    # long prompt's, unless a preempted request computed its prompt again.
+    if sum(prefill_tokens) != len(long_prompt):
+        raise SystemExit(
+            f"a request was preempted while the long prompt was prefilled ({sum(prefill_tokens)} prompt "
+            f"tokens computed for its {len(long_prompt)}): raise --kv-cache-memory "
+            f"(now {args.kv_cache_memory})"
+        )
     gaps = [(b, b - a) for s in stamps.values() for a, b in zip(s, s[1:], strict=False)]
     return Result(
         "chunked" if chunked else "unchunked",
@@ -88,7 +99,7 @@ def run_engine(args: argparse.Namespace, chunked: bool) -> Result:
         statistics.median(gap for end, gap in gaps if end <= arrival),
         max(gap for end, gap in gaps if end > arrival),
         long_first - arrival,
-        prefill_steps,
+        sum(n > 0 for n in prefill_tokens),
     )
 
 

@@ -19,7 +19,6 @@ import argparse
 import importlib.util
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from pagedllm.bench.workload import first_difference, make_prompts
 
 
 @dataclass
@@ -52,11 +53,6 @@ class System:
     name: str
     weight_mib: float
     runs: list[Run]
-
-
-def make_prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
 def run_pagedllm(args, quantization: str, prompts: list[list[int]], warmup: list[int]) -> System:
@@ -84,7 +80,7 @@ def run_pagedllm(args, quantization: str, prompts: list[list[int]], warmup: list
             stamps.append(time.perf_counter())
             tokens = outputs[0].outputs[0].token_ids if outputs else tokens
         runs.append(Run(len(prompt), stamps[0] - start, _gaps(stamps), list(tokens)))
-    assert engine.allocator.all_free(), "KV blocks leaked"
+    assert engine.stats().kv_all_free, "KV blocks leaked"
     name = f"pagedllm {engine.loaded_model.linear_method}"
     return System(name, engine.weight_bytes / 2**20, runs)
 
@@ -158,13 +154,6 @@ HEADER = (
 )
 
 
-def _same_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def report(systems: list[System]) -> list[str]:
     lines = [HEADER]
     reference = systems[0].runs
@@ -173,7 +162,7 @@ def report(systems: list[System]) -> list[str]:
             lines.append(
                 f"{system.name:<22}{system.weight_mib:>12.1f}{run.prompt_len:>8}{run.ttft_s * 1e3:>10.1f}"
                 f"{run.decode_tok_s:>14.1f}{run.itl_percentile(50) * 1e3:>12.2f}"
-                f"{run.itl_percentile(99) * 1e3:>12.2f}{_same_prefix(run.tokens, ref.tokens):>6}"
+                f"{run.itl_percentile(99) * 1e3:>12.2f}{first_difference(run.tokens, ref.tokens):>6}"
             )
     ours = [s for s in systems if s.name.startswith("pagedllm")]
     peers = [s for s in systems if not s.name.startswith("pagedllm")]

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.bench.workload import first_difference
+
 TEXT = Path(__file__).with_name("data") / "apache-2.0.txt"
 # The prompts of tests/test_models_smollm2.py (greedy output there equals Hugging Face's).
 EQUIVALENCE_PROMPTS = [
@@ -92,27 +94,19 @@ def evaluate(model: str, name: str, text_ids: list[int], prompts: list[str], max
     llm = LLM(model, dtype=dtype, quantization=quantization, kv_cache_memory="64MiB", max_model_len=512)
     engine = llm.engine
     outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    assert engine.allocator.all_free(), "KV blocks leaked"
+    assert engine.stats().kv_all_free, "KV blocks leaked"
     ppl = perplexity(engine.model, text_ids, engine.config.torch_dtype)
     tokens = [o.outputs[0].token_ids for o in outputs]
     return Quality(name, engine.loaded_model.linear_method, engine.weight_bytes / 2**20, ppl, 0, 0.0, tokens)
-
-
-def _prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def compare(results: list[Quality]) -> None:
     """Fill in each result's greedy agreement with the first one."""
     reference = results[0].tokens
     for r in results:
-        r.greedy_same = sum(a == b for a, b in zip(r.tokens, reference, strict=True))
-        r.greedy_prefix = sum(_prefix(a, b) for a, b in zip(r.tokens, reference, strict=True)) / len(
-            reference
-        )
+        pairs = list(zip(r.tokens, reference, strict=True))
+        r.greedy_same = sum(a == b for a, b in pairs)
+        r.greedy_prefix = sum(first_difference(a, b) for a, b in pairs) / len(pairs)
 
 
 def run(

@@ -32,7 +32,6 @@ import importlib.util
 import json
 import math
 import os
-import random
 import re
 import signal
 import statistics
@@ -42,31 +41,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagedllm.bench.throughput import make_prompts, parse_range
+from pagedllm.bench import soak
+from pagedllm.bench.load import Request, Result, run_load, send_streaming
 from pagedllm.bench.trace import WORKLOADS, make_trace
-
-
-@dataclass
-class Request:
-    """One request of the workload: a prompt (token ids, or text for chat) and the tokens asked for."""
-
-    prompt: list[int] | str
-    prompt_len: int
-    output_len: int
-
-
-@dataclass
-class Result:
-    ok: bool
-    prompt_len: int
-    output_tokens: int = 0
-    ttft: float = 0.0  # seconds to the first chunk with text
-    itl: list[float] = field(default_factory=list)  # seconds between chunks with text
-    e2e: float = 0.0
-    error: str = ""
+from pagedllm.bench.workload import make_prompts, parse_range
 
 
 @dataclass
@@ -111,13 +92,11 @@ class PrefixCacheUse:
 
 def make_requests(args, vocab: int, max_model_len: int, tokenizer=None) -> list[Request]:
     if args.dataset == "random":
-        lo, hi = args.input_len
-        prompts = make_prompts(args.num_prompts, lo, hi, vocab, args.seed)
+        prompts = make_prompts([args.input_len] * args.num_prompts, vocab, args.seed)
         lengths = [(len(p), args.output_len) for p in prompts]
     else:
         trace = make_trace(WORKLOADS[args.dataset], args.num_prompts, 1.0, args.seed, max_model_len)
-        rng = random.Random(args.seed)
-        prompts = [[rng.randrange(vocab) for _ in range(r.prompt_len)] for r in trace]
+        prompts = make_prompts([r.prompt_len for r in trace], vocab, args.seed)
         lengths = [(r.prompt_len, r.output_len) for r in trace]
     if args.endpoint == "chat":  # chat takes text: the random ids decoded (lengths then approximate)
         prompts = [tokenizer.decode(p) for p in prompts]
@@ -141,73 +120,7 @@ def request_body(args, model: str, request: Request) -> dict:
     return body
 
 
-# -- the client ---------------------------------------------------------------------------------------
-
-
-def _text_of(chunk: dict) -> str:
-    text = ""
-    for choice in chunk.get("choices") or []:
-        text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-    return text
-
-
-async def send_streaming(client, url: str, body: dict, prompt_len: int) -> Result:
-    """POST one streamed request; time its chunks. Tokens come from the usage chunk (else one per chunk)."""
-    result = Result(ok=False, prompt_len=prompt_len)
-    start = last = time.perf_counter()
-    chunks_with_text, usage = 0, None
-    try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    result.error = chunk["error"].get("message", str(chunk))
-                    return result
-                usage = chunk.get("usage") or usage
-                if _text_of(chunk):
-                    now = time.perf_counter()
-                    if chunks_with_text == 0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-                    chunks_with_text += 1
-    except Exception as error:  # the client side of a failure: connection refused, reset, timeout
-        result.error = f"{type(error).__name__}: {error}"
-        return result
-    result.e2e = time.perf_counter() - start
-    result.output_tokens = usage["completion_tokens"] if usage else chunks_with_text
-    result.ok = True
-    return result
-
-
-async def run_load(
-    requests: list, rate: float, concurrency: int | None, seed: int, send
-) -> tuple[list, float, float]:
-    """send(request) for every request: Poisson arrivals at `rate`/s, at most `concurrency` in flight.
-    Returns the results in request order, the wall seconds and this process's CPU seconds."""
-    gate = asyncio.Semaphore(concurrency) if concurrency else None
-    rng = random.Random(seed)
-
-    async def one(request):
-        if gate is None:
-            return await send(request)
-        async with gate:
-            return await send(request)
-
-    start, cpu = time.perf_counter(), time.process_time()
-    tasks = []
-    for request in requests:
-        tasks.append(asyncio.ensure_future(one(request)))
-        if math.isfinite(rate):
-            await asyncio.sleep(rng.expovariate(rate))
-    results = await asyncio.gather(*tasks)
-    return results, time.perf_counter() - start, time.process_time() - cpu
+# -- the report ---------------------------------------------------------------------------------------
 
 
 def _stats(values_s: list[float]) -> Stats:
@@ -480,8 +393,6 @@ async def _serve_load(args, base_url: str, model: str, requests: list[Request]):
     limits = httpx2.Limits(max_connections=args.max_concurrency or len(requests) + 1)
     async with httpx2.AsyncClient(base_url=base_url, headers=headers, timeout=None, limits=limits) as client:
         if args.soak:
-            from pagedllm.bench import soak
-
             return await soak.run(client, args, base_url, model, requests)
 
         async def send(request: Request) -> Result:
@@ -531,8 +442,6 @@ def main(argv: list[str] | None = None) -> int:
         raise
     exit_code = server.stop() if server is not None else None
     if args.soak:
-        from pagedllm.bench import soak
-
         code = soak.report(report, args, exit_code)
         if code != 0 and server is not None:
             print(f"--- the server's log (tail):\n{server.log_text()}", file=sys.stderr)

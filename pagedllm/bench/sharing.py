@@ -211,11 +211,11 @@ def replay(trace: list[Request], workload: str, mode: str, width: int, args: arg
 
 def run_real(args: argparse.Namespace) -> list[Row]:
     """The engine on a real model: n = 4 sampling and beam width 4 over a few chat prompts, the two
-    block counts read from the allocator after every step."""
+    block counts read from the engine's KV snapshot after every step."""
     from pagedllm import LLM, BeamSearchParams, SamplingParams
 
     llm = LLM(args.model, kv_cache_memory="512MiB", max_model_len=1024, enable_prefix_caching=False)
-    engine, kv = llm.engine, llm.engine.allocator
+    engine = llm.engine
     tok = llm.get_tokenizer()
     chats = [[{"role": "user", "content": q}] for q in REAL_PROMPTS]
     prompts = [
@@ -233,11 +233,12 @@ def run_real(args: argparse.Namespace) -> list[Row]:
         used = unshared = steps = 0
         while engine.has_unfinished_requests():
             engine.step()
-            seqs = [seq.seq_id for seq in engine.scheduler.running]
-            used += kv.num_total_blocks - kv.num_free_blocks
-            unshared += sum(-(-kv.num_tokens(s) // kv.block_size) for s in seqs)
+            snapshot = engine.kv_snapshot()
+            used += sum(ref > 0 for ref in snapshot["blocks"]["ref"])
+            tokens = [seq["tokens"] for seq in snapshot["seqs"] if seq["status"] == "running"]
+            unshared += sum(-(-n // snapshot["block_size"]) for n in tokens)
             steps += 1
-        assert kv.all_free(), "KV blocks leaked"
+        assert engine.stats().kv_all_free, "KV blocks leaked"
         rows.append(Row(args.model, mode, 4, used / steps, unshared / steps, steps))
     return rows
 

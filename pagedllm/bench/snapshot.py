@@ -16,36 +16,46 @@ import statistics
 import sys
 import time
 
-from pagedllm.bench.throughput import make_prompts, parse_range
+from pagedllm.bench.workload import make_prompts, parse_range
 
 
-def measure(args) -> dict:
-    from fastapi.responses import JSONResponse
+def make_llm(args):
+    """The engine the bench measures, with room for `--num-seqs` sequences at once."""
+    from pagedllm import LLM
 
-    from pagedllm import LLM, SamplingParams
-    from pagedllm.entrypoints.openai.dashboard import kv_payload
-    from pagedllm.entrypoints.openai.metrics import EngineMetrics
-
-    lo, hi = args.input_len
-    llm = LLM(
+    return LLM(
         args.model,
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
         max_num_seqs=args.num_seqs,
         kv_layout=args.kv_layout,
     )
-    engine = llm.engine
-    prompts = make_prompts(args.num_seqs, lo, hi, engine.model.config.vocab_size, args.seed)
+
+
+def measure(engine, args) -> tuple[dict, dict]:
+    """The means over the timed steps, and the last /v1/kv payload timed (what its JSON size counts)."""
+    from fastapi.responses import JSONResponse
+
+    from pagedllm import SamplingParams
+    from pagedllm.entrypoints.openai.dashboard import kv_payload
+    from pagedllm.entrypoints.openai.metrics import EngineMetrics
+
+    prompts = make_prompts([args.input_len] * args.num_seqs, engine.model.config.vocab_size, args.seed)
     params = SamplingParams(max_tokens=args.steps + 8, temperature=0, ignore_eos=True)
     for i, ids in enumerate(prompts):
         engine.add_request(f"snap-{i}", ids, params)
-    scheduler, most = engine.scheduler, 0
+    most = 0
 
     def check_whole_batch() -> None:
         """Every sequence running, none preempted or finished: else the cache is too small."""
-        preemptions = scheduler.num_preemptions
-        if len(scheduler.running) != args.num_seqs or preemptions or len(engine.requests) < args.num_seqs:
-            for request_id in list(engine.requests):
+        stats = engine.stats()
+        preemptions = stats.num_preemptions
+        if (
+            stats.num_running != args.num_seqs
+            or preemptions
+            or engine.get_num_unfinished_requests() < args.num_seqs
+        ):
+            for request_id in engine.unfinished_request_ids():
                 engine.abort_request(request_id)
             raise SystemExit(
                 f"at most {most} of {args.num_seqs} sequences ran at once ({preemptions} preemptions): "
@@ -53,10 +63,12 @@ def measure(args) -> dict:
             )
 
     # Prefill everything first: the timed steps are decode steps of the whole batch.
-    while scheduler.waiting or any(not seq.output_token_ids for seq in scheduler.running):
-        engine.step()
-        most = max(most, len(scheduler.running))
-        if scheduler.num_preemptions or len(engine.requests) < args.num_seqs:
+    started: set[str] = set()  # requests that have their first token
+    while len(started) < args.num_seqs:
+        started |= {out.request_id for out in engine.step() if out.outputs[0].token_ids}
+        stats = engine.stats()
+        most = max(most, stats.num_running)
+        if stats.num_preemptions or engine.get_num_unfinished_requests() < args.num_seqs:
             break
     check_whole_batch()
     metrics = EngineMetrics()
@@ -73,11 +85,11 @@ def measure(args) -> dict:
         snapshot_ms.append(1e3 * (snapped - stepped))
         encode_ms.append(1e3 * (encoded - snapped))
     check_whole_batch()
-    running = len(scheduler.running)
-    for request_id in list(engine.requests):
+    running = engine.stats().num_running
+    for request_id in engine.unfinished_request_ids():
         engine.abort_request(request_id)
-    assert engine.allocator.all_free(), "KV blocks leaked"
-    return {
+    assert engine.stats().kv_all_free, "KV blocks leaked"
+    result = {
         "running": running,
         "num_blocks": payload["num_blocks"],
         "steps": args.steps,
@@ -87,6 +99,7 @@ def measure(args) -> dict:
         "snapshot_per_step": statistics.mean(snapshot_ms) / statistics.mean(step_ms),
         "json_bytes": size,
     }
+    return result, payload
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         args.input_len = parse_range(args.input_len)
     except ValueError:
         parser.exit(2, f"pagedllm bench snapshot: error: --input-len must be LO-HI, got {args.input_len!r}\n")
-    result = measure(args)
+    result, _ = measure(make_llm(args).engine, args)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -22,7 +22,7 @@ import json
 import random
 from dataclasses import asdict, dataclass, field
 
-from pagedllm.bench.serve import Request, run_load
+from pagedllm.bench.load import Request, run_load
 
 FAULTS = ("disconnect", "bad_params", "too_long", "malformed_json")
 BAD_PARAMS = [

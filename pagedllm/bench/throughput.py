@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import itertools
 import json
-import random
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -36,6 +35,7 @@ import torch
 
 from pagedllm.bench.profile import record_phases, top_ops
 from pagedllm.bench.profile import report as profile_report
+from pagedllm.bench.workload import first_difference, make_prompts, parse_range
 
 LAYOUTS = {  # name -> LLM settings
     "paged": dict(kv_layout="paged"),
@@ -74,22 +74,6 @@ class Workload:
     output_tokens: int  # requested: output_len per prompt, EOS ignored
 
 
-def parse_range(text: str) -> tuple[int, int]:
-    """'LO-HI' -> (LO, HI) with 1 <= LO <= HI; ValueError otherwise."""
-    lo, hi = (int(x) for x in text.split("-"))
-    if not 1 <= lo <= hi:
-        raise ValueError(text)
-    return lo, hi
-
-
-def make_prompts(
-    num: int, lo: int, hi: int, vocab: int, seed: int, shared_prefix_len: int = 0
-) -> list[list[int]]:
-    rng = random.Random(seed)
-    prefix = [rng.randrange(vocab) for _ in range(shared_prefix_len)]
-    return [prefix + [rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(num)]
-
-
 def run_engine(
     args, layout: str, watermark: float, quantization: str, tp: int, prompts: list[list[int]]
 ) -> tuple[Row, list[list[int]], list[str]]:
@@ -124,10 +108,9 @@ def _measure(args, llm, layout: str, watermark: float, quantization: str, tp: in
     from pagedllm import SamplingParams
 
     engine = llm.engine
-    warm_up = make_prompts(2, 8, 16, engine.model.config.vocab_size, args.seed + 1)  # shares no prefix
+    warm_up = make_prompts([(8, 16)] * 2, engine.model.config.vocab_size, args.seed + 1)  # shares no prefix
     llm.generate(warm_up, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    scheduler = engine.scheduler
-    queries, hits = scheduler.prefix_cache_queries, scheduler.prefix_cache_hits
+    before = engine.stats()
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     first = (watermark, quantization, tp) == (
         args.watermark[0],
@@ -135,8 +118,7 @@ def _measure(args, llm, layout: str, watermark: float, quantization: str, tp: in
         args.tensor_parallel_size[0],
     )
     profiling = args.profile and layout == "paged" and first
-    executor = engine.runner.executor if tp > 1 else None
-    comm_before, steps = executor.comm_stats() if executor else None, 0
+    comm_before, steps = engine.comm_stats(), 0  # None on one process
     with record_phases(engine) if profiling else contextlib.nullcontext() as phases:
         start = time.perf_counter()
         for i, ids in enumerate(prompts):
@@ -154,26 +136,27 @@ def _measure(args, llm, layout: str, watermark: float, quantization: str, tp: in
                     first_token[out.request_id] = seconds
                 if out.finished:
                     outputs[out.request_id] = out.outputs[0].token_ids
-            batch_sizes.append(len(engine.scheduler.running))
-            usage = engine.allocator.usage()
-            live.append(usage.live_slots / usage.total_slots)
-    assert engine.allocator.all_free(), "KV blocks leaked"
-    queried = scheduler.prefix_cache_queries - queries
-    hit_rate = (scheduler.prefix_cache_hits - hits) / queried if queried else None
+            stats = engine.stats()
+            batch_sizes.append(stats.num_running)
+            live.append(stats.kv_usage.live_fraction)
+    after = engine.stats()
+    assert after.kv_all_free, "KV blocks leaked"
+    queried = after.prefix_cache_queries - before.prefix_cache_queries
+    hit_rate = (after.prefix_cache_hits - before.prefix_cache_hits) / queried if queried else None
     profile_lines = []
     if profiling:  # after the counters above: it runs the same prompts again
         ops = top_ops(engine, prompts)
         profile_lines = profile_report(engine, phases, ops, engine.config.torch_dtype)
-        assert engine.allocator.all_free(), "KV blocks leaked"
+        assert engine.stats().kv_all_free, "KV blocks leaked"
     tokens = [outputs[f"bench-{i}"] for i in range(len(prompts))]
     total = sum(len(t) for t in tokens)
     name = layout if len(args.watermark) == 1 else f"{layout} w={watermark:g}"
     if len(args.quantization) > 1:
         name += f" {engine.loaded_model.linear_method}"
     comm_ms = collectives = None
-    if executor:
-        pairs = list(zip(comm_before, executor.comm_stats(), strict=True))
-        comm_ms = [(after.seconds - before.seconds) * 1e3 / steps for before, after in pairs]
+    if comm_before is not None:
+        pairs = list(zip(comm_before, engine.comm_stats(), strict=True))
+        comm_ms = [(now.seconds - was.seconds) * 1e3 / steps for was, now in pairs]
         collectives = (pairs[0][1].calls - pairs[0][0].calls) / steps
     row = Row(
         name + (f" tp={tp}" if args.tensor_parallel_size != [1] else ""),
@@ -183,7 +166,7 @@ def _measure(args, llm, layout: str, watermark: float, quantization: str, tp: in
         sum(batch_sizes) / len(batch_sizes),
         max(batch_sizes),
         sum(live) / len(live),
-        engine.scheduler.num_preemptions,
+        after.num_preemptions,
         None,
         engine.weight_bytes / 2**20,
         engine.num_kv_blocks,
@@ -257,11 +240,6 @@ def run_vllm(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
 
 
 NEAR_TIE = 1e-3  # top-2 logit margin under which two correct fp32 runs may pick different tokens
-
-
-def first_difference(a: list[int], b: list[int]) -> int:
-    """The number of tokens two outputs share before they part (the shorter's length if they never do)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def explain_differences(
@@ -429,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     block = kv_block_bytes(model_config, model_config.num_kv_heads, config.kv_torch_dtype, args.block_size)
     args.num_kv_blocks = parse_bytes(args.kv_cache_memory) // block if not args.memory_budget else None
     vocab = model_config.vocab_size
-    prompts = make_prompts(args.num_prompts, lo, hi, vocab, args.seed, args.shared_prefix_len)
+    prompts = make_prompts([(lo, hi)] * args.num_prompts, vocab, args.seed, args.shared_prefix_len)
     if args.layouts is None:
         no_cache = ["paged", "paged-no-prefix-cache"]
         args.layouts = no_cache if args.shared_prefix_len else ["paged", "contiguous-max", "contiguous-pow2"]

@@ -12,7 +12,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from pagedllm.kv import USAGE_PARTS, KVUsage
 from pagedllm.viz.memory_map import plot_memory_map
-from pagedllm.viz.report import Run, StepRecord
+from pagedllm.viz.recording import Run, StepRecord
 
 COLOUR = {
     "live": "#08306b",

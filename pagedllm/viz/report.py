@@ -4,8 +4,9 @@ The same requests run through the engine on a real model (the built-in SmolLM2 b
 with the paged layout (prefix caching on) and with contiguous slabs (`--reserve`), both given the same
 KV memory (`--num-blocks` x `--block-size` token slots). Requests arrive a few steps apart; half of them
 start with a shared system prompt, and the first one asks for n = 3 samples (forked copy-on-write).
-Everything is greedy or seeded, so a run is repeatable. After every step the recorder reads
-`usage()`, the queues, the slot states and a KV snapshot (the dashboard's). Three figures come out:
+Everything is greedy or seeded, so a run is repeatable. After every step the recorder
+(pagedllm.viz.recording) reads the engine's stats (KV usage, queues) and its KV snapshot (the
+dashboard's), and from the snapshot every slot's state. Three figures come out:
 
 - kv_memory_map: the seed lesson's figure at the chosen step (`--step`; default: the step at which
   the paged run holds the most sequences), one band per layout;
@@ -14,146 +15,18 @@ Everything is greedy or seeded, so a run is repeatable. After every step the rec
 - block_tables: at the chosen step, the paged block tables of a few sequences (logical -> physical),
   shared blocks drawn as shared, over the physical pool.
 
-Each figure's numbers are the recorded `usage()` of its step.
+Each figure's numbers are the KV usage recorded at its step.
 """
 
 from __future__ import annotations
 
 import argparse
-import random
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedllm.bench.throughput import parse_range
-from pagedllm.kv import KVUsage
+from pagedllm.bench.workload import parse_range
 from pagedllm.viz import require_matplotlib
-
-NUM_SAMPLES = 3  # of the first request
-
-
-@dataclass
-class Arrival:
-    request_id: str
-    step: int  # the request is added before this engine step (1 = the first step)
-    prompt: list[int]
-    max_tokens: int
-    n: int = 1
-
-    def params(self):
-        """Greedy, or seeded sampling for several samples: either way the same tokens every run."""
-        from pagedllm import SamplingParams
-
-        sampled = self.n > 1
-        seed = int(self.request_id[1:])
-        return SamplingParams(
-            n=self.n,
-            max_tokens=self.max_tokens,
-            ignore_eos=True,
-            temperature=1.0 if sampled else 0.0,
-            seed=seed,
-        )
-
-
-@dataclass
-class StepRecord:
-    """One layout after one engine step."""
-
-    step: int
-    usage: KVUsage
-    running: int
-    waiting: int  # waiting + swapped
-    states: list[str]  # slot states in address order ("external": a free slot in a too-small gap)
-    snapshot: dict  # KVSnapshots.take()
-
-
-@dataclass
-class Run:
-    label: str
-    steps: list[StepRecord] = field(default_factory=list)
-
-    def at(self, step: int) -> StepRecord:
-        if not 1 <= step <= len(self.steps):
-            raise ValueError(f"--step {step} is outside the {self.label} run (steps 1..{len(self.steps)})")
-        return self.steps[step - 1]
-
-
-def make_workload(
-    num_requests: int, output_len: tuple[int, int], vocab: int, max_model_len: int, seed: int
-) -> list[Arrival]:
-    """Random-token prompts; even requests start with one shared 48-token system prompt; the first one
-    asks for NUM_SAMPLES samples and arrives alone (so a contiguous fork finds room for its slabs); the
-    others arrive one every three steps."""
-    rng = random.Random(seed)
-    system = [rng.randrange(vocab) for _ in range(48)]
-    arrivals = []
-    for i in range(num_requests):
-        own = [rng.randrange(vocab) for _ in range(rng.randint(8, 56))]
-        prompt = system + own if i % 2 == 0 else own
-        max_tokens = min(rng.randint(*output_len), max_model_len - len(prompt))
-        if max_tokens < 1:
-            raise ValueError(
-                f"--max-model-len {max_model_len} leaves no room after a {len(prompt)}-token prompt"
-            )
-        step = 1 if i == 0 else 2 + 3 * (i - 1)
-        arrivals.append(Arrival(f"r{i}", step, prompt, max_tokens, NUM_SAMPLES if i == 0 else 1))
-    return arrivals
-
-
-def add_due(engine, pending: list[Arrival]) -> None:
-    """Add (and drop from `pending`) the requests due before the engine's next step."""
-    while pending and pending[0].step <= engine.num_steps + 1:
-        arrival = pending.pop(0)
-        engine.add_request(arrival.request_id, arrival.prompt, arrival.params())
-
-
-def make_engine(args, kv_layout: str):
-    """A fresh engine with the run's KV memory; prefix caching on for the paged layout."""
-    from pagedllm.engine.config import EngineConfig
-    from pagedllm.engine.llm_engine import LLMEngine
-
-    return LLMEngine(
-        EngineConfig(
-            model=args.model,
-            num_kv_blocks=args.num_blocks,
-            block_size=args.block_size,
-            max_model_len=args.max_model_len,
-            kv_layout=kv_layout,
-            contiguous_reserve=args.reserve,
-            enable_prefix_caching=kv_layout == "paged",
-        )
-    )
-
-
-def record(args, kv_layout: str, arrivals: list[Arrival]) -> Run:
-    """Run the requests through a fresh engine, recording every step."""
-    from pagedllm.kv import ContiguousAllocator
-
-    engine = make_engine(args, kv_layout)
-    allocator, scheduler = engine.allocator, engine.scheduler
-    run = Run("paged" if kv_layout == "paged" else f"contiguous ({args.reserve})")
-    pending = list(arrivals)
-    while pending or engine.has_unfinished_requests():
-        add_due(engine, pending)
-        engine.step()
-        states = [str(s) for s in allocator.slot_states()]
-        if isinstance(allocator, ContiguousAllocator):
-            for r in allocator.runs():
-                if r.external:
-                    states[r.start : r.start + r.size] = ["external"] * r.size
-        waiting = len(scheduler.waiting) + len(scheduler.swapped)
-        usage, snapshot = allocator.usage(), engine.kv_snapshot()
-        run.steps.append(
-            StepRecord(engine.num_steps, usage, len(scheduler.running), waiting, states, snapshot)
-        )
-    if not allocator.all_free():
-        raise RuntimeError(f"{run.label}: KV blocks leaked")
-    return run
-
-
-def busiest_step(run: Run) -> int:
-    """The first step at which the run holds the most sequences."""
-    return max(run.steps, key=lambda r: (r.running, -r.step)).step
+from pagedllm.viz.recording import busiest_step, make_workload, record
 
 
 def build_parser() -> argparse.ArgumentParser:
