@@ -12,6 +12,7 @@ import torch
 from helpers import assert_all_blocks_free
 from models_helpers import PagedCache, forward_chunks
 from oracles import dense_batch_attention
+from test_llm import PROMPTS
 
 from pagedllm import LLM, SamplingParams, ops
 from pagedllm.engine.config import EngineConfig
@@ -227,16 +228,6 @@ def test_a_layer_in_one_call_equals_its_ops_one_by_one_on_a_quantized_cache(
     assert not any(t.isnan().any() for t in fused)
 
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "Water boils at",
-    "List of planets in the solar system: Mercury,",
-    "Translate to French: Good morning ->",
-    "A",
-]
 GREEDY_LOGPROBS = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=5)
 
 
