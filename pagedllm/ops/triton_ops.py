@@ -21,7 +21,8 @@ from pagedllm.ops.kv_cache import LARGEST_CODE, kv_scales
 
 _BLOCK_N = 32  # keys per inner iteration
 _PREFILL_BLOCK_Q = 16  # query rows per program when a sequence may have several
-# The cache's form, a constexpr of the kernels: values, or int8 / fp8 e4m3 codes with scales.
+# The cache's form, the kernels' FORM constexpr: values, or int8 / fp8 e4m3 codes with scales (the kernels
+# compare FORM with the literals: a jitted function reads no plain module globals).
 _VALUES, _INT8, _FP8 = 0, 1, 2
 _FORMS = {torch.int8: _INT8, torch.float8_e4m3fn: _FP8}
 _ROUNDING = tl.constexpr(12582912.0)  # 1.5 * 2^23: (x + it) - it rounds |x| < 2^22 to nearest even
