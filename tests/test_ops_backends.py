@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pagedllm.ops import BACKENDS, cpu, reference
+from pagedllm.ops.kv_cache import allocate_kv_caches, is_quantized, kv_blocks, kv_scales
 from pagedllm.ops.synthetic import random_paged_batch
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -33,6 +34,9 @@ class Case:
     dtype: torch.dtype = torch.float32
     head_major: bool = False  # cache memory order as pagedllm allocates it on the CPU
     kv_dtype: torch.dtype | None = None  # the caches' dtype when it is not q's (kv_cache_dtype)
+
+
+INT8, FP8 = torch.int8, torch.float8_e4m3fn  # the quantized caches: codes, a scale per token and kv head
 
 
 DECODE = {
@@ -56,6 +60,18 @@ DECODE = {
     "one-long-row-bf16": Case(6, 2, 64, 16, (2100,), dtype=torch.bfloat16, head_major=True),
     "short-row-then-split-row": Case(4, 1, 64, 16, (100, 2000)),  # only the second row is split
     "long-row-among-short": Case(12, 4, 64, 16, (40, 90, 25, 60, 70, 1800), head_major=True),
+    # quantized caches, read in place: the same blocks the reference dequantizes
+    "int8-gqa3-d64": Case(6, 2, 64, 16, (9, 40, 17, 64), kv_dtype=INT8, head_major=True),
+    "int8-slot-major-window": Case(6, 2, 16, 4, (5, 30, 61), window=8, kv_dtype=INT8),
+    "int8-block-size-1": Case(6, 2, 16, 1, (1, 13, 40), kv_dtype=INT8),
+    "int8-d72": Case(14, 2, 72, 16, (41, 18, 70), kv_dtype=INT8, head_major=True),
+    "int8-one-long-row": Case(9, 3, 64, 16, (3000,), kv_dtype=INT8, head_major=True),
+    "fp8-gqa3-d64": Case(9, 3, 64, 16, (9, 40, 17, 64), kv_dtype=FP8, head_major=True),
+    "fp8-mqa-d72-window": Case(4, 1, 72, 8, (70, 3, 22), window=16, kv_dtype=FP8),
+    "bf16-q-int8-cache": Case(6, 2, 32, 8, (9, 40, 17, 64), dtype=torch.bfloat16, kv_dtype=INT8),
+    "bf16-q-fp8-cache-split": Case(
+        6, 2, 64, 16, (2100,), dtype=torch.bfloat16, kv_dtype=FP8, head_major=True
+    ),
 }
 PREFILL = {
     "prompt": Case(6, 2, 16, 8, (20, 5), (20, 5)),
@@ -78,6 +94,17 @@ PREFILL = {
     "tiles-fp32-q-bf16-cache": Case(
         9, 3, 64, 16, (70, 37), (70, 20), kv_dtype=torch.bfloat16, head_major=True
     ),
+    "int8-tiles-gqa3-d64": Case(9, 3, 64, 16, (70, 37, 300), (70, 21, 300), kv_dtype=INT8, head_major=True),
+    "int8-mixed-window": Case(4, 2, 16, 4, (40, 10, 33), (20, 3, 1), window=8, kv_dtype=INT8),
+    "int8-block-size-1": Case(6, 2, 16, 1, (17, 30), (17, 6), kv_dtype=INT8),
+    "fp8-tiles-gqa7-d72": Case(14, 2, 72, 16, (41, 18), (41, 18), kv_dtype=FP8, head_major=True),
+    "fp8-mixed": Case(9, 3, 16, 8, (30, 40, 9, 4, 21), (1, 19, 1, 4, 0), kv_dtype=FP8),
+    "bf16-q-int8-cache-tiles": Case(
+        9, 3, 64, 16, (70, 130), (70, 100), dtype=torch.bfloat16, kv_dtype=INT8, head_major=True
+    ),
+    "bf16-q-fp8-cache-window": Case(
+        8, 2, 16, 4, (40, 24), (17, 24), window=8, dtype=torch.bfloat16, kv_dtype=FP8
+    ),
 }
 
 
@@ -87,12 +114,13 @@ def _tolerance(dtype: torch.dtype) -> dict:
 
 def _batch(case: Case):
     query_lens = case.query_lens or (1,) * len(case.context_lens)
+    quantized = case.kv_dtype is not None and is_quantized(case.kv_dtype)
     batch = random_paged_batch(
         list(case.context_lens), list(query_lens), case.num_heads, case.num_kv_heads, case.head_dim,
         case.block_size, case.dtype, seed=len(case.context_lens) + sum(case.context_lens),
-        head_major=case.head_major,
+        head_major=case.head_major, kv_dtype=case.kv_dtype if quantized else None,
     )  # fmt: skip
-    if case.kv_dtype is not None:  # the same strides, another dtype
+    if case.kv_dtype is not None and not quantized:  # the same strides, another dtype
         batch.k_cache, batch.v_cache = (
             torch.empty_like(c, dtype=case.kv_dtype).copy_(c) for c in (batch.k_cache, batch.v_cache)
         )
@@ -203,3 +231,56 @@ def test_query_may_be_a_strided_view(backend):
     args = (b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.context_lens, 0.25)
     out = backend.paged_prefill_attention(q_view, *args)
     torch.testing.assert_close(out, reference.paged_prefill_attention(b.q, *args), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [INT8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("head_major", [False, True], ids=["slot-major", "head-major"])
+def test_write_kv_quantizes_as_the_reference(backend, source, kv_dtype, head_major):
+    """Into a quantized cache, the store writes each (token, kv head) row's codes and scale, to the bit
+    the reference's: magnitudes from 1e-6 to 1e3 (fp8's subnormal codes too), an all-zero row, rows
+    with a NaN or an infinity, a -0.0; nothing else in any block changes."""
+    gen = torch.Generator().manual_seed(2)
+    caches, expected = (
+        allocate_kv_caches(1, 7, 4, 3, 72, kv_dtype, "cpu", head_major=head_major)[0] for _ in "ab"
+    )
+    for cache, twin in zip(caches, expected, strict=True):  # random bytes everywhere, scales included
+        kv_blocks(cache).copy_(
+            torch.randint(0, 256, kv_blocks(cache).shape, generator=gen, dtype=torch.uint8)
+        )
+        kv_blocks(twin).copy_(kv_blocks(cache))
+    key = torch.randn(9, 3, 72, generator=gen) * torch.logspace(-6, 3, 9)[:, None, None]
+    key[2, 1], key[3, 0, 5], key[4, 2, 7], key[5, 0, 0] = 0.0, float("nan"), float("inf"), -0.0
+    key, value = key.to(source), torch.randn(9, 3, 72, generator=gen).to(source)
+    slots = torch.tensor([3, -1, 19, 0, 27, 8, 9, 10, 11])
+    backend.write_kv(key, value, *caches, slots)
+    reference.write_kv(key, value, *expected, slots)
+    for cache, twin in zip(caches, expected, strict=True):
+        assert torch.equal(kv_blocks(cache), kv_blocks(twin))
+    read = reference.read_blocks(caches[0], torch.arange(7)).flatten(0, 1)  # [slots, Hkv, D]
+    assert read[0, 0].isnan().all() and not read[0, 1:].isnan().any()  # token 3's NaN: slot 0, head 0
+    assert read[27, 2].isnan().all() and not read[27, :2].isnan().any()  # token 4's infinity
+    assert torch.equal(read[19, 1], torch.zeros(72)) and kv_scales(caches[0])[4, 3, 1] == 0  # token 2's zeros
+
+
+def test_every_fp8_code_reads_as_torch_converts_it(backend):
+    """Each of e4m3's 254 finite codes, as the values of a one-token context (whose attention output is its
+    V row itself), reads back exactly as torch converts it, times its scale: the kernels decode fp8
+    themselves, by integer arithmetic."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].view(FP8)  # 0x7f and 0xff are NaN, never written
+    head_dim, num_seqs = 16, codes.numel() // 16 + 1
+    k_cache, v_cache = allocate_kv_caches(1, num_seqs, 1, 1, head_dim, FP8, "cpu", head_major=True)[0]
+    rows = torch.cat([codes, codes[: num_seqs * head_dim - codes.numel()]]).view(num_seqs, 1, 1, head_dim)
+    v_cache.copy_(rows)
+    kv_scales(k_cache).fill_(1.0)
+    scale = 2.0**-3  # exact: value * scale needs no rounding
+    kv_scales(v_cache).fill_(scale)
+    q = torch.randn(num_seqs, 1, head_dim)
+    tables = torch.arange(num_seqs, dtype=torch.int32)[:, None]
+    lens = torch.ones(num_seqs, dtype=torch.int32)
+    out = backend.paged_decode_attention(q, k_cache, v_cache, tables, lens, 1.0)
+    assert torch.equal(out, rows.view(num_seqs, 1, head_dim).float() * scale)
+    starts = torch.arange(num_seqs + 1, dtype=torch.int32)
+    out = backend.paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens, 1.0)
+    assert torch.equal(out, rows.view(num_seqs, 1, head_dim).float() * scale)

@@ -45,18 +45,25 @@ def _compile_sm90(fn, pointer_types: dict[str, str], constexprs: dict):
 
 @pytest.mark.skipif(INTERPRETING, reason="TRITON_INTERPRET=1 replaces kernels with interpreted functions")
 @pytest.mark.parametrize(
-    ("dtype", "group", "head_dim", "block_size", "block_q"),
+    ("dtype", "group", "head_dim", "block_size", "block_q", "form"),
     [
-        ("fp32", 3, 64, 16, 1),  # SmolLM2 decode
-        ("bf16", 3, 64, 16, 16),  # SmolLM2 prefill
-        ("bf16", 4, 256, 16, 1),  # Gemma3 decode, MQA d256
-        ("bf16", 4, 256, 1, 16),  # Gemma3 prefill, contiguous layout (block size 1)
+        ("fp32", 3, 64, 16, 1, 0),  # SmolLM2 decode
+        ("bf16", 3, 64, 16, 16, 0),  # SmolLM2 prefill
+        ("bf16", 4, 256, 16, 1, 0),  # Gemma3 decode, MQA d256
+        ("bf16", 4, 256, 1, 16, 0),  # Gemma3 prefill, contiguous layout (block size 1)
+        ("bf16", 3, 64, 16, 1, 1),  # an int8 cache: decode ...
+        ("bf16", 3, 64, 16, 16, 1),  # ... and prefill
+        ("fp32", 3, 64, 16, 1, 2),  # an fp8 e4m3 cache
+        ("bf16", 4, 256, 16, 16, 2),
     ],
 )
-def test_attention_kernel_compiles_for_sm90(dtype, group, head_dim, block_size, block_q):
+def test_attention_kernel_compiles_for_sm90(dtype, group, head_dim, block_size, block_q, form):
     from pagedllm.ops import triton_ops
 
     data = {name: f"*{dtype}" for name in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
+    data.update(k_scale_ptr=f"*{dtype}", v_scale_ptr=f"*{dtype}")  # a cache of values: stand-ins
+    if form:  # a quantized cache: its bytes and its float32 scales
+        data.update(k_cache_ptr="*u8", v_cache_ptr="*u8", k_scale_ptr="*fp32", v_scale_ptr="*fp32")
     index = {
         name: "*i32"
         for name in ("block_tables_ptr", "query_start_loc_ptr", "tile_starts_ptr", "context_lens_ptr")
@@ -64,7 +71,7 @@ def test_attention_kernel_compiles_for_sm90(dtype, group, head_dim, block_size, 
     constexprs = dict(
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_Q=block_q,
         GROUP_PAD=max(triton.next_power_of_2(group), 16 // block_q), BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_N=triton_ops._BLOCK_N, PRECISION="ieee" if dtype == "fp32" else "tf32", WIDEN=False,
+        BLOCK_N=triton_ops._BLOCK_N, PRECISION="ieee" if dtype == "fp32" else "tf32", WIDEN=False, FORM=form,
     )  # fmt: skip
     types = {**data, **index, "scale": "fp32", "stride_kb": "i64"}  # other strides and sizes: i32
     compiled = _compile_sm90(triton_ops._paged_attention_kernel, types, constexprs)
@@ -73,11 +80,13 @@ def test_attention_kernel_compiles_for_sm90(dtype, group, head_dim, block_size, 
 
 
 @pytest.mark.skipif(INTERPRETING, reason="TRITON_INTERPRET=1 replaces kernels with interpreted functions")
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_write_kv_kernel_compiles_for_sm90(dtype):
+@pytest.mark.parametrize(("dtype", "form"), [("fp32", 0), ("bf16", 0), ("fp32", 1), ("fp32", 2)])
+def test_write_kv_kernel_compiles_for_sm90(dtype, form):
     from pagedllm.ops import triton_ops
 
-    types = {"key_ptr": f"*{dtype}", "value_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}",
-             "v_cache_ptr": f"*{dtype}", "slot_ptr": "*i64"}  # fmt: skip
-    compiled = _compile_sm90(triton_ops._write_kv_kernel, types, {"ROW": 192, "BLOCK": 256})
+    cache, scales = ("*u8", "*fp32") if form else (f"*{dtype}", f"*{dtype}")  # quantized: bytes and scales
+    types = {"key_ptr": f"*{dtype}", "value_ptr": f"*{dtype}", "k_cache_ptr": cache, "v_cache_ptr": cache,
+             "k_scale_ptr": scales, "v_scale_ptr": scales, "slot_ptr": "*i64", "largest": "fp32"}  # fmt: skip
+    constexprs = {"BLOCK_SIZE": 16, "HEADS": 3, "HEAD_DIM": 64, "BLOCK_H": 4, "BLOCK_D": 64, "FORM": form}
+    compiled = _compile_sm90(triton_ops._write_kv_kernel, types, constexprs)
     assert len(compiled.asm["cubin"]) > 0

@@ -11,6 +11,16 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPES.update({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16})
 
+# kv_cache_dtype's names besides "auto" (fp8 and fp8_e4m3 are vLLM's names of the same e4m3 codes). int8
+# and fp8 store codes with a float32 scale per token and KV head (ops/kv_cache.py).
+KV_CACHE_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -40,7 +50,8 @@ class EngineConfig:
     block_size: int = 16
     # KV cache size (of each rank); ignored when num_kv_blocks or memory_budget is given
     kv_cache_memory: int | str = "1GiB"
-    kv_cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16 halves K/V memory (fp32 math)
+    # auto: the model's dtype; bfloat16 halves K/V memory, int8 / fp8 quarter it (scales included; fp32 math)
+    kv_cache_dtype: str = "auto"
     # Commit the CPU KV cache's memory at start-up, as vLLM does (~1 s a GiB on a fresh VM), so that the
     # steps never pay it; False: pages are committed by first use (`pagedllm generate`: a one-shot run
     # that uses a few blocks of its cache starts that much sooner).
@@ -80,10 +91,9 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r}: {why}; use device='cpu'")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(
-                f"kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}"
-            )
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            choices = ["auto", *KV_CACHE_DTYPES]
+            raise ValueError(f"kv_cache_dtype must be one of {choices}, got {self.kv_cache_dtype!r}")
         if self.kv_layout not in ("paged", "contiguous"):
             raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
         if self.contiguous_reserve not in ("max", "pow2"):
@@ -131,4 +141,4 @@ class EngineConfig:
     @property
     def kv_torch_dtype(self) -> torch.dtype:
         """The dtype K/V are stored in (attention computes in float32 either way)."""
-        return self.torch_dtype if self.kv_cache_dtype == "auto" else DTYPES[self.kv_cache_dtype]
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm import ops
 from pagedllm._runtime import apply_thread_count, keep_large_allocations
 from pagedllm.engine import detokenizer
 from pagedllm.engine.beam_search import BeamSearch, Continuation
@@ -59,9 +60,9 @@ def load_shared_model(
 
 
 def kv_block_bytes(config: ModelConfig, num_kv_heads: int, dtype: torch.dtype, block_size: int) -> int:
-    """Bytes of a KV block of `block_size` tokens for `num_kv_heads` heads of every layer."""
-    bytes_per_token = 2 * config.num_layers * num_kv_heads * config.head_dim
-    return bytes_per_token * torch.tensor([], dtype=dtype).element_size() * block_size
+    """Bytes of a KV block of `block_size` tokens for `num_kv_heads` heads of every layer (K and V; a
+    quantized cache's scales included)."""
+    return 2 * config.num_layers * ops.kv_block_bytes(block_size, num_kv_heads, config.head_dim, dtype)
 
 
 @dataclass

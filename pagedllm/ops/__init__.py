@@ -25,7 +25,7 @@ from types import ModuleType
 import torch
 
 from pagedllm.ops import reference
-from pagedllm.ops.kv_cache import allocate_kv_caches
+from pagedllm.ops.kv_cache import allocate_kv_caches, kv_block_bytes
 from pagedllm.ops.reference import copy_blocks, swap_blocks
 
 BACKENDS = {"torch": "reference", "sdpa": "sdpa", "cpu": "cpu", "triton": "triton_ops"}
@@ -38,6 +38,7 @@ __all__ = [
     "get_backend_name",
     "act_and_mul",
     "allocate_kv_caches",
+    "kv_block_bytes",
     "paged_decode_attention",
     "paged_prefill_attention",
     "reset_backend_cache",

@@ -5,7 +5,9 @@ Simple enough to trust; every other backend is tested against it. Backends witho
 elementwise kernels (sdpa, triton) use these.
 
 Shapes (one layer):
-  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] views, any memory order (kv_cache.py)
+  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] views, any memory order; for a
+                    quantized cache (int8, fp8 e4m3) the codes, each row's scale after its block's
+                    codes (kv_cache.py): quantize() writes them, dequantize() reads them
   block_tables:     [num_seqs, max_blocks] int32, padded with any valid id
   context_lens:     [num_seqs] int32, tokens in the cache for each sequence, including this step's
 """
@@ -15,10 +17,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.ops.kv_cache import LARGEST_CODE, is_quantized, kv_scales
+
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x (its last dim) as codes of `dtype` and one float32 scale each, x ~ codes * scale:
+    symmetric, scale = max |row| / the largest code, codes rounded to nearest (even). An all-zero row has
+    scale 0 and codes 0; a row holding a NaN or an infinity gets a NaN scale (it reads back as NaN)."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1) / LARGEST_CODE[dtype]
+    scale = torch.where(torch.isfinite(scale), scale, torch.nan)
+    scaled = torch.where(scale[..., None] > 0, x / scale[..., None], 0.0)
+    codes = scaled.round().to(dtype) if dtype == torch.int8 else scaled.to(dtype)
+    return codes, scale
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """codes [..., D] times their rows' scales [...], in float32."""
+    return codes.float() * scale[..., None]
 
 
 def write_kv(
@@ -28,12 +49,26 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter new tokens' K/V ([T, Hkv, D]) into cache slots; slot -1 means skip."""
+    """Scatter new tokens' K/V ([T, Hkv, D]) into cache slots, quantized for a quantized cache; slot -1
+    means skip."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
-    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+    for new, cache in ((key[keep], k_cache), (value[keep], v_cache)):
+        if is_quantized(cache.dtype):
+            codes, scale = quantize(new, cache.dtype)
+            cache[blocks, offsets] = codes
+            kv_scales(cache)[blocks, offsets] = scale
+        else:
+            cache[blocks, offsets] = new.to(cache.dtype)
+
+
+def read_blocks(cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Blocks `ids` of a cache, [len(ids), block_size, Hkv, D]: in the cache's dtype, or dequantized to
+    float32 for a quantized cache."""
+    if is_quantized(cache.dtype):
+        return dequantize(cache[ids], kv_scales(cache)[ids])
+    return cache[ids]
 
 
 def gather_kv(
@@ -43,8 +78,8 @@ def gather_kv(
     block_size = k_cache.shape[1]
     num_blocks = (context_len + block_size - 1) // block_size
     ids = block_table[:num_blocks].long()
-    k = k_cache[ids].reshape(-1, *k_cache.shape[2:])[:context_len]
-    v = v_cache[ids].reshape(-1, *v_cache.shape[2:])[:context_len]
+    k = read_blocks(k_cache, ids).reshape(-1, *k_cache.shape[2:])[:context_len]
+    v = read_blocks(v_cache, ids).reshape(-1, *v_cache.shape[2:])[:context_len]
     return k, v
 
 
@@ -125,13 +160,20 @@ def swap_blocks(
     pairs: list[tuple[int, int]],
 ) -> None:
     """Copy block src of (src_k, src_v) to block dst of (dst_k, dst_v) for each (src, dst); the caches
-    share a layout and may live on different devices (swap-out to host, swap-in back)."""
+    share a shape and dtype and may live on different devices, in different memory orders (swap-out to
+    host, swap-in back). A quantized block moves with its scales: its codes (as bytes), then they."""
     if not pairs:
         return
     src = torch.tensor([p[0] for p in pairs], device=src_k.device)
     dst = torch.tensor([p[1] for p in pairs], device=dst_k.device)
     for s, d in ((src_k, dst_k), (src_v, dst_v)):
-        d.index_copy_(0, dst, s.index_select(0, src).to(d.device))
+        if s.dtype != d.dtype:
+            raise ValueError(f"cannot copy blocks of a {s.dtype} cache into a {d.dtype} one")
+        moves = [(s, d)]
+        if is_quantized(s.dtype):
+            moves = [(s.view(torch.uint8), d.view(torch.uint8)), (kv_scales(s), kv_scales(d))]
+        for a, b in moves:
+            b.index_copy_(0, dst, a.index_select(0, src).to(b.device))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:

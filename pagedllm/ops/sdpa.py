@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.ops.reference import write_kv
+from pagedllm.ops.reference import read_blocks, write_kv
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "write_kv"]
 
@@ -49,12 +49,12 @@ def paged_prefill_attention(
         ids = block_tables[s, first_block:end_block]
         skip = key_lo - first_block * block_size
         k, v = (
-            cache.index_select(0, ids)
+            read_blocks(cache, ids)
             .flatten(0, 1)[skip : skip + context_len - key_lo]
             .transpose(0, 1)
             .to(q.dtype)
             for cache in (k_cache, v_cache)
-        )  # a cache stored in another dtype than q (kv_cache_dtype) is widened here
+        )  # a cache stored in another dtype than q (kv_cache_dtype) is widened (or dequantized) here
         # [q_len, Hkv * G, D] -> [Hkv, q_len * G, D]: each kv head attends for its whole group at once.
         rows = q[starts[s] : starts[s + 1]].view(q_len, num_kv_heads, group, head_dim).transpose(0, 1)
         rows = rows.reshape(num_kv_heads, q_len * group, head_dim)

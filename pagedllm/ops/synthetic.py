@@ -6,19 +6,32 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.ops.kv_cache import allocate_kv_caches
+from pagedllm.ops.kv_cache import allocate_kv_caches, is_quantized, kv_scales
+from pagedllm.ops.reference import quantize
 
 
 @dataclass
 class PagedBatch:
     q: torch.Tensor  # [T, H, D], rows of sequence s at query_start_loc[s]:[s+1]
-    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]; slots no sequence owns hold NaN
+    # [num_blocks, block_size, Hkv, D]; slots no sequence owns hold NaN (a quantized cache: a NaN scale)
+    k_cache: torch.Tensor
     v_cache: torch.Tensor
     block_tables: torch.Tensor  # [S, max_blocks] int32, physical blocks (shuffled or not), padded with 0
     query_start_loc: torch.Tensor  # [S + 1] int32
     context_lens: torch.Tensor  # [S] int32
-    keys: list[torch.Tensor]  # per sequence [context_len, Hkv, D]: the same K, contiguous
+    # per sequence [context_len, Hkv, D]: the same K, contiguous (of a quantized cache: before quantizing)
+    keys: list[torch.Tensor]
     values: list[torch.Tensor]
+
+
+def _quantized_copy(cache: torch.Tensor, dtype: torch.dtype, head_major: bool, device) -> torch.Tensor:
+    """A cache of `dtype` codes on `device` (allocated as pagedllm allocates one, in the given memory
+    order) holding `cache`'s values quantized, row by row; NaN rows get NaN scales."""
+    ((codes, _),) = allocate_kv_caches(1, *cache.shape, dtype, device, head_major=head_major)
+    values, scales = quantize(cache, dtype)
+    codes.copy_(values.to(codes.device))
+    kv_scales(codes).copy_(scales.to(codes.device))
+    return codes
 
 
 def random_paged_batch(
@@ -34,6 +47,7 @@ def random_paged_batch(
     spare_blocks: int = 3,
     head_major: bool = False,
     scattered: bool = True,
+    kv_dtype: torch.dtype | None = None,
 ) -> PagedBatch:
     """Sequences whose blocks are scattered at random over a cache with spare (NaN-filled) blocks.
 
@@ -42,6 +56,8 @@ def random_paged_batch(
     head_major=True stores the caches' memory head-major, as pagedllm allocates them on the CPU
     (ops/kv_cache.py, on huge pages there too): the same [num_blocks, block_size, Hkv, D] views and
     values, other strides.
+    kv_dtype: a quantized dtype (int8, float8_e4m3fn) stores the caches as its codes and scales, the
+    values above quantized (in the memory order head_major says, on any device).
     """
     if len(context_lens) != len(query_lens) or any(
         q > c for q, c in zip(query_lens, context_lens, strict=True)
@@ -71,7 +87,9 @@ def random_paged_batch(
             v_cache[block, : chunk.stop - chunk.start] = v[chunk]
         keys.append(k.to(device))
         values.append(v.to(device))
-    if head_major and torch.device(device).type == "cpu":  # the engine's own memory: huge pages too
+    if kv_dtype is not None and is_quantized(kv_dtype):
+        k_cache, v_cache = (_quantized_copy(c, kv_dtype, head_major, device) for c in (k_cache, v_cache))
+    elif head_major and torch.device(device).type == "cpu":  # the engine's own memory: huge pages too
         ((k_cache, v_cache),) = [
             (k.copy_(k_cache), v.copy_(v_cache))
             for k, v in allocate_kv_caches(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, "cpu")

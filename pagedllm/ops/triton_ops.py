@@ -5,6 +5,10 @@ sequence and one kv head; its M dimension packs (row, head of the GQA group), so
 once for the whole group. Keys are gathered token by token through the block table (any block size,
 1 included) in tiles of BLOCK_N, with an online softmax in fp32. Programs find their sequence by binary
 search over cumulative tile counts, so the launch needs no host sync.
+
+A quantized cache (int8 or fp8 e4m3 codes, a float32 scale per token and KV head after each block's
+codes: kv_cache.py) is passed as its bytes (uint8) and its scales' view; the kernels decode codes to
+float32 themselves, by integer arithmetic, so that they run alike on every GPU and in the interpreter.
 """
 
 from __future__ import annotations
@@ -13,8 +17,67 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.ops.kv_cache import LARGEST_CODE, kv_scales
+
 _BLOCK_N = 32  # keys per inner iteration
 _PREFILL_BLOCK_Q = 16  # query rows per program when a sequence may have several
+# The cache's form, the kernels' FORM constexpr: values, or int8 / fp8 e4m3 codes with scales (the kernels
+# compare FORM with the literals: a jitted function reads no plain module globals).
+_VALUES, _INT8, _FP8 = 0, 1, 2
+_FORMS = {torch.int8: _INT8, torch.float8_e4m3fn: _FP8}
+_ROUNDING = tl.constexpr(12582912.0)  # 1.5 * 2^23: (x + it) - it rounds |x| < 2^22 to nearest even
+
+
+@triton.jit
+def _decode(codes, FORM: tl.constexpr):
+    """uint8 codes as float32 values before their scale: int8 two's complement, or fp8 e4m3 moved into a
+    half's bits (s.eeee.mmm -> s.0eeee.mmm0000000, 2^-8 times the value, subnormals included) times 2^8."""
+    if FORM == 1:
+        values = codes.to(tl.int8, bitcast=True).to(tl.float32)
+    else:
+        wide = codes.to(tl.uint16)
+        half = ((wide & 0x80) << 8) | ((wide & 0x7F) << 7)
+        values = half.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return values
+
+
+@triton.jit
+def _encode(x, FORM: tl.constexpr):
+    """float32 x (|x| <= the largest code) as uint8 codes, rounded to nearest even as torch rounds: int8,
+    or fp8 e4m3 (subnormals below 2^-6 in steps of 2^-9; above, the float's bits rounded to 3 mantissa
+    bits and the exponent rebiased from 127 to 7)."""
+    if FORM == 1:
+        codes = ((x + _ROUNDING) - _ROUNDING).to(tl.int32).to(tl.uint8)
+    else:
+        magnitude = tl.abs(x)
+        bits = magnitude.to(tl.int32, bitcast=True)
+        subnormal = ((magnitude * 512.0 + _ROUNDING) - _ROUNDING).to(tl.int32)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)
+        code = tl.minimum(tl.where(magnitude < 0.015625, subnormal, normal), 0x7E)
+        sign = tl.where(x.to(tl.int32, bitcast=True) < 0, 0x80, 0)
+        codes = (code | sign).to(tl.uint8)
+    return codes
+
+
+@triton.jit
+def _store_row(
+    src_ptr, cache_ptr, scale_ptr, src, dst, scale_dst, head_valid, mask, largest, FORM: tl.constexpr
+):
+    """One token's [Hkv, D] values (src offsets) into the cache (dst offsets); into a quantized cache as
+    codes, each head's row quantized as reference.quantize does, its scale to scale_dst."""
+    x = tl.load(src_ptr + src, mask=mask, other=0.0)
+    if FORM == 0:
+        tl.store(cache_ptr + dst, x, mask=mask)
+    else:
+        x = x.to(tl.float32)
+        # A row with a NaN or an infinity gets a NaN scale and codes 0 (no NaN is made here: the
+        # interpreter's numpy would warn).
+        finite = tl.min(tl.where(tl.abs(x) < float("inf"), 1, 0), 1) > 0
+        scale = tl.where(finite, tl.max(tl.abs(x), 1) / largest, float("nan"))
+        positive = scale > 0
+        scaled = tl.where(positive[:, None], x / tl.where(positive, scale, 1.0)[:, None], 0.0)
+        tl.store(cache_ptr + dst, _encode(scaled, FORM), mask=mask)
+        tl.store(scale_ptr + scale_dst, scale, mask=head_valid)
 
 
 @triton.jit
@@ -23,26 +86,38 @@ def _write_kv_kernel(
     value_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     slot_ptr,
+    largest,
     stride_kb,
     stride_ks,
     stride_kh,
+    stride_sb,
+    stride_ss,
+    stride_sh,
     BLOCK_SIZE: tl.constexpr,
+    HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    ROW: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FORM: tl.constexpr,
 ):
-    """Token t's [Hkv, D] K/V (contiguous in the source) to slot slot_mapping[t] of the strided caches."""
+    """Token t's [Hkv, D] K/V (contiguous in the source) to slot slot_mapping[t] of the strided caches;
+    into a quantized cache as codes, each head's scale to the scales' strided view."""
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
-        offs = tl.arange(0, BLOCK)
-        mask = offs < ROW
-        src = token.to(tl.int64) * ROW + offs
-        dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks
-        dst += (offs // HEAD_DIM) * stride_kh + offs % HEAD_DIM
-        tl.store(k_cache_ptr + dst, tl.load(key_ptr + src, mask=mask), mask=mask)
-        tl.store(v_cache_ptr + dst, tl.load(value_ptr + src, mask=mask), mask=mask)
+        heads = tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, BLOCK_D)[None, :]
+        head_valid = heads < HEADS
+        mask = head_valid[:, None] & (dims < HEAD_DIM)
+        src = token.to(tl.int64) * (HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims
+        block, row = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+        dst = block * stride_kb + row * stride_ks + heads[:, None] * stride_kh + dims
+        scale_dst = block * stride_sb + row * stride_ss + heads * stride_sh
+        _store_row(key_ptr, k_cache_ptr, k_scale_ptr, src, dst, scale_dst, head_valid, mask, largest, FORM)
+        _store_row(value_ptr, v_cache_ptr, v_scale_ptr, src, dst, scale_dst, head_valid, mask, largest, FORM)
 
 
 @triton.jit
@@ -65,6 +140,8 @@ def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     query_start_loc_ptr,
     tile_starts_ptr,
@@ -79,6 +156,9 @@ def _paged_attention_kernel(
     stride_kb,
     stride_ks,
     stride_kh,
+    stride_sb,
+    stride_ss,
+    stride_sh,
     stride_bt,
     GROUP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -89,6 +169,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     WIDEN: tl.constexpr,  # multiply in fp32 (Triton's interpreter mishandles bf16 tl.dot operands)
+    FORM: tl.constexpr,  # the cache's: values, int8 or fp8 e4m3 codes (then scaled as they are loaded)
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -128,7 +209,13 @@ def _paged_attention_kernel(
                 block_ids.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
             )
             kv_mask = n_valid[:, None] & d_valid[None, :]
-            k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            scale_off = (
+                block_ids.to(tl.int64) * stride_sb + (offs_n % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
+            )
+            k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0)
+            if FORM != 0:
+                k = _decode(k, FORM) * tl.load(k_scale_ptr + scale_off, mask=n_valid, other=0.0)[:, None]
+            k = k.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             visible = n_valid[None, :] & (offs_n[None, :] <= pos[:, None])
             visible = visible & ((window <= 0) | (offs_n[None, :] > pos[:, None] - window))
@@ -138,7 +225,10 @@ def _paged_attention_kernel(
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0)
+            if FORM != 0:
+                v = _decode(v, FORM) * tl.load(v_scale_ptr + scale_off, mask=n_valid, other=0.0)[:, None]
+            v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -148,6 +238,18 @@ def _paged_attention_kernel(
         )
 
 
+def _cache_operands(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[tuple, tuple, int]:
+    """What a kernel takes of the caches: (k data, v data, k scales, v scales), the scales' strides and
+    the FORM. A quantized cache goes as its bytes and its scales' views; a cache of values as itself,
+    its scales then stand-ins that are never read."""
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "K/V caches must share strides"
+    form = _FORMS.get(k_cache.dtype, _VALUES)
+    if form == _VALUES:
+        return (k_cache, v_cache, k_cache, v_cache), (0, 0, 0), form
+    k_scales, v_scales = kv_scales(k_cache), kv_scales(v_cache)
+    return (k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scales, v_scales), k_scales.stride(), form
+
+
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -155,24 +257,29 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter new tokens' K/V ([T, Hkv, D]) into cache slots; slot -1 means skip."""
+    """Scatter new tokens' K/V ([T, Hkv, D]) into cache slots (quantized for a quantized cache); slot -1
+    means skip."""
     if key.shape[0] == 0:
         return
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "K/V caches must share strides"
-    row = key.shape[1] * key.shape[2]
+    caches, scale_strides, form = _cache_operands(k_cache, v_cache)
+    source = k_cache.dtype if form == _VALUES else torch.float32  # quantized from float32, as the reference
+    num_kv_heads, head_dim = key.shape[1:]
     _write_kv_kernel[(key.shape[0],)](
-        key.to(k_cache.dtype).contiguous(),
-        value.to(v_cache.dtype).contiguous(),
-        k_cache,
-        v_cache,
+        key.to(source).contiguous(),
+        value.to(source).contiguous(),
+        *caches,
         slot_mapping.to(torch.int64),
+        LARGEST_CODE.get(k_cache.dtype, 0.0),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *scale_strides,
         BLOCK_SIZE=k_cache.shape[1],
-        HEAD_DIM=key.shape[2],
-        ROW=row,
-        BLOCK=triton.next_power_of_2(row),
+        HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        FORM=form,
     )
 
 
@@ -195,7 +302,8 @@ def _attention(
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and q.stride(2) == 1
+    assert q.stride(2) == 1
+    caches, scale_strides, form = _cache_operands(k_cache, v_cache)
     query_start_loc = query_start_loc.to(torch.int32)
     block_tables = block_tables.to(torch.int32)
     tiles = (query_start_loc[1:] - query_start_loc[:-1] + block_q - 1) // block_q
@@ -207,8 +315,7 @@ def _attention(
     _paged_attention_kernel[(max_tiles, num_kv_heads)](
         out,
         q,
-        k_cache,
-        v_cache,
+        *caches,
         block_tables,
         query_start_loc,
         tile_starts,
@@ -223,6 +330,7 @@ def _attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *scale_strides,
         block_tables.stride(0),
         GROUP=group,
         BLOCK_SIZE=k_cache.shape[1],
@@ -233,6 +341,7 @@ def _attention(
         BLOCK_N=_BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         WIDEN=triton.knobs.runtime.interpret,
+        FORM=form,
     )
     return out
 

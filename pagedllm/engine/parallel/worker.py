@@ -46,7 +46,7 @@ def run_worker(init_method: str, rank: int, world_size: int, local_rank: int) ->
             spec["model"], dtype, device, quantization=quantization, tp=tp, max_num_seqs=max_num_seqs
         ).model
         cache = json.loads(store.get("cache"))
-        kv_dtype = DTYPES[cache["dtype"]]
+        kv_dtype = getattr(torch, cache["dtype"])  # torch's name of it (Executor.start)
         runner = ModelRunner(
             model,
             cache["num_blocks"],

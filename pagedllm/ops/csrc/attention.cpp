@@ -14,8 +14,11 @@
 //            register-tiled like a GEMM: at prompt lengths the work is arithmetic, which a row at a time wastes.
 //   combine  a decode row with far more than its share of the batch's keys would keep one thread busy while
 //            the others wait, so its keys are split into parts on several threads, merged after.
-// Arithmetic is fp32; a bf16 cache is widened in registers. The query may be a strided view (e.g. the q
-// part of a fused qkv projection): only its last dimension must be contiguous.
+// Arithmetic is fp32; a bf16 cache is widened in registers. A quantized cache (int8 or fp8 e4m3 codes, a
+// float32 scale per token and kv head after each block's codes: ops/kv_cache.py) is read in place too: the
+// codes are widened in registers, and the scale multiplies a key's score (decode) or its codes (prefill
+// keys, values), or a value's weight (decode). The query may be a strided view (e.g. the q part of a fused
+// qkv projection): only its last dimension must be contiguous.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -39,14 +42,78 @@ constexpr int64_t kBlocksAhead = 1;  // how far ahead blocks are prefetched
 
 // ---- Shared: the items and the rows they read ----
 
+// Whether a cache of T holds codes with a float32 scale per row (value = code * scale) rather than values.
+template <typename T>
+constexpr bool kScaled = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn>;
+
+// Where a quantized cache's scales are (ops/kv_cache.py): after each block's codes, one float32 per row of
+// head_dim codes, in the codes' row order; so in floats, a slot's scales are slot_stride / head_dim apart
+// and a head's head_stride / head_dim.
+struct ScaleLayout {
+  int64_t codes = 0;                         // elements (bytes) of a block's codes, before its scales
+  int64_t slot_stride = 0, head_stride = 0;  // in floats
+  int64_t bytes = 0;                         // of a block's scales
+};
+
+// The ScaleLayout of a quantized cache view, checked to be one that ops/kv_cache.py allocates: dense rows of
+// codes in either memory order, room for the scales after each block's, all inside the tensor's memory.
+ScaleLayout scale_layout(const at::Tensor& cache) {
+  const int64_t block_size = cache.size(1), heads = cache.size(2), d = cache.size(3);
+  const int64_t codes = block_size * heads * d, bytes = block_size * heads * static_cast<int64_t>(sizeof(float));
+  const bool slot_major = cache.stride(1) == heads * d && cache.stride(2) == d;
+  const bool head_major = cache.stride(1) == d && cache.stride(2) == block_size * d;
+  const int64_t end = cache.storage_offset() + (cache.size(0) - 1) * cache.stride(0) + codes + bytes;
+  const auto first_scale = reinterpret_cast<uintptr_t>(cache.data_ptr()) + codes;
+  TORCH_CHECK((slot_major || head_major) && cache.stride(0) >= codes + bytes && cache.stride(0) % 4 == 0 &&
+                  first_scale % alignof(float) == 0 && end <= static_cast<int64_t>(cache.storage().nbytes()),
+              "a ", cache.scalar_type(), " KV cache must be a view allocate_kv_caches made (each block's scales "
+              "after its codes), got sizes ", cache.sizes(), " and strides ", cache.strides());
+  return {codes, cache.stride(1) / d, cache.stride(2) / d, bytes};
+}
+
+// Codes and a scale for one row of d values (ops/reference.py quantize, to the bit): symmetric, scale =
+// max |x| / the largest code, each code x / scale rounded to nearest even (int8) or to e4m3 (c10's
+// conversion, torch's own); a zero row has scale 0 and codes 0, a row with a NaN or an infinity a NaN scale.
+template <typename S, typename D>
+void quantize_row(const S* x, D* codes, float* scale, int64_t d) {
+  constexpr float kLargest = std::is_same_v<D, int8_t> ? 127.f : 448.f;
+  float largest = 0.f;
+  bool finite = true;
+  for (int64_t i = 0; i < d; ++i) {
+    const float v = static_cast<float>(x[i]);
+    largest = std::max(largest, std::fabs(v));
+    finite = finite && std::isfinite(v);
+  }
+  const float s = finite ? largest / kLargest : std::numeric_limits<float>::quiet_NaN();
+  *scale = s;
+  for (int64_t i = 0; i < d; ++i) {
+    const float v = s > 0.f ? static_cast<float>(x[i]) / s : 0.f;
+    if constexpr (std::is_same_v<D, int8_t>) {
+      codes[i] = static_cast<int8_t>(std::nearbyint(v));
+    } else {
+      codes[i] = D(v);
+    }
+  }
+}
+
 // Key/value rows of one sequence and `heads` kv heads from the first, addressed through its block table.
 template <typename T>
 struct PagedRows {
   const int32_t* table;
   int64_t block_size, block_stride, slot_stride, head_stride, first_head, heads, head_dim;
+  ScaleLayout scales;  // a quantized cache's
 
   const T* block_start(const T* cache, int64_t b) const {
     return cache + static_cast<int64_t>(table[b]) * block_stride + first_head * head_stride;
+  }
+  // The scale of block b's first row of the first head (a quantized cache's; nullptr otherwise).
+  const float* block_scales(const T* cache, int64_t b) const {
+    if constexpr (kScaled<T>) {
+      const T* codes_end = cache + static_cast<int64_t>(table[b]) * block_stride + scales.codes;
+      return reinterpret_cast<const float*>(codes_end) + first_head * scales.head_stride;
+    } else {
+      return nullptr;
+    }
   }
 
   // Asks for block b's rows of [lo, hi), every head's, to be brought into the cache ahead of use.
@@ -59,10 +126,16 @@ struct PagedRows {
       for (int64_t j = 0; j < rows; ++j)
         for (int64_t off = 0; off < bytes; off += 64)
           _mm_prefetch(start + (h * head_stride + j * slot_stride) * sizeof(T) + off, _MM_HINT_T1);
+    if constexpr (kScaled<T>) {  // all the block's scales (every head's): a few lines
+      const char* all = reinterpret_cast<const char*>(cache + table[b] * block_stride + scales.codes);
+      for (int64_t off = 0; off < scales.bytes; off += 64) _mm_prefetch(all + off, _MM_HINT_T1);
+    }
   }
 
-  // fn(t0, t1, row_t0) for each block's share [t0, t1) of [lo, hi); token rows are slot_stride apart and
-  // row_t0 is the first head's (head h's rows start h * head_stride further).
+  // fn(t0, t1, row_t0, scale_t0) for each block's share [t0, t1) of [lo, hi); token rows are slot_stride
+  // apart and row_t0 is the first head's (head h's rows start h * head_stride further); for a quantized
+  // cache, scale_t0 is row_t0's scale (token j's of head h at j * scales.slot_stride + h * scales.head_stride
+  // from it), else nullptr.
   // Blocks are scattered in memory, so the hardware cannot guess the next one: with Prefetch, each is
   // prefetched kBlocksAhead blocks before its turn. For decode, which memory's rate for random runs limits,
   // how far ahead (or whether) made little difference; a prefill tile, which does much more arithmetic a
@@ -76,7 +149,8 @@ struct PagedRows {
       if constexpr (Prefetch) prefetch(cache, b + kBlocksAhead, hi);
       const int64_t first = b * block_size, next = first + block_size;
       const int64_t t0 = std::max(lo, first);
-      fn(t0, std::min(hi, next), block_start(cache, b) + (t0 - first) * slot_stride);
+      const float* scale_t0 = kScaled<T> ? block_scales(cache, b) + (t0 - first) * scales.slot_stride : nullptr;
+      fn(t0, std::min(hi, next), block_start(cache, b) + (t0 - first) * slot_stride, scale_t0);
     }
   }
 };
@@ -100,6 +174,7 @@ struct Batch {
   const int32_t* lens;    // context_lens
   int64_t num_seqs, num_heads, group, head_dim, q_row_stride, q_head_stride;
   int64_t num_blocks, max_blocks, block_size, block_stride, slot_stride, head_stride;
+  ScaleLayout scales;  // a quantized cache's (K and V share it)
   double scale;
   int64_t window;  // 0: none
 
@@ -110,7 +185,8 @@ struct Batch {
   int64_t keys_of(int64_t s) const { return window > 0 ? std::min<int64_t>(window, lens[s]) : lens[s]; }
   int64_t blocks_of(int64_t s) const { return (lens[s] + block_size - 1) / block_size; }
   PagedRows<TKV> paged(int64_t s, int64_t first_head, int64_t heads) const {
-    return {tables + s * max_blocks, block_size, block_stride, slot_stride, head_stride, first_head, heads, head_dim};
+    return {tables + s * max_blocks, block_size, block_stride, slot_stride, head_stride, first_head, heads, head_dim,
+            scales};
   }
 };
 
@@ -139,6 +215,7 @@ Batch<TQ, TKV> batch_of(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
       .block_stride = k_cache.stride(0),
       .slot_stride = k_cache.stride(1),
       .head_stride = k_cache.stride(2),
+      .scales = kScaled<TKV> ? scale_layout(k_cache) : ScaleLayout{},
       .scale = scale,
       .window = window,
   };
@@ -378,9 +455,16 @@ inline float exp_shifted_sum(float* x, int64_t count, float max_value) {
   return reduce_add(sum);
 }
 
+// x[t] *= scale[t * stride] for t in [0, count): a quantized block's scales applied to the scores of its
+// keys, or to the weights of its values, of one query head.
+inline void scale_by_rows(float* x, const float* scale, int64_t stride, int64_t count) {
+  for (int64_t t = 0; t < count; ++t) x[t] *= scale[t * stride];
+}
+
 // One query row (a decode step's, or a prompt tile's when it holds one) against the item's kv heads, both
 // passes over its keys blockwise, every kv head's rows of a block in turn. Writes the row to out, or for a
-// part of a split row, its partial sums to `partial`.
+// part of a split row, its partial sums to `partial`. A quantized cache's scales multiply each key's
+// scores (q . (c s) = (q . c) s) and each value's weights, so the inner loops only widen codes.
 template <int C, typename TQ, typename TKV>
 void decode_row(const Batch<TQ, TKV>& b, const WorkItem& it, float* partial) {
   const KeyRange range = key_range(b, it);
@@ -403,7 +487,7 @@ void decode_row(const Batch<TQ, TKV>& b, const WorkItem& it, float* partial) {
 
   // Pass 1: scores of every head against every key of [lo, hi). Each block of keys is loaded once and
   // scored against all its kv head's query heads, kRows at a time.
-  paged.for_each_block(b.k_cache, lo, hi, [&](int64_t t0, int64_t t1, const TKV* k_rows) {
+  paged.for_each_block(b.k_cache, lo, hi, [&](int64_t t0, int64_t t1, const TKV* k_rows, const float* k_scales) {
     for (int64_t hl = 0; hl < it.kv_heads; ++hl) {
       for (int64_t m0 = hl * group; m0 < (hl + 1) * group; m0 += kRows) {
         with_count<kRows>((hl + 1) * group - m0, [&](auto n) {
@@ -411,6 +495,10 @@ void decode_row(const Batch<TQ, TKV>& b, const WorkItem& it, float* partial) {
                            b.slot_stride, t1 - t0, d);
         });
       }
+      if constexpr (kScaled<TKV>)
+        for (int64_t m = hl * group; m < (hl + 1) * group; ++m)
+          scale_by_rows(&scores[m * span + t0 - lo], k_scales + hl * b.scales.head_stride, b.scales.slot_stride,
+                        t1 - t0);
     }
   });
   // Softmax: the row sees every key of [lo, hi).
@@ -419,9 +507,14 @@ void decode_row(const Batch<TQ, TKV>& b, const WorkItem& it, float* partial) {
     row_max[i] = *std::max_element(s, s + span);
     row_sum[i] = exp_shifted_sum(s, span, row_max[i]);
   }
-  // Pass 2: weighted sum of V rows, block by block, kRows accumulator rows at a time.
-  paged.for_each_block(b.v_cache, lo, hi, [&](int64_t t0, int64_t t1, const TKV* v_rows) {
+  // Pass 2: weighted sum of V rows, block by block, kRows accumulator rows at a time (for a quantized
+  // cache, the weights times the values' scales first: the sums above are of the weights alone).
+  paged.for_each_block(b.v_cache, lo, hi, [&](int64_t t0, int64_t t1, const TKV* v_rows, const float* v_scales) {
     for (int64_t hl = 0; hl < it.kv_heads; ++hl) {
+      if constexpr (kScaled<TKV>)
+        for (int64_t m = hl * group; m < (hl + 1) * group; ++m)
+          scale_by_rows(&scores[m * span + t0 - lo], v_scales + hl * b.scales.head_stride, b.scales.slot_stride,
+                        t1 - t0);
       for (int64_t m0 = hl * group; m0 < (hl + 1) * group; m0 += kRows) {
         with_count<kRows>((hl + 1) * group - m0, [&](auto n) {
           accumulate_rows<n, C>(&acc[m0 * d], &scores[m0 * span + t0 - lo], span, v_rows + hl * b.head_stride,
@@ -482,11 +575,16 @@ inline void weighted_sum(TQ* const* dst, const float* inv, const float* w, int64
   for (auto& row : acc)
     for (auto& a : row) a = VecF::zero();
   auto sum_keys = [&](auto full) {
-    paged.template for_each_block<false>(v_cache, lo, hi, [&](int64_t t0, int64_t t1, const TKV* v_rows) {
+    paged.template for_each_block<false>(v_cache, lo, hi, [&](int64_t t0, int64_t t1, const TKV* v_rows,
+                                                              const float* v_scales) {
       for (int64_t t = t0; t < t1; ++t) {
         const TKV* x = v_rows + (t - t0) * paged.slot_stride + i0;
         VecF xv[kSumVecs];
         for (int g = 0; g < kSumVecs; ++g) xv[g] = full ? VecF::load(x + g * W) : VecF::load(x + g * W, widths[g]);
+        if constexpr (kScaled<TKV>) {  // the codes dequantized in registers
+          const VecF s = VecF::set1(v_scales[(t - t0) * paged.scales.slot_stride]);
+          for (int g = 0; g < kSumVecs; ++g) xv[g] = xv[g] * s;
+        }
         const float* wt = w + (t - lo) * mp;
         for (int r = 0; r < N; ++r) {
           const VecF wv = VecF::set1(wt[r]);
@@ -532,8 +630,10 @@ void prefill_tile(const Batch<TQ, TKV>& b, const WorkItem& it) {
     const TQ* src = b.q + row * b.q_row_stride + head * b.q_head_stride;
     for (int64_t i = 0; i < d; ++i) qt[i * mp + m] = static_cast<float>(src[i]) * scale;
   }
-  // Pass 1: scores, kScoreKeys keys by kScoreVecs vectors of rows at a time; a bf16 block is widened first.
-  paged.template for_each_block<false>(b.k_cache, lo, hi, [&](int64_t t0, int64_t t1, const TKV* k_rows) {
+  // Pass 1: scores, kScoreKeys keys by kScoreVecs vectors of rows at a time; a bf16 block is widened first,
+  // a quantized one dequantized.
+  paged.template for_each_block<false>(b.k_cache, lo, hi, [&](int64_t t0, int64_t t1, const TKV* k_rows,
+                                                              const float* k_scales) {
     const float* k = nullptr;
     int64_t k_stride = d;
     if constexpr (std::is_same_v<TKV, float>) {
@@ -541,10 +641,13 @@ void prefill_tile(const Batch<TQ, TKV>& b, const WorkItem& it) {
       k_stride = paged.slot_stride;
     } else {
       keys.resize((t1 - t0) * d);
-      for (int64_t t = 0; t < t1 - t0; ++t)
+      for (int64_t t = 0; t < t1 - t0; ++t) {
+        const VecF s = VecF::set1(kScaled<TKV> ? k_scales[t * paged.scales.slot_stride] : 1.f);
         for_each_chunk(d, [&](int64_t i, int n) {
-          store(load(k_rows + t * paged.slot_stride + i, n), &keys[t * d + i], n);
+          const VecF x = load(k_rows + t * paged.slot_stride + i, n);
+          store(kScaled<TKV> ? x * s : x, &keys[t * d + i], n);
         });
+      }
       k = keys.data();
     }
     for (int64_t t = t0; t < t1; t += kScoreKeys) {
@@ -689,26 +792,38 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   auto run = [&](auto q_tag, auto kv_tag) {
     using TQ = decltype(q_tag);
     using TKV = decltype(kv_tag);
+    if constexpr (kScaled<TKV>) scale_layout(v_cache);  // checked like k_cache's (batch_of)
     const Batch<TQ, TKV> batch =
         batch_of<TQ, TKV>(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window);
     with_head_vectors(q.size(2), [&](auto c) { attention_kernel<c>(batch); });
   };
+  // A quantized cache under either query dtype.
+  auto run_quantized = [&](auto q_tag) {
+    if (kv_type == at::kChar) return run(q_tag, int8_t{});
+    run(q_tag, c10::Float8_e4m3fn{});
+  };
+  const bool quantized = kv_type == at::kChar || kv_type == at::kFloat8_e4m3fn;
   if (q_type == at::kFloat && kv_type == at::kFloat) {
     run(float{}, float{});
   } else if (q_type == at::kFloat && kv_type == at::kBFloat16) {
     run(float{}, c10::BFloat16{});
   } else if (q_type == at::kBFloat16 && kv_type == at::kBFloat16) {
     run(c10::BFloat16{}, c10::BFloat16{});
+  } else if (q_type == at::kFloat && quantized) {
+    run_quantized(float{});
+  } else if (q_type == at::kBFloat16 && quantized) {
+    run_quantized(c10::BFloat16{});
   } else {
     TORCH_CHECK(false, "unsupported dtypes: q ", q_type, ", cache ", kv_type,
-                " (fp32/fp32, fp32/bf16 or bf16/bf16)");
+                " (fp32/fp32, fp32/bf16, bf16/bf16, or fp32 or bf16 over an int8 or fp8 e4m3 cache)");
   }
 }
 
 // Copies token t's K/V heads ([Hkv, D] each) into flat slot slot_mapping[t] (block slot / block_size,
 // row slot % block_size of the [num_blocks, block_size, Hkv, D] cache view, whatever its memory order);
 // slot -1 is skipped. Key and value may be strided views of a fused projection (token rows any distance
-// apart) and of another dtype than the cache (converted while copying).
+// apart) and of another dtype than the cache (converted while copying, or quantized into a quantized
+// cache: each row's codes, and its scale where ops/kv_cache.py puts it).
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides() &&
@@ -730,6 +845,11 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
   auto copy = [&](auto src_tag, auto dst_tag) {
     using S = decltype(src_tag);
     using D = decltype(dst_tag);
+    ScaleLayout scales;
+    if constexpr (kScaled<D>) {
+      scale_layout(v_cache);
+      scales = scale_layout(k_cache);
+    }
     // Tokens split across threads (a prompt's thousands; a decode step's few run inline).
     const int64_t tokens_per_task = grain_by_wake_cost(2 * heads * d, 1 << 15);
     at::parallel_for(0, slot_mapping.size(0), tokens_per_task, [&](int64_t begin, int64_t end) {
@@ -738,11 +858,17 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
         D* base = dst->template data_ptr<D>();
         for (int64_t t = begin; t < end; ++t) {
           if (slots[t] < 0) continue;
-          D* row = base + (slots[t] / block_size) * dst->stride(0) + (slots[t] % block_size) * dst->stride(1);
+          D* block = base + (slots[t] / block_size) * dst->stride(0);
+          const int64_t j = slots[t] % block_size;
           for (int64_t h = 0; h < heads; ++h) {
             const S* from = s + t * src->stride(0) + h * src->stride(1);
-            D* to = row + h * dst->stride(2);
-            for_each_chunk(d, [&](int64_t i, int n) { store(load(from + i, n), to + i, n); });
+            D* to = block + j * dst->stride(1) + h * dst->stride(2);
+            if constexpr (kScaled<D>) {
+              float* scale = reinterpret_cast<float*>(block + scales.codes) + j * scales.slot_stride;
+              quantize_row(from, to, scale + h * scales.head_stride, d);
+            } else {
+              for_each_chunk(d, [&](int64_t i, int n) { store(load(from + i, n), to + i, n); });
+            }
           }
         }
       }
@@ -755,6 +881,17 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
     copy(float{}, c10::BFloat16{});
   } else if (src_type == at::kBFloat16 && dst_type == at::kBFloat16) {
     copy(c10::BFloat16{}, c10::BFloat16{});
+  } else if ((src_type == at::kFloat || src_type == at::kBFloat16) &&
+             (dst_type == at::kChar || dst_type == at::kFloat8_e4m3fn)) {
+    auto into = [&](auto src_tag) {
+      if (dst_type == at::kChar) return copy(src_tag, int8_t{});
+      copy(src_tag, c10::Float8_e4m3fn{});
+    };
+    if (src_type == at::kFloat) {
+      into(float{});
+    } else {
+      into(c10::BFloat16{});
+    }
   } else {
     TORCH_CHECK(false, "unsupported dtypes: key ", src_type, ", cache ", dst_type);
   }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -11,6 +12,22 @@
 #include <type_traits>
 
 namespace pagedllm {
+
+// fp8 e4m3 codes (one per 16-bit lane, zero-extended) as the bits of half-precision floats 2^-8 times
+// their values: s.eeee.mmm becomes s.0eeee.mmm0000000, which with the half's bias of 15 instead of 7 is
+// the same number over 2^8, subnormals included, so a conversion to float and a multiply by 2^8 give the
+// value exactly (no CPU here converts fp8 itself). The NaN codes 0x7f / 0xff read as +-480, but are never
+// written: a row holding a NaN is stored as codes 0 with a NaN scale.
+#if defined(PAGEDLLM_AVX512)
+inline __m256i e4m3_as_half_bits(__m256i b) {
+  return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                         _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+}
+#endif
+inline __m128i e4m3_as_half_bits(__m128i b) {
+  return _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                      _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+}
 
 #if defined(PAGEDLLM_AVX512)
 
@@ -54,6 +71,17 @@ struct VecF {
   static VecF load(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
+  static VecF load(const int8_t* p, int n) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask(n), p)));
+  }
+  // kWidth fp8 e4m3 values as floats, exactly (see e4m3_as_half_bits).
+  static VecF from_e4m3(__m128i bytes) {
+    return _mm512_mul_ps(_mm512_cvtph_ps(e4m3_as_half_bits(_mm256_cvtepu8_epi16(bytes))), _mm512_set1_ps(256.f));
+  }
+  static VecF load(const c10::Float8_e4m3fn* p) {
+    return from_e4m3(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static VecF load(const c10::Float8_e4m3fn* p, int n) { return from_e4m3(_mm_maskz_loadu_epi8(mask(n), p)); }
   // kWidth bytes: their low nibbles and their high nibbles, as floats.
   static void load_nibbles(const uint8_t* p, VecF& low, VecF& high) {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -152,6 +180,23 @@ struct VecF {
   // kWidth int8 values as floats.
   static VecF load(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static VecF load(const int8_t* p, int n) {
+    alignas(8) int8_t tmp[8] = {0};
+    std::memcpy(tmp, p, n);
+    return load(tmp);
+  }
+  // kWidth fp8 e4m3 values as floats, exactly (see e4m3_as_half_bits).
+  static VecF from_e4m3(__m128i bytes) {
+    return _mm256_mul_ps(_mm256_cvtph_ps(e4m3_as_half_bits(_mm_cvtepu8_epi16(bytes))), _mm256_set1_ps(256.f));
+  }
+  static VecF load(const c10::Float8_e4m3fn* p) {
+    return from_e4m3(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static VecF load(const c10::Float8_e4m3fn* p, int n) {
+    alignas(8) uint8_t tmp[8] = {0};
+    std::memcpy(tmp, p, n);
+    return from_e4m3(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tmp)));
   }
   // kWidth bytes: their low nibbles and their high nibbles, as floats.
   static void load_nibbles(const uint8_t* p, VecF& low, VecF& high) {
