@@ -124,12 +124,12 @@ TENSOR_INDEX = "gguf_tensors.json"  # in the converted folder: where each tensor
 def gguf_blocks(gguf_path: Path, folder: Path) -> Iterator[tuple[str, Any]]:
     """A GGUF file's tensors under Hugging Face names, quantized ones still in their blocks (GGUFBlocks).
 
-    Each tensor is its own memory map of the file, made when the iterator reaches it: its pages are read
-    only when its values are, and leave the process's memory with the last reference to it (the file's
-    tensors are not all held mapped while a model's storage is built from them). Where each tensor lies
-    comes from the index in the converted `folder` (which is keyed by the file's size and mtime); a folder
-    without one (an older cache, a test) gets it now. GGUFReader parses every metadata field, a 151,936-
-    entry vocabulary included, so a load with an index parses nothing.
+    Each tensor is its own memory map of the file (copy-on-write), made when the iterator reaches it: its
+    pages are read only when its values are, and leave the process's memory with the last reference to
+    it, so the whole file is never held mapped while a model's storage is built from it. Where each
+    tensor lies comes from the index in the converted `folder` (keyed by the file's size and mtime); a
+    folder without one (an older cache) gets it now. Only that needs GGUFReader, which parses every
+    metadata field (Qwen2.5's 151,936-entry vocabulary included).
     """
     config = json.loads((folder / "config.json").read_text())
     index = _tensor_index(gguf_path, folder)
