@@ -1,7 +1,8 @@
 """A minimal paged runner for model tests: block tables by hand, one forward per step, greedy decoding.
 
 Deliberately independent of pagedllm.engine: it drives the model interface directly
-(model(input_ids, positions, meta) -> hidden, model.compute_logits(hidden) -> logits).
+(model(input_ids, positions, meta) -> hidden, model.compute_logits(hidden) -> logits). Also a writer of
+tiny models as GGUF files the way llama.cpp names them.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pagedllm.models.attention import AttentionMetadata
@@ -130,3 +132,58 @@ def hf_logits(hf_model, prompt: list[int], tail: int = 0) -> torch.Tensor:
     """Float32 logits of one prompt from a plain Hugging Face forward: every position, or the last `tail`."""
     with torch.inference_mode():
         return hf_model(torch.tensor([prompt]), logits_to_keep=tail).logits[0].float()
+
+
+def _permute_like_llama_cpp(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of Q/K rows (the forward direction)."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf_model, path, arch: str = "llama", qtype=None) -> None:
+    """A GGUF of a tiny Llama-family model, named the way llama.cpp writes one (no tokenizer): Q/K rows
+    permuted for `arch` "llama" (Qwen2's NeoX-style RoPE keeps them), matrices in ggml type `qtype`
+    (default float32), norms and biases float32."""
+    import gguf
+
+    cfg = hf_model.config
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(
+        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    )
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    names |= {f"self_attn.{p}_proj": f"attn_{p}" for p in "qkv"} | {"self_attn.o_proj": "attn_output"}
+    names |= {f"mlp.{p}_proj": f"ffn_{p}" for p in ("gate", "up", "down")}
+    for name, tensor in hf_model.state_dict().items():
+        w = tensor.numpy()
+        if name.startswith("model.layers."):
+            layer, rest = name[len("model.layers.") :].split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            if arch == "llama" and module == "self_attn.q_proj":
+                w = _permute_like_llama_cpp(w, cfg.num_attention_heads)
+            elif arch == "llama" and module == "self_attn.k_proj":
+                w = _permute_like_llama_cpp(w, cfg.num_key_value_heads)
+            gguf_name = f"blk.{layer}.{names[module]}.{kind}"
+        else:
+            gguf_name = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+            }
+            gguf_name = gguf_name.get(name, "output.weight")
+        w = np.ascontiguousarray(w)
+        if qtype is not None and w.ndim == 2:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

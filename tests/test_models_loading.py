@@ -6,11 +6,10 @@ import json
 import sys
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader
-from models_helpers import PagedCache, forward_chunks, hf_logits
+from models_helpers import PagedCache, forward_chunks, hf_logits, write_gguf
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -56,69 +55,30 @@ def test_sharded_folder_loads_like_single_file(tiny_hf, tmp_path):
     torch.testing.assert_close(_logits(load_model(str(tmp_path)).model, ids), hf_logits(tiny_hf, ids))
 
 
-def _permute_like_llama_cpp(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf permutation of Q/K rows (the forward direction)."""
-    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _write_gguf(hf_model, path, arch: str = "llama") -> None:
-    """A float32 GGUF of a tiny Llama, named and permuted the way llama.cpp writes one (no tokenizer)."""
-    import gguf
-
-    cfg = hf_model.config
-    writer = gguf.GGUFWriter(str(path), arch=arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_rope_dimension_count(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-    names |= {f"self_attn.{p}_proj": f"attn_{p}" for p in "qkv"} | {"self_attn.o_proj": "attn_output"}
-    names |= {f"mlp.{p}_proj": f"ffn_{p}" for p in ("gate", "up", "down")}
-    for name, tensor in hf_model.state_dict().items():
-        w = tensor.numpy()
-        if name.startswith("model.layers."):
-            layer, rest = name[len("model.layers.") :].split(".", 1)
-            module, kind = rest.rsplit(".", 1)
-            if module == "self_attn.q_proj":
-                w = _permute_like_llama_cpp(w, cfg.num_attention_heads)
-            elif module == "self_attn.k_proj":
-                w = _permute_like_llama_cpp(w, cfg.num_key_value_heads)
-            gguf_name = f"blk.{layer}.{names[module]}.{kind}"
-        else:
-            gguf_name = {
-                "model.embed_tokens.weight": "token_embd.weight",
-                "model.norm.weight": "output_norm.weight",
-            }
-            gguf_name = gguf_name.get(name, "output.weight")
-        writer.add_tensor(gguf_name, np.ascontiguousarray(w))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def test_gguf_is_converted_once_and_matches_hf_gguf_load(tiny_hf, tmp_path, monkeypatch):
+    """The first load converts the metadata (config, tensor index) once; the weights are read from the
+    file itself, and only a float load (quantization=None) writes a float32 copy, once."""
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "tiny.gguf"
-    _write_gguf(tiny_hf, path)
+    write_gguf(tiny_hf, path)
     parses = []
     monkeypatch.setattr(gguf, "GGUFReader", lambda *args: parses.append(args) or GGUFReader(*args))
     first = load_model(str(path))
     assert first.path.parent == cache_root() and first.tokenizer is None
     assert len(parses) == 1  # the conversion keeps the tensor index: loading the blocks parses nothing
-    mtime = (first.path / "model.safetensors").stat().st_mtime_ns
+    assert not (first.path / "model.safetensors").exists()
     second = load_model(str(path))
-    assert len(parses) == 1
-    assert second.path == first.path and (second.path / "model.safetensors").stat().st_mtime_ns == mtime
+    assert len(parses) == 1 and second.path == first.path
+    floats = load_model(str(path), quantization=None)
+    assert len(parses) == 2 and floats.path == first.path
+    mtime = (floats.path / "model.safetensors").stat().st_mtime_ns
+    assert load_model(str(path), quantization=None).path == first.path and len(parses) == 2
+    assert (floats.path / "model.safetensors").stat().st_mtime_ns == mtime
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
     ids = list(range(5, 50))
-    torch.testing.assert_close(_logits(second.model, ids), hf_logits(hf.eval(), ids), atol=1e-4, rtol=1e-4)
+    expected = hf_logits(hf.eval(), ids)
+    for loaded in (second, floats):
+        torch.testing.assert_close(_logits(loaded.model, ids), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_unknown_architectures_are_named(tiny_folder, tmp_path, monkeypatch):
@@ -129,7 +89,7 @@ def test_unknown_architectures_are_named(tiny_folder, tmp_path, monkeypatch):
         load_model(str(tiny_folder))
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'falcon'"):
-        _write_gguf(AutoModelForCausalLM.from_config(LlamaConfig(**TINY)), tmp_path / "f.gguf", arch="falcon")
+        write_gguf(AutoModelForCausalLM.from_config(LlamaConfig(**TINY)), tmp_path / "f.gguf", arch="falcon")
         load_model(str(tmp_path / "f.gguf"))
 
 

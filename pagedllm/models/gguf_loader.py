@@ -1,10 +1,13 @@
-"""Convert a GGUF file into a Hugging Face style folder (config.json, model.safetensors, tokenizer), once.
+"""A GGUF file as a Hugging Face style folder (config.json, tokenizer, an index of the file's tensors), once.
 
-Weights are dequantized to float32 with the `gguf` package and renamed to Hugging Face names, undoing
-two llama.cpp conventions: the Q/K row permutation of Llama-family models and Gemma's stored (1 + w)
-norm weights. The folder is cached under the cache root, keyed by the file's size and mtime, so a
-second load reads plain safetensors. For quantization="gguf" the loader reads the file itself instead
-(gguf_blocks): the same names and row order, quantized tensors still in their blocks.
+The folder is cached under the cache root, keyed by the file's size and mtime, and holds no weights: the
+loader reads them from the GGUF file itself (gguf_blocks), under Hugging Face names, quantized tensors
+still in their blocks, each mapped from the file when it is read. Only where float weights are asked for
+(quantization=None, or a tool that reads a Hugging Face folder) is a float32 copy written beside them,
+once (write_float_weights): dequantized with the `gguf` package, undoing two llama.cpp conventions, the
+Q/K row permutation of Llama-family models and Gemma's stored (1 + w) norm weights. Names follow
+llama.cpp's (gguf-py's MODEL_TENSORS): Qwen2 uses Llama's, with q/k/v biases and no Q/K permutation
+(NeoX-style RoPE, as Hugging Face's rotate_half).
 """
 
 from __future__ import annotations
@@ -64,13 +67,13 @@ def cache_root() -> Path:
 
 
 def converted_folder(gguf_path: Path) -> Path:
-    """The cached Hugging Face style folder for a GGUF file, converting it on first use."""
+    """The cached folder for a GGUF file (config, tokenizer, tensor index; no weights), made on first use."""
     stat = gguf_path.stat()
     key = f"{stat.st_size}-{stat.st_mtime_ns}-{CONVERTER_VERSION}"
     folder = cache_root() / f"{gguf_path.stem}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
     if (folder / "config.json").exists():
         return folder
-    logger.info("converting %s into %s (first load only)", gguf_path, folder)
+    logger.info("converting the metadata of %s into %s (first load only)", gguf_path, folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
     try:
@@ -81,6 +84,29 @@ def converted_folder(gguf_path: Path) -> Path:
         if not (folder / "config.json").exists():  # else another process finished the same conversion
             raise
     return folder
+
+
+FLOAT_WEIGHTS = "model.safetensors"
+
+
+def write_float_weights(gguf_path: Path, folder: Path) -> None:
+    """Write the file's weights, dequantized to float32, into `folder` as model.safetensors, unless there."""
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+
+    target = folder / FLOAT_WEIGHTS
+    if target.is_file():
+        return
+    logger.info("writing a float32 copy of %s into %s (first float load only)", gguf_path, folder)
+    reader = GGUFReader(gguf_path)
+    config = json.loads((folder / "config.json").read_text())
+    tensors = dict(hf_tensors(*_architecture_and_tensors(reader), config))
+    temporary = target.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        save_file(tensors, temporary, metadata={"format": "pt"})
+        os.replace(temporary, target)  # atomic: another process may write the same copy at once
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -98,36 +124,49 @@ TENSOR_INDEX = "gguf_tensors.json"  # in the converted folder: where each tensor
 def gguf_blocks(gguf_path: Path, folder: Path) -> Iterator[tuple[str, Any]]:
     """A GGUF file's tensors under Hugging Face names, quantized ones still in their blocks (GGUFBlocks).
 
-    GGUFReader parses every metadata field, the tokenizer's 49,152-entry vocabulary included (4 s of a
-    SmolLM2 load); the tensor index it finds is kept in the converted `folder` (which is keyed by the
-    file's size and mtime) and later loads map the tensors from it directly.
+    Each tensor is its own memory map of the file (copy-on-write), made when the iterator reaches it: its
+    pages are read only when its values are, and leave the process's memory with the last reference to
+    it, so the whole file is never held mapped while a model's storage is built from it. Where each
+    tensor lies comes from the index in the converted `folder` (keyed by the file's size and mtime); a
+    folder without one (an older cache) gets it now. Only that needs GGUFReader, which parses every
+    metadata field (Qwen2.5's 151,936-entry vocabulary included).
     """
     config = json.loads((folder / "config.json").read_text())
+    index = _tensor_index(gguf_path, folder)
+    tensors = (
+        GGUFTensor(
+            t["name"],
+            GGMLQuantizationType(t["type"]),
+            np.memmap(gguf_path, mode="c", offset=t["offset"], shape=t["bytes"], dtype=np.uint8)
+            .view(t["dtype"])
+            .reshape(t["shape"]),
+        )
+        for t in index["tensors"]
+    )
+    return hf_tensors(index["architecture"], tensors, config, keep_blocks=True)
+
+
+def gguf_tensor_bytes(gguf_path: Path, folder: Path) -> int:
+    """Bytes of the GGUF file's tensors (what its weights take in the file)."""
+    return sum(t["bytes"] for t in _tensor_index(gguf_path, folder)["tensors"])
+
+
+def _tensor_index(gguf_path: Path, folder: Path) -> dict[str, Any]:
     index_path = folder / TENSOR_INDEX
     if index_path.is_file():
-        index = json.loads(index_path.read_text())
-        mapped = np.memmap(gguf_path, mode="r")
-        tensors = [
-            GGUFTensor(
-                t["name"],
-                GGMLQuantizationType(t["type"]),
-                mapped[t["offset"] : t["offset"] + t["bytes"]].view(t["dtype"]).reshape(t["shape"]),
-            )
-            for t in index["tensors"]
-        ]
-        return hf_tensors(index["architecture"], tensors, config, keep_blocks=True)
+        return json.loads(index_path.read_text())
     from gguf import GGUFReader
 
-    reader = GGUFReader(gguf_path)
+    index = tensor_index(GGUFReader(gguf_path))
     try:
-        write_tensor_index(reader, folder)
+        write_tensor_index(index, folder)
     except OSError as error:  # a read-only cache: every load parses the file
         logger.warning("could not keep the GGUF tensor index in %s: %s", folder, error)
-    return hf_tensors(*_architecture_and_tensors(reader), config, keep_blocks=True)
+    return index
 
 
-def write_tensor_index(reader: Any, folder: Path) -> None:
-    """Keep where each tensor of the parsed GGUF file lies in it, in `folder` (see gguf_blocks)."""
+def tensor_index(reader: Any) -> dict[str, Any]:
+    """Where each tensor of a parsed GGUF file lies in it (see gguf_blocks)."""
     entries = [
         {
             "name": t.name,
@@ -139,7 +178,10 @@ def write_tensor_index(reader: Any, folder: Path) -> None:
         }
         for t in reader.tensors
     ]
-    index = {"architecture": _field(reader, "general.architecture"), "tensors": entries}
+    return {"architecture": _field(reader, "general.architecture"), "tensors": entries}
+
+
+def write_tensor_index(index: dict[str, Any], folder: Path) -> None:
     temporary = (folder / TENSOR_INDEX).with_suffix(f".{os.getpid()}.tmp")
     temporary.write_text(json.dumps(index))
     os.replace(temporary, folder / TENSOR_INDEX)  # another process may write the same index at once
@@ -147,15 +189,11 @@ def write_tensor_index(reader: Any, folder: Path) -> None:
 
 def _convert(gguf_path: Path, out: Path) -> None:
     from gguf import GGUFReader
-    from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
     reader = GGUFReader(gguf_path)
-    config = hf_config(reader)
-    tensors = dict(hf_tensors(*_architecture_and_tensors(reader), config))
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    write_tensor_index(reader, out)  # the first load of the blocks then needs no second parse
+    (out / "config.json").write_text(json.dumps(hf_config(reader), indent=2))
+    write_tensor_index(tensor_index(reader), out)  # loading the blocks then needs no second parse
     if "tokenizer.ggml.model" in reader.fields:  # transformers rebuilds the tokenizer from the metadata
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         tokenizer.save_pretrained(out)

@@ -258,20 +258,36 @@ def set_linear_method(model: nn.Module, method: LinearMethod) -> None:
         method.create_weights(layer)
 
 
-def process_linear_layers(model: nn.Module, method: LinearMethod | None = None) -> None:
-    """After loading: each Linear's method prepares its storage (`method`, if given, is set first). The
-    C++ kernel's storage of all layers then moves, in model order, into one huge-page buffer."""
-    from pagedllm.ops.memory import huge_pages_available, pack_on_huge_pages
+PACK_BYTES = 64 << 20  # storage goes onto huge pages in buffers of at least this (held twice while filled)
 
-    layers = linear_layers(model)
-    for layer in layers:
+
+def process_linear_layers(model: nn.Module, method: LinearMethod | None = None) -> None:
+    """After loading: each Linear's method prepares its storage (`method`, if given, is set first), in
+    model order. The C++ kernel's storage moves as it is made onto huge pages, layers one after another
+    in buffers of at least PACK_BYTES, each batch's own copy freed before the next batch is made: a
+    model's storage is never held twice (the allocator would keep the freed copies' pages)."""
+    from pagedllm.ops.memory import huge_pages_available
+
+    batch: list[Linear] = []
+    for layer in linear_layers(model):
         if method is not None:
             layer.method = method
         layer.method.process(layer)
-    stored = [layer for layer in layers if hasattr(layer, "stored")]
-    if stored and huge_pages_available():
-        copies = iter(pack_on_huge_pages([t for layer in stored for t in layer.stored.tensors()]))
-        for layer in stored:
+        if hasattr(layer, "stored") and huge_pages_available():
+            batch.append(layer)
+            if sum(t.nbytes for layer in batch for t in layer.stored.tensors()) >= PACK_BYTES:
+                _move_to_huge_pages(batch)
+                batch = []
+    _move_to_huge_pages(batch)
+
+
+def _move_to_huge_pages(layers: list[Linear]) -> None:
+    """The layers' storage, copied into one huge-page buffer in order, replaces their own."""
+    from pagedllm.ops.memory import pack_on_huge_pages
+
+    if layers:
+        copies = iter(pack_on_huge_pages([t for layer in layers for t in layer.stored.tensors()]))
+        for layer in layers:
             layer.stored = layer.stored.with_tensors([next(copies) for _ in layer.stored.tensors()])
 
 

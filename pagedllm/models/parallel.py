@@ -16,11 +16,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.models.gguf_quants import GGUFBlocks
 from pagedllm.models.linear import Linear, MergedLinear
 
 
@@ -212,16 +214,33 @@ def vocab_parallel_lookup(
 
 
 class VocabParallelEmbedding(nn.Module):
-    """The rank's rows (`part` of the vocabulary) of the embedding table."""
+    """The rank's rows (`part` of the vocabulary) of the embedding table: a float parameter, or, where the
+    loader hands it a still-quantized table (a GGUF file's blocks, which it does only where the model keeps
+    the file's blocks), that table as it is, each looked-up row dequantized (as llama.cpp's and vLLM's GGUF
+    embeddings do). A tied model has no such table: its LM head serves the lookups (LMHead.embed)."""
 
     def __init__(self, part: Part, hidden_size: int, tp: TensorParallel):
         super().__init__()
         self.part = part
         self.weight = nn.Parameter(torch.empty(part.size, hidden_size))
         self.tp = tp
+        self.qtype = None  # a kept quantized table's GGUF type (its blocks then replace weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_lookup(input_ids, self.part, self.tp, lambda ids: F.embedding(ids, self.weight))
+        return vocab_parallel_lookup(input_ids, self.part, self.tp, self._rows)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qtype is None:
+            return F.embedding(ids, self.weight)
+        return GGUFBlocks(self.blocks[ids].numpy(), self.qtype).dequantize().to(self.dtype)
+
+    def keep_quantized(self, table: GGUFBlocks) -> None:
+        """Keep a GGUF table's blocks instead of the float weight, read into memory once (a lookup then
+        never waits for the disk)."""
+        self.dtype = self.weight.dtype
+        del self.weight
+        self.register_buffer("blocks", torch.from_numpy(np.array(table.raw)), persistent=False)
+        self.qtype = table.qtype
 
     def checkpoint_part(self, pname: str, shard: str | None) -> Part:
         return self.part

@@ -84,8 +84,9 @@ class Int4Linear(KernelLinear):
 
 
 class GGUFLinear(KernelLinear):
-    """A GGUF file's quantized blocks, kept: each checkpoint shard is unpacked exactly when loaded, and a
-    layer's shards (q, k, v of a fused projection may differ in type) are repacked into one storage."""
+    """A GGUF file's quantized blocks, kept: each checkpoint shard is held as loaded (mapped from the file,
+    not yet read), and when the layer is processed its shards (q, k, v of a fused projection may differ
+    in type) are unpacked exactly and repacked into one storage, one layer at a time."""
 
     name = "gguf"
 
@@ -95,45 +96,39 @@ class GGUFLinear(KernelLinear):
         layer.gguf_shards = {}
 
     def load_weight(self, layer: Linear, row: int, tensor) -> None:
-        layer.gguf_shards[row] = tensor.unpack() if isinstance(tensor, GGUFBlocks) else tensor.float()
+        layer.gguf_shards[row] = tensor if isinstance(tensor, GGUFBlocks) else tensor.float()
 
     def store(self, layer: Linear) -> StoredWeight:
-        shards = [layer.gguf_shards[row] for row in sorted(layer.gguf_shards)]
+        shards = [layer.gguf_shards.pop(row) for row in sorted(layer.gguf_shards)]
         del layer.gguf_shards
-        if not all(isinstance(s, Unpacked) for s in shards):  # a float shard: the layer stays float, exactly
-            dense = [torch.from_numpy(_dequantize(s)) if isinstance(s, Unpacked) else s for s in shards]
+        if not all(isinstance(s, GGUFBlocks) for s in shards):  # a float shard: the layer stays float, exact
+            dense = [s.dequantize() if isinstance(s, GGUFBlocks) else s for s in shards]
             return StoredWeight(torch.cat(dense).to(layer.params_dtype))
-        return repack(shards)
-
-
-def _dequantize(u: Unpacked) -> np.ndarray:
-    q = u.q.astype(np.float32).reshape(u.q.shape[0], -1, u.group)
-    w = q * u.scales[..., None] + (0 if u.mins is None else u.mins[..., None])
-    return w.reshape(u.q.shape)
+        # each shard's map of the file is let go once it is read
+        return repack([shards.pop(0).unpack() for _ in range(len(shards))])
 
 
 def repack(shards: list[Unpacked]) -> StoredWeight:
     """Row-stacked unpacked shards as one StoredWeight: int4 if every shard is 4-bit with one group size,
-    else int8; scales repeated to the smallest group; float16 scales where every one is exact in float16."""
+    else int8; scales repeated to the smallest group; float16 scales where every one is exact in float16.
+    A lone shard's arrays are used as they are (no copy: the LM head's are the largest of a load)."""
     group = math.gcd(*(s.group for s in shards))
     int4 = all(s.bits == 4 for s in shards) and all(s.group == group for s in shards)
     with_mins = int4 or any(s.mins is not None for s in shards)
-    q = np.concatenate([s.q.astype(np.uint8 if int4 else np.int8) for s in shards])
-    scales = np.concatenate([np.repeat(s.scales, s.group // group, axis=1) for s in shards])
+    stack = lambda arrays: arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+    widen = lambda a, s: a if s.group == group else np.repeat(a, s.group // group, axis=1)
+    q = stack([s.q.astype(np.uint8 if int4 else np.int8, copy=False) for s in shards])
+    scales = stack([widen(s.scales, s) for s in shards])
     mins = None
     if with_mins:
-        mins = np.concatenate(
-            [
-                np.repeat(s.mins if s.mins is not None else np.zeros_like(s.scales), s.group // group, axis=1)
-                for s in shards
-            ]
-        )
+        mins = stack([widen(s.mins if s.mins is not None else np.zeros_like(s.scales), s) for s in shards])
     exact_in_half = all(
         np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in (scales, mins) if a is not None
     )
     dtype = torch.float16 if exact_in_half else torch.float32
     as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
-    data = pack_int4(torch.from_numpy(q)) if int4 else torch.from_numpy(q)
+    q = torch.from_numpy(np.ascontiguousarray(q))
+    data = pack_int4(q) if int4 else q
     return StoredWeight(data, as_tensor(scales), None if mins is None else as_tensor(mins), group)
 
 

@@ -6,7 +6,7 @@ says which (models/parallel.py), and only that part is copied.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,7 @@ class Target:
     part: Part | None = None
     param: torch.Tensor | None = None
     layer: Linear | None = None
+    keep_quantized: Callable[[Any], None] | None = None  # takes a still-quantized tensor instead of param
 
     def expected_shape(self) -> tuple[int, ...]:
         shape = list(self.shape)
@@ -59,6 +60,9 @@ class Target:
             tensor = self.part.take(tensor)
         if self.layer is not None:
             self.layer.method.load_weight(self.layer, self.row, tensor)
+            return
+        if self.keep_quantized is not None and not isinstance(tensor, torch.Tensor):
+            self.keep_quantized(tensor)
             return
         with torch.no_grad():
             self.param[self.row : self.row + self.shape[0]].copy_(dense_tensor(tensor))
@@ -81,6 +85,8 @@ def _targets(model: nn.Module) -> dict[str, Target]:
             params["weight"] = None  # the method's to fill, whatever it keeps
         for pname, param in params.items():
             where = {"param": param} if param is not None else {"layer": module}
+            if param is not None and pname == "weight" and hasattr(module, "keep_quantized"):
+                where["keep_quantized"] = module.keep_quantized  # e.g. an untied embedding's GGUF blocks
             width = tuple(param.shape[1:]) if param is not None else (module.in_features,)
             if isinstance(module, MergedLinear):  # layers.0.self_attn.qkv_proj -> layers.0.self_attn.q_proj
                 parent = prefix.rpartition(".")[0]
