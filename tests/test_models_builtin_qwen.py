@@ -18,7 +18,7 @@ from models_helpers import greedy_generate, hf_greedy, hf_logits
 from pagedllm.models import load_model
 from pagedllm.models.builtin import QWEN_CODER_05B
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.manual]
 
 MODEL = "qwen2.5-coder-0.5b"
 NEW_TOKENS = 64
