@@ -1,6 +1,7 @@
 """Scenario tests of the contiguous-slab KV allocator: reservation policies, first fit, fragmentation."""
 
 import pytest
+from kv_helpers import slots
 
 from pagedllm.kv import ContiguousAllocator, NoFreeBlocks
 
@@ -15,7 +16,7 @@ def test_reservation_policies_size_the_slab(reserve, expected):
     assert kv.slabs["s"].size == expected
     u = kv.usage()
     assert (u.live_slots, u.reserved_slots, u.free_slots) == (10, expected - 10, 100 - expected)
-    assert kv.block_size == 1 and kv.block_table("s") == kv.slot_mapping("s") == list(range(10))
+    assert kv.block_size == 1 and kv.block_table("s") == slots(kv, "s") == list(range(10))
 
 
 def test_pow2_never_reserves_beyond_max_model_len():
@@ -41,7 +42,7 @@ def test_first_fit_fails_with_enough_total_free_space():
     kv.free("b")  # the three gaps merge into one
     assert kv.gaps == [(0, 90)]
     kv.allocate("e", [1] * 30, 10, true_output_len=10)
-    assert kv.slot_mapping("e")[0] == 0  # first fit: lowest address
+    assert kv.block_table("e")[0] == 0  # first fit: lowest address
     assert kv.usage().external_frag_slots == 0
 
 
@@ -60,7 +61,7 @@ def test_append_grows_inside_the_slab_and_fails_at_its_end():
     kv = ContiguousAllocator(num_slots=64, max_model_len=64, reserve="pow2")
     kv.allocate("s", [1, 2, 3], max_new_tokens=1)  # slab of 4
     assert kv.can_append("s") and kv.append("s", 4) == []
-    assert kv.slot_mapping("s") == [0, 1, 2, 3] and kv.slot_mapping("s", start=3) == [3]
+    assert kv.block_table("s") == [0, 1, 2, 3] and slots(kv, "s", start=3) == [3]
     assert not kv.can_append("s")
     with pytest.raises(NoFreeBlocks, match="'s' filled its slab of 4 slots"):
         kv.append("s", 5)
@@ -71,7 +72,7 @@ def test_fork_reserves_a_slab_and_reports_the_copies():
     kv = ContiguousAllocator(num_slots=20, max_model_len=8, reserve="max")
     kv.allocate("p", [1, 2, 3], 2)
     assert kv.fork("p", "c") == [(0, 8), (1, 9), (2, 10)]
-    assert kv.slot_mapping("c") == [8, 9, 10] and kv.usage().live_slots == 6
+    assert kv.block_table("c") == [8, 9, 10] and kv.usage().live_slots == 6
     with pytest.raises(NoFreeBlocks):
         kv.fork("p", "d")  # 4 slots left, the slab needs 8
     assert "d" not in kv and kv.gaps == [(16, 4)]
@@ -95,3 +96,26 @@ def test_bad_ids_and_arguments_raise_clear_errors():
         ContiguousAllocator(64, 16, reserve="lifo")
     with pytest.raises(ValueError, match="num_slots"):
         ContiguousAllocator(0, 16)
+
+
+def test_a_refused_allocate_is_remembered_like_a_refused_can_allocate():
+    """The engine asks allocate alone: its refusal, too, makes usage() count the gaps too small for it."""
+    kv = ContiguousAllocator(num_slots=20, max_model_len=8, reserve="oracle")
+    for seq_id in "abc":
+        kv.allocate(seq_id, [1] * 4, 2, true_output_len=2)  # [0,6) [6,12) [12,18)
+    kv.free("a")  # gaps (0, 6) and (18, 2)
+    with pytest.raises(NoFreeBlocks):
+        kv.allocate("d", [1] * 5, 2, true_output_len=2)
+    assert "d" not in kv and kv.usage().external_frag_slots == 8
+    kv.allocate("e", [1] * 5, 1, true_output_len=1)
+    assert kv.usage().external_frag_slots == 0
+
+
+def test_the_contiguous_layout_cannot_swap_and_says_so():
+    kv = ContiguousAllocator(num_slots=16, max_model_len=8)
+    kv.allocate("a", [1], 2)
+    assert not kv.supports_swap
+    for op in (kv.swap_out, kv.can_swap_in, kv.swap_in):
+        with pytest.raises(ValueError, match="cannot swap sequence 'a'"):
+            op("a")
+    assert kv.block_table("a") == list(range(1))

@@ -1,6 +1,7 @@
 """Scenario tests of the paged KV allocator: block boundaries, copy-on-write, prefix caching, LRU, swap."""
 
 import pytest
+from kv_helpers import free_order, slots
 
 from pagedllm.kv import KVUsage, NoFreeBlocks, PagedAllocator
 
@@ -14,9 +15,7 @@ def test_block_boundary_appends_take_a_block_only_when_the_last_is_full():
     assert kv.append("s", 16) == []  # token 16 opens block 1
     table = kv.block_table("s")
     assert len(table) == 2 and kv.num_free_blocks == 0
-    slots = kv.slot_mapping("s")
-    assert slots[15] == table[0] * 16 + 15 and slots[16] == table[1] * 16
-    assert kv.slot_mapping("s", start=16) == [table[1] * 16]
+    assert slots(kv, "s")[15] == table[0] * 16 + 15 and slots(kv, "s", start=16) == [table[1] * 16]
     u = kv.usage()
     assert (u.live_slots, u.tail_slots, u.free_slots) == (17, 15, 0)
 
@@ -78,21 +77,23 @@ def test_prefix_cache_hit_counts():
     assert kv.block_table("b")[2] != kv.block_table("a")[2]  # the partial block is never shared
     assert kv.allocate("c", prompt[:32], 8) == 16  # never the whole prompt: its last token is computed
     assert kv.allocate("d", prompt[:20] + [999] + prompt[21:], 8) == 16  # diverges in block 1
-    assert kv.allocate("e", prompt, 8, extra_key="salt") == 0  # another salt, another chain
     assert kv.allocate("f", prompt[:16], 8) == 0
-    for seq_id in "abcdef":
+    for seq_id in "abcdf":
         kv.free(seq_id)
     assert kv.all_free()  # cached blocks that nobody holds count as free
     assert kv.allocate("g", prompt, 8) == 32  # still findable after being freed
 
 
-def test_a_block_filled_by_decode_becomes_cached():
+def test_a_block_filled_by_decode_becomes_cached_once_computed():
+    """A sampled token's K/V is computed in the step after it is appended: its full block is findable
+    only once cache_blocks says so."""
     kv = PagedAllocator(num_blocks=4, block_size=4, enable_prefix_caching=True)
     kv.allocate("a", [1, 2, 3], 4)
     kv.append("a", 4)
-    kv.append("a", 5)
-    assert kv.allocate("b", [1, 2, 3, 4, 9], 4) == 4
-    assert kv.block_table("b")[0] == kv.block_table("a")[0]
+    assert kv.allocate("b", [1, 2, 3, 4, 9], 4, num_computed=0) == 0  # not computed yet either
+    kv.cache_blocks("a", 4)
+    assert kv.allocate("c", [1, 2, 3, 4, 9], 4) == 4
+    assert kv.block_table("c")[0] == kv.block_table("a")[0]
 
 
 def test_a_prompt_prefilled_in_chunks_is_findable_only_as_far_as_it_is_computed():
@@ -137,8 +138,10 @@ def test_lru_eviction_evicts_tail_blocks_first_and_plain_blocks_before_cached_on
     b0, b1 = kv.block_table("b")
     kv.free("a")
     kv.free("b")
-    # Plain blocks go first; cached ones least recently used first, a sequence's tail before its head.
-    assert [b.block_id for b in kv.pool.free_blocks()] == [a2, 5, 6, 7, a1, a0, b1, b0]
+    # Plain blocks at the front; cached ones behind, least recently used first, a sequence's tail before
+    # its head; the blocks after a's (5-7) are set aside as room for a run's growth.
+    assert [b.block_id for b in kv.pool.free_queue] == [a2, a1, a0, b1, b0]
+    assert [b.block_id for b in kv.pool.room_queue] == [5, 6, 7]
     kv.allocate("x", [0] * 9, 4)  # five blocks: the four plain ones, then evicts a1 (in address order)
     assert kv.block_table("x") == sorted([a2, 5, 6, 7, a1])
     assert kv.allocate("a'", [1, 2, 3, 4, 5], 4) == 2  # only a's head block survived
@@ -154,7 +157,7 @@ def test_reusing_a_cached_block_makes_it_most_recently_used():
     kv.free("b")
     kv.allocate("a'", [1, 2, 0], 2)  # touches a0, takes the plain block
     kv.free("a'")
-    assert [b.block_id for b in kv.pool.free_blocks()][-2:] == [b0, a0]
+    assert [b.block_id for b in kv.pool.free_queue][-2:] == [b0, a0]
 
 
 def test_allocate_that_does_not_fit_raises_and_changes_nothing():
@@ -162,11 +165,11 @@ def test_allocate_that_does_not_fit_raises_and_changes_nothing():
     kv.allocate("a", list(range(9)), 4)
     kv.free("a")  # three cached-or-free blocks
     kv.allocate("b", [5] * 5, 4)  # takes two blocks, evicting cached ones
-    before = (kv.usage(), [b.block_id for b in kv.pool.free_blocks()], dict(kv.pool.cached))
+    before = (kv.usage(), free_order(kv.pool), dict(kv.pool.cached))
     assert not kv.can_allocate(list(range(12)), 4)
     with pytest.raises(NoFreeBlocks, match="'c'"):
         kv.allocate("c", list(range(12)), 4)
-    assert (kv.usage(), [b.block_id for b in kv.pool.free_blocks()], dict(kv.pool.cached)) == before
+    assert (kv.usage(), free_order(kv.pool), dict(kv.pool.cached)) == before
     assert "c" not in kv
 
 
@@ -176,7 +179,7 @@ def test_swap_round_trip_restores_every_token():
     host: dict[int, int] = {}
     tokens = list(range(100, 110))
     kv.allocate("s", tokens, 8)
-    for t, slot in enumerate(kv.slot_mapping("s")):
+    for t, slot in enumerate(slots(kv, "s")):
         device[slot] = tokens[t]
     out = kv.swap_out("s")
     assert [d for d, _ in out] == [0, 1, 2] and len({h for _, h in out}) == 3
@@ -193,7 +196,7 @@ def test_swap_round_trip_restores_every_token():
     for h, d in back:
         for o in range(4):
             device[d * 4 + o] = host[h * 4 + o]
-    assert [device[slot] for slot in kv.slot_mapping("s")] == tokens
+    assert [device[slot] for slot in slots(kv, "s")] == tokens
     assert kv.num_free_host_blocks == 3 and kv.num_tokens("s") == 10
     kv.free("s")
     kv.free("other")
@@ -213,7 +216,6 @@ def test_swap_in_reuses_blocks_still_cached_on_the_device():
 def test_swap_out_without_host_room_raises():
     kv = PagedAllocator(num_blocks=4, block_size=2, num_host_blocks=1)
     kv.allocate("s", [1, 2, 3], 2)
-    assert not kv.can_swap_out("s")
     with pytest.raises(NoFreeBlocks, match="host"):
         kv.swap_out("s")
     assert kv.num_tokens("s") == 3 and kv.num_free_host_blocks == 1 and len(kv.block_table("s")) == 2
@@ -321,4 +323,19 @@ def test_a_run_grows_over_a_cached_block_only_if_it_is_cold(b_freed_early):
     assert kv.allocate("b", [1] * 4 + [5], 4) == (0 if b_freed_early else 4)  # b's block still cached?
     kv.free("a")
     kv.free("b")
+    assert kv.all_free()
+
+
+def test_swap_in_shares_no_block_whose_kv_it_has_not_computed():
+    """A block its newest token filled is keyed but not computed: back from the host it stays its own,
+    even when another sequence has computed and cached the same tokens meanwhile."""
+    kv = PagedAllocator(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    kv.allocate("s", [1], 2)
+    kv.append("s", 2)  # fills block 0
+    kv.swap_out("s")
+    kv.allocate("t", [1, 2, 3], 2)  # computes and caches the same block 0
+    back = kv.swap_in("s")
+    assert len(back) == 1 and kv.block_table("s")[0] != kv.block_table("t")[0]
+    kv.free("s")
+    kv.free("t")
     assert kv.all_free()

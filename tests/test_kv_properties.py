@@ -11,6 +11,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from kv_helpers import free_order, slots
 
 from pagedllm.kv import ContiguousAllocator, NoFreeBlocks, PagedAllocator
 
@@ -41,7 +42,7 @@ class KVMachine(RuleBasedStateMachine):
         return sorted(set(self.tokens) - self.swapped)
 
     def write(self, seq_id: int, start: int) -> None:
-        for t, slot in enumerate(self.kv.slot_mapping(seq_id, start), start):
+        for t, slot in enumerate(slots(self.kv, seq_id, start), start):
             self.device[slot] = (t, self.tokens[seq_id][t])
 
     def copy_blocks(self, copies, src: dict, dst: dict) -> None:
@@ -55,7 +56,7 @@ class KVMachine(RuleBasedStateMachine):
         state = [kv.usage(), kv.num_free_blocks, {s: kv.block_table(s) for s in self.resident()}]
         if isinstance(kv, PagedAllocator):
             state += [
-                [b.block_id for b in kv.pool.free_blocks()],
+                free_order(kv.pool),
                 {h: b.block_id for h, b in kv.pool.cached.items()},
                 kv.num_free_host_blocks,
             ]
@@ -76,10 +77,10 @@ class KVMachine(RuleBasedStateMachine):
 
     # -- rules -------------------------------------------------------------------------------------
 
-    @rule(prompt=prompts, max_new=st.integers(0, 12), salt=st.sampled_from([None, "a"]))
-    def allocate(self, prompt, max_new, salt):
+    @rule(prompt=prompts, max_new=st.integers(0, 12))
+    def allocate(self, prompt, max_new):
         true_out = max_new if getattr(self.kv, "reserve", None) == "oracle" else None
-        kwargs = dict(true_output_len=true_out, extra_key=salt)
+        kwargs = dict(true_output_len=true_out)
         can = self.kv.can_allocate(prompt, max_new, **kwargs)
         seq_id, before = self.next_id, self.snapshot()
         cached = self.refused(can, before, lambda: self.kv.allocate(seq_id, prompt, max_new, **kwargs))
@@ -126,6 +127,13 @@ class KVMachine(RuleBasedStateMachine):
         self.tokens[self.next_id] = list(self.tokens[parent])
         self.next_id += 1
 
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data())
+    def cache_blocks(self, data):
+        """The machine writes every token as it is appended: all of a sequence's full blocks are computed."""
+        seq_id = data.draw(st.sampled_from(self.resident()))
+        self.kv.cache_blocks(seq_id, len(self.tokens[seq_id]))
+
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def free(self, data):
@@ -140,7 +148,7 @@ class KVMachine(RuleBasedStateMachine):
     def every_sequence_reads_back_its_tokens(self):
         for seq_id in self.resident():
             expected = list(enumerate(self.tokens[seq_id]))
-            assert [self.device.get(slot) for slot in self.kv.slot_mapping(seq_id)] == expected
+            assert [self.device.get(slot) for slot in slots(self.kv, seq_id)] == expected
         for seq_id, toks in self.tokens.items():
             assert self.kv.num_tokens(seq_id) == len(toks) and seq_id in self.kv
 
@@ -152,9 +160,9 @@ class KVMachine(RuleBasedStateMachine):
         assert abs(sum(u.fraction(x) for x in fractions) - 1.0) < 1e-9
         assert min(fractions + [u.external_frag_slots, u.shared_saved_slots]) >= 0
         assert u.external_frag_slots <= u.free_slots and u.largest_free_run <= u.free_slots
-        slots = [slot for s in self.resident() for slot in self.kv.slot_mapping(s)]
-        assert u.live_slots == len(set(slots))  # a shared slot is counted once
-        assert u.shared_saved_slots == len(slots) - len(set(slots))
+        held = [slot for s in self.resident() for slot in slots(self.kv, s)]
+        assert u.live_slots == len(set(held))  # a shared slot is counted once
+        assert u.shared_saved_slots == len(held) - len(set(held))
         assert u.free_slots == self.kv.num_free_blocks * self.bs
 
     def teardown(self):
@@ -175,7 +183,7 @@ class PagedMachine(KVMachine):
     @rule(data=st.data())
     def swap_out(self, data):
         seq_id = data.draw(st.sampled_from(self.resident()))
-        can = self.kv.can_swap_out(seq_id)
+        can = -(-len(self.tokens[seq_id]) // self.bs) <= self.kv.num_free_host_blocks
         copies = self.refused(can, self.snapshot(), self.kv.swap_out, seq_id)
         if copies is None:
             return
@@ -205,7 +213,7 @@ class PagedMachine(KVMachine):
             for block_id in table:
                 holders[block_id] += 1
         assert [b.ref_cnt for b in pool.blocks] == holders
-        free = [b.block_id for b in pool.free_blocks()]
+        free = free_order(pool)
         assert all(b.room == (b in pool.room_queue) for b in pool.blocks)  # room: free blocks set aside
         assert len(free) == len(set(free)) == self.kv.num_free_blocks
         assert set(free) == {i for i, n in enumerate(holders) if n == 0}
@@ -233,7 +241,7 @@ class ContiguousMachine(KVMachine):
         assert all(a + n < b for (a, n), (b, _) in zip(kv.gaps, kv.gaps[1:], strict=False))  # merged
         for seq_id, slab in kv.slabs.items():
             assert slab.num_tokens <= slab.size
-            assert kv.block_table(seq_id) == kv.slot_mapping(seq_id)
+            assert kv.block_table(seq_id) == slots(kv, seq_id)
         u = kv.usage()
         assert u.reserved_slots == sum(s.size - s.num_tokens for s in kv.slabs.values())
         assert u.largest_free_run == max((n for _, n in kv.gaps), default=0)

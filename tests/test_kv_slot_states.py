@@ -7,6 +7,7 @@ from collections import Counter
 
 from hypothesis import settings
 from hypothesis.stateful import invariant
+from kv_helpers import slots
 from test_kv_properties import CachingPagedMachine, OracleMachine, Pow2Machine
 
 from pagedllm.kv import ContiguousAllocator, PagedAllocator, SlotRun, SlotState
@@ -105,7 +106,7 @@ class SlotStatesInvariant:
     def slot_states_agree(self):
         kv, states = self.kv, self.kv.slot_states()
         assert_counts_match_usage(kv)
-        mapped = {slot for s in self.resident() for slot in kv.slot_mapping(s)}
+        mapped = {slot for s in self.resident() for slot in slots(kv, s)}
         assert {i for i, state in enumerate(states) if state == L} == mapped
         if isinstance(kv, PagedAllocator):
             held = {b for s in self.resident() for b in kv.block_table(s)}

@@ -71,7 +71,7 @@ class Scheduler:
     ):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
-        if preemption_mode == "swap" and not hasattr(allocator, "swap_out"):
+        if preemption_mode == "swap" and not allocator.supports_swap:
             raise ValueError("preemption_mode='swap' needs the paged KV layout")
         self.allocator = allocator
         self.max_model_len = max_model_len
@@ -170,6 +170,7 @@ class Scheduler:
             else:
                 if self._lacks_a_slot(seq):
                     out.copies += self.allocator.append(seq.seq_id, seq.token_ids[-1])
+                    self.allocator.cache_blocks(seq.seq_id, seq.num_tokens)
                 self.running.append(seq)
                 if seq.num_tokens - seq.num_cached_tokens == 1:
                     out.add(out.decodes, seq, 1)
@@ -194,6 +195,7 @@ class Scheduler:
             self.running.append(seq)
             if self._lacks_a_slot(seq) and self.allocator.can_append(seq.seq_id):
                 out.copies += self.allocator.append(seq.seq_id, seq.token_ids[-1])
+                self.allocator.cache_blocks(seq.seq_id, seq.num_tokens)
                 out.add(out.decodes, seq, 1)  # else it continues from the next step on
 
     def _schedule_prefill_chunks(self, seqs: list[Sequence], out: SchedulerOutput, budget: int) -> int:

@@ -68,9 +68,9 @@ class FreeBlockQueue:
         self._len += 1
 
 
-def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_key: str | None) -> bytes:
-    """SHA-256 chain key of a full block: its parent's key, its tokens and an optional salt."""
-    return hashlib.sha256(repr((parent, tuple(token_ids), extra_key)).encode()).digest()
+def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """SHA-256 chain key of a full block: its parent's key and its tokens."""
+    return hashlib.sha256(repr((parent, tuple(token_ids))).encode()).digest()
 
 
 class BlockPool:
@@ -127,12 +127,6 @@ class BlockPool:
                 following.room = True
                 self.room_queue.append(following)
         return block
-
-    def free_blocks(self) -> list[Block]:
-        """Every free block, in the order `allocate` hands them out when it has no block to follow."""
-        queue = list(self.free_queue)  # plain blocks first, then the cached ones
-        plain = [block for block in queue if block.block_hash is None]
-        return plain + list(self.room_queue) + queue[len(plain) :]
 
     def _follower(self, block: Block | None, evicting: bool) -> Block | None:
         """The block right after `block`, if it may extend a run."""

@@ -53,6 +53,7 @@ class ContiguousAllocator:
 
     block_size = 1
     enable_prefix_caching = False  # slabs are never shared
+    supports_swap = False  # slabs never move to a host pool: a preempted sequence is recomputed
 
     def __init__(self, num_slots: int, max_model_len: int, reserve: str = "max"):
         check_positive("num_slots", num_slots)
@@ -104,12 +105,7 @@ class ContiguousAllocator:
     # -- allocate / append / fork / free ---------------------------------------------------------------
 
     def can_allocate(
-        self,
-        prompt_token_ids: Sequence[int],
-        max_new_tokens: int,
-        *,
-        true_output_len: int | None = None,
-        extra_key: str | None = None,
+        self, prompt_token_ids: Sequence[int], max_new_tokens: int, *, true_output_len: int | None = None
     ) -> bool:
         """Whether some single gap holds the request's slab (a refusal is remembered for usage())."""
         check_request(prompt_token_ids, max_new_tokens)
@@ -126,18 +122,23 @@ class ContiguousAllocator:
         max_new_tokens: int,
         *,
         true_output_len: int | None = None,
-        extra_key: str | None = None,
         num_computed: int | None = None,
     ) -> int:
         """Reserve the request's slab first fit and place the prompt at its start; returns 0 (no cache).
 
-        Raises NoFreeBlocks, changing nothing, when no single gap holds the slab.
+        Raises NoFreeBlocks when no single gap holds the slab, changing nothing but the refusal that
+        usage() remembers, as can_allocate does.
         """
         if seq_id in self.slabs:
             raise duplicate(seq_id)
         check_request(prompt_token_ids, max_new_tokens)
         size = self.slab_size(len(prompt_token_ids), max_new_tokens, true_output_len)
-        self.slabs[seq_id] = Slab(self._reserve(seq_id, size), size, len(prompt_token_ids))
+        try:
+            start = self._reserve(seq_id, size)
+        except NoFreeBlocks:
+            self._refused = size
+            raise
+        self.slabs[seq_id] = Slab(start, size, len(prompt_token_ids))
         self._live += len(prompt_token_ids)
         self._refused = 0
         return 0
@@ -187,6 +188,15 @@ class ContiguousAllocator:
             start = self.gaps.pop(i)[0]
         self.gaps.insert(i, (start, end - start))
 
+    def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
+        raise _cannot_swap(seq_id)
+
+    def can_swap_in(self, seq_id: Hashable) -> bool:
+        raise _cannot_swap(seq_id)
+
+    def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]:
+        raise _cannot_swap(seq_id)
+
     def _first_fit(self, size: int) -> int | None:
         return next((i for i, (_, gap) in enumerate(self.gaps) if gap >= size), None)
 
@@ -215,11 +225,8 @@ class ContiguousAllocator:
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         """The slot of every token: each slot is a block of one token."""
-        return self.slot_mapping(seq_id)
-
-    def slot_mapping(self, seq_id: Hashable, start: int = 0) -> list[int]:
         slab = self._slab(seq_id)
-        return list(range(slab.start + start, slab.start + slab.num_tokens))
+        return list(range(slab.start, slab.start + slab.num_tokens))
 
     def usage(self) -> KVUsage:
         free = self.num_slots - self._reserved
@@ -254,3 +261,10 @@ class ContiguousAllocator:
         if slab is None:
             raise unknown(seq_id)
         return slab
+
+
+def _cannot_swap(seq_id: Hashable) -> ValueError:
+    return ValueError(
+        f"the contiguous layout cannot swap sequence {seq_id!r} to the host (supports_swap is False): "
+        "use the paged layout, or preemption by recompute"
+    )

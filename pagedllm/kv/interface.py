@@ -62,11 +62,13 @@ class KVAllocator(Protocol):
 
     The cache is viewed as [num_total_blocks, block_size, ...]; token t of a sequence lives in slot
     `block_table[t // block_size] * block_size + t % block_size` (the contiguous layout has
-    block_size 1, so its block table is the list of its tokens' slots).
+    block_size 1, so its block table is the list of its tokens' slots). Every method that needs
+    memory raises NoFreeBlocks, changing nothing, when there is not enough.
     """
 
     block_size: int
     enable_prefix_caching: bool
+    supports_swap: bool  # swap_out / can_swap_in / swap_in work (False: they raise ValueError)
 
     @property
     def num_total_blocks(self) -> int: ...
@@ -76,14 +78,7 @@ class KVAllocator(Protocol):
 
     def __contains__(self, seq_id: Hashable) -> bool: ...
 
-    def can_allocate(
-        self,
-        prompt_token_ids: Sequence[int],
-        max_new_tokens: int,
-        *,
-        true_output_len: int | None = None,
-        extra_key: str | None = None,
-    ) -> bool: ...
+    def can_allocate(self, prompt_token_ids: Sequence[int], max_new_tokens: int) -> bool: ...
 
     def allocate(
         self,
@@ -91,8 +86,6 @@ class KVAllocator(Protocol):
         prompt_token_ids: Sequence[int],
         max_new_tokens: int,
         *,
-        true_output_len: int | None = None,
-        extra_key: str | None = None,
         num_computed: int | None = None,
     ) -> int: ...
 
@@ -106,9 +99,13 @@ class KVAllocator(Protocol):
 
     def free(self, seq_id: Hashable) -> None: ...
 
-    def num_tokens(self, seq_id: Hashable) -> int: ...
+    def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]: ...
 
-    def slot_mapping(self, seq_id: Hashable, start: int = 0) -> list[int]: ...
+    def can_swap_in(self, seq_id: Hashable) -> bool: ...
+
+    def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]: ...
+
+    def num_tokens(self, seq_id: Hashable) -> int: ...
 
     def block_table(self, seq_id: Hashable) -> list[int]: ...
 

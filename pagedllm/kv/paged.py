@@ -3,8 +3,8 @@
 Token t of a sequence lives in slot `table[t // block_size] * block_size + t % block_size`, where
 `table` is its block table. Blocks are taken on demand (only when the last one is full) and given
 back the instant a sequence is freed. `fork` shares blocks (copy-on-write on the first divergent
-append), prefix caching reuses full blocks keyed by a hash chain, and `swap_out` / `swap_in` move a
-sequence to a host pool and back.
+append), prefix caching reuses full blocks keyed by a hash chain (a block becomes findable once its K/V is
+computed: `cache_blocks`), and `swap_out` / `swap_in` move a sequence to a host pool and back.
 """
 
 from __future__ import annotations
@@ -42,13 +42,14 @@ class _Seq:
     token_ids: list[int]
     blocks: list[Block]  # empty while swapped out
     block_hashes: list[bytes] = field(default_factory=list)  # only with prefix caching
-    extra_key: str | None = None
     num_cached_blocks: int = 0  # leading blocks computed and findable in the prefix cache
     host_blocks: list[int] | None = None  # set while swapped out
 
 
 class PagedAllocator:
     """Block tables over a pool of `num_blocks` blocks, plus a host pool of `num_host_blocks` for swap."""
+
+    supports_swap = True
 
     def __init__(
         self,
@@ -99,16 +100,12 @@ class PagedAllocator:
     # -- allocate --------------------------------------------------------------------------------------
 
     def can_allocate(
-        self,
-        prompt_token_ids: Sequence[int],
-        max_new_tokens: int,
-        *,
-        true_output_len: int | None = None,
-        extra_key: str | None = None,
+        self, prompt_token_ids: Sequence[int], max_new_tokens: int, *, true_output_len: int | None = None
     ) -> bool:
-        """Whether the prompt's blocks fit now (decode blocks are taken later, on demand)."""
+        """Whether the prompt's blocks fit now (decode blocks are taken later, on demand).
+        `true_output_len` (what `pagedllm bench memory` passes every layout) changes nothing here."""
         check_request(prompt_token_ids, max_new_tokens)
-        _, hits, num_new = self._plan(prompt_token_ids, extra_key)
+        _, hits, num_new = self._plan(prompt_token_ids)
         return self._fits(hits, num_new)
 
     def allocate(
@@ -118,13 +115,12 @@ class PagedAllocator:
         max_new_tokens: int,
         *,
         true_output_len: int | None = None,
-        extra_key: str | None = None,
         num_computed: int | None = None,
     ) -> int:
         """Give the prompt its blocks; returns how many leading prompt tokens were already cached.
 
         The hit is whole blocks only and never the whole prompt (its last token is always computed).
-        `max_new_tokens` and `true_output_len` are only checked: paged memory grows on demand.
+        `max_new_tokens` is only checked and `true_output_len` ignored: paged memory grows on demand.
         With prefix caching, the full blocks within the first `num_computed` prompt tokens (default:
         all) become findable at once: their K/V is written this step. A prompt prefilled in chunks
         passes its first chunk's end here and each later chunk's end to `cache_blocks`.
@@ -132,7 +128,7 @@ class PagedAllocator:
         if seq_id in self._seqs:
             raise duplicate(seq_id)
         check_request(prompt_token_ids, max_new_tokens)
-        hashes, hits, num_new = self._plan(prompt_token_ids, extra_key)
+        hashes, hits, num_new = self._plan(prompt_token_ids)
         if not self._fits(hits, num_new):
             raise NoFreeBlocks(
                 f"sequence {seq_id!r} needs {num_new} new blocks for {len(prompt_token_ids)} prompt "
@@ -141,7 +137,7 @@ class PagedAllocator:
         for block in hits:
             self.pool.touch(block)
         seq = _Seq(list(prompt_token_ids), self._take_blocks(hits + [None] * num_new))
-        seq.block_hashes, seq.extra_key = hashes, extra_key
+        seq.block_hashes = hashes
         seq.num_cached_blocks = len(hits)
         for i in range(len(hits), len(seq.blocks)):
             self._fill(seq, i)
@@ -159,16 +155,14 @@ class PagedAllocator:
             self.pool.cache(seq.blocks[i], seq.block_hashes[i])
         seq.num_cached_blocks = max(seq.num_cached_blocks, end)
 
-    def _plan(self, prompt: Sequence[int], extra_key: str | None) -> tuple[list[bytes], list[Block], int]:
+    def _plan(self, prompt: Sequence[int]) -> tuple[list[bytes], list[Block], int]:
         """Hashes of the prompt's full blocks, the cached blocks to reuse, and the count of new blocks."""
         bs = self.block_size
         hashes: list[bytes] = []
         hits: list[Block] = []
         if self.enable_prefix_caching:
             for i in range(len(prompt) // bs):
-                hashes.append(
-                    hash_block(hashes[-1] if hashes else None, prompt[i * bs : (i + 1) * bs], extra_key)
-                )
+                hashes.append(hash_block(hashes[-1] if hashes else None, prompt[i * bs : (i + 1) * bs]))
             for block_hash in hashes[: (len(prompt) - 1) // bs]:
                 block = self.pool.cached.get(block_hash)
                 if block is None:
@@ -204,7 +198,9 @@ class PagedAllocator:
         return not self._needs_block(self._resident(seq_id)) or self.pool.num_free > 0
 
     def append(self, seq_id: Hashable, token_id: int) -> list[tuple[int, int]]:
-        """Give the sequence one more token; returns the (src, dst) block copies to do before writing."""
+        """Give the sequence one more token; returns the (src, dst) block copies to do before writing.
+        A block the token fills is keyed for the prefix cache, and findable once `cache_blocks` says its
+        K/V is computed (a sampled token's K/V is computed in the next step)."""
         seq = self._resident(seq_id)
         bs, pool = self.block_size, self.pool
         offset = len(seq.token_ids) % bs
@@ -224,8 +220,7 @@ class PagedAllocator:
         self._resident_tokens += 1
         if self.enable_prefix_caching and offset == bs - 1:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            seq.block_hashes.append(hash_block(parent, seq.token_ids[-bs:], seq.extra_key))
-            self.cache_blocks(seq_id, len(seq.token_ids))
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[-bs:]))
         return copies
 
     def _needs_block(self, seq: _Seq) -> bool:
@@ -245,7 +240,6 @@ class PagedAllocator:
             list(parent.token_ids),
             list(parent.blocks),
             list(parent.block_hashes),
-            parent.extra_key,
             num_cached_blocks=parent.num_cached_blocks,
         )
         self._resident_tokens += len(parent.token_ids)
@@ -263,9 +257,6 @@ class PagedAllocator:
             self._resident_tokens -= len(seq.token_ids)
 
     # -- swap ------------------------------------------------------------------------------------------
-
-    def can_swap_out(self, seq_id: Hashable) -> bool:
-        return len(self._resident(seq_id).blocks) <= len(self._free_host_blocks)
 
     def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """Move the sequence to host blocks; returns the (device block, host block) copies to do."""
@@ -288,7 +279,7 @@ class PagedAllocator:
     def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """Bring the sequence back to device blocks; returns the (host block, device block) copies to do.
 
-        With prefix caching, full blocks still cached on the device are reused instead of copied.
+        With prefix caching, computed full blocks still cached on the device are reused instead of copied.
         """
         seq = self._swapped(seq_id)
         hits = self._swap_in_hits(seq)
@@ -309,8 +300,10 @@ class PagedAllocator:
         return copies
 
     def _swap_in_hits(self, seq: _Seq) -> list[Block | None]:
-        """For each block of a swapped sequence, the device block still caching its content, if any."""
-        hits: list[Block | None] = [self.pool.cached.get(h) for h in seq.block_hashes]
+        """For each block of a swapped sequence, the device block still caching its content, if any. Only
+        blocks it computed count: one whose K/V is still to come is never shared (it will be written)."""
+        computed = seq.block_hashes[: seq.num_cached_blocks]
+        hits: list[Block | None] = [self.pool.cached.get(h) for h in computed]
         return hits + [None] * (len(seq.host_blocks) - len(hits))
 
     # -- views -----------------------------------------------------------------------------------------
@@ -323,12 +316,6 @@ class PagedAllocator:
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         return [block.block_id for block in self._resident(seq_id).blocks]
-
-    def slot_mapping(self, seq_id: Hashable, start: int = 0) -> list[int]:
-        """Slot of tokens start..n-1: `table[t // block_size] * block_size + t % block_size`."""
-        seq = self._resident(seq_id)
-        bs, blocks = self.block_size, seq.blocks
-        return [blocks[t // bs].block_id * bs + t % bs for t in range(start, len(seq.token_ids))]
 
     def usage(self) -> KVUsage:
         bs, free = self.block_size, self.pool.num_free * self.block_size
