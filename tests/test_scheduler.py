@@ -1,17 +1,25 @@
-"""Scheduler decisions on a real allocator, without a model."""
+"""Scheduler decisions on a real allocator, without a model: the engine's forward pass and sampler are
+stood in for by a token 7 for every sequence the step completes."""
 
 from __future__ import annotations
 
 import pytest
 
+from pagedllm.engine.sampler import Sample
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence
 from pagedllm.kv import PagedAllocator
 from pagedllm.sampling_params import SamplingParams
 
 
-def _seq(name: str, num_tokens: int) -> Sequence:
-    return Sequence(name, name, 0, list(range(1, num_tokens + 1)), SamplingParams(max_tokens=32))
+def _seq(name: str, num_tokens: int, max_tokens: int = 32) -> Sequence:
+    return Sequence(name, name, 0, list(range(1, num_tokens + 1)), SamplingParams(max_tokens=max_tokens))
+
+
+def _run(scheduler: Scheduler, out) -> list[Sequence]:
+    """What the engine does after the forward pass: a token for each sequence not still prefilling;
+    returns those the scheduler finished."""
+    return scheduler.update_from_output([(seq, Sample(7)) for _, seq in out.ready()])
 
 
 @pytest.mark.parametrize(("watermark", "admitted"), [(0.0, True), (0.01, False)])
@@ -22,8 +30,8 @@ def test_admission_leaves_the_watermark_free(watermark, admitted):
     scheduler.add(_seq("big", 90 * 16 - 1))
     first = scheduler.schedule()
     assert [s.seq_id for s in first.prefills] == ["big"]
-    scheduler.update_after_step(first)
-    scheduler.running[0].output_token_ids.append(7)  # its sampled token, appended at the next step
+    _run(scheduler, first)  # its sampled token fills block 90
+    assert allocator.num_free_blocks == 10
     scheduler.add(_seq("small", 10 * 16))
     out = scheduler.schedule()
     assert [s.seq_id for s in out.decodes] == ["big"]
@@ -41,13 +49,6 @@ def test_a_lone_sequence_is_admitted_even_below_the_watermark():
     assert [s.seq_id for s in scheduler.schedule().prefills] == ["only"]
     scheduler.finish(scheduler.running[0])
     assert allocator.all_free()
-
-
-def _run(scheduler: Scheduler, out) -> None:
-    """What the engine does after the forward pass: count the computed tokens, sample one for each
-    sequence that is not still prefilling."""
-    for row in scheduler.update_after_step(out):
-        out.scheduled[row].output_token_ids.append(7)
 
 
 def test_chunked_prefill_spends_the_budget_after_the_decodes():
@@ -103,9 +104,62 @@ def test_a_newcomer_shares_the_prompt_blocks_computed_in_its_own_step():
     out = scheduler.schedule()  # a: tokens 80-99, then b with a's six full blocks cached
     assert out.num_new_tokens == {"a": 20, "b": 4}
     b = next(s for s in scheduler.running if s.seq_id == "b")
-    assert b.num_cached_tokens == 96 and b.num_prefix_hits == 96
+    assert b.num_prefix_hits == 96 and b.num_cached_tokens == 100  # its last 4 are computed now
     assert allocator.block_table("b")[:6] == allocator.block_table("a")[:6]
     assert (scheduler.prefix_cache_queries, scheduler.prefix_cache_hits) == (200, 96)
     for seq in list(scheduler.running):
         scheduler.finish(seq)
     assert allocator.all_free()
+
+
+def test_a_new_token_gets_its_slot_in_the_step_that_sampled_it():
+    allocator = PagedAllocator(10, block_size=4)
+    scheduler = Scheduler(allocator, max_model_len=64)
+    scheduler.add(_seq("a", 4))
+    scheduler.add(_seq("b", 3, max_tokens=1))
+    finished = _run(scheduler, scheduler.schedule())
+    assert [(s.seq_id, s.finish_reason) for s in finished] == [("b", "length")]  # its one token
+    (a,) = scheduler.running
+    assert a.num_tokens == 5 and allocator.num_tokens("a") == 5 and len(allocator.block_table("a")) == 2
+    assert "b" not in allocator
+    out = scheduler.schedule()
+    assert [s.seq_id for s in out.decodes] == ["a"] and out.num_new_tokens == {"a": 1}
+    scheduler.finish(a)
+    assert allocator.all_free()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_the_newest_sequence_is_preempted_when_a_new_token_finds_no_block(mode):
+    """4 blocks of 4: a and b (4 tokens each) need a new block for their sampled tokens, c (2 tokens) has
+    room in its own. a, the oldest, takes the free block; b preempts c, the newest, which in swap mode goes
+    to the host pool with its new token's slot. c's preemption keeps the next step from admitting it back."""
+    allocator = PagedAllocator(4, block_size=4)
+    scheduler = Scheduler(allocator, max_model_len=64, preemption_mode=mode, watermark=0)
+    for name, num_tokens in (("a", 4), ("b", 4), ("c", 2)):
+        scheduler.add(_seq(name, num_tokens))
+    assert _run(scheduler, scheduler.schedule()) == []
+    c = next(seq for seq in scheduler.swapped or scheduler.waiting)
+    assert (c.seq_id, scheduler.num_preemptions) == ("c", 1)
+    assert [s.seq_id for s in scheduler.running] == ["a", "b"]
+    assert all(allocator.num_tokens(s.seq_id) == s.num_tokens == 5 for s in scheduler.running)
+    out = scheduler.schedule()
+    assert [s.seq_id for s in out.decodes] == ["a", "b"] and out.prefills == [] and out.preempted == [c]
+    assert out.swap_in == [] and len(out.swap_out) == (1 if mode == "swap" else 0)
+    if mode == "swap":
+        assert allocator.num_tokens("c") == 3 and c.num_cached_tokens == 2
+        scheduler.update_from_output([(c, Sample(9))])  # e.g. a beam whose search chose its next token
+        assert list(scheduler.waiting) == [c] and not scheduler.swapped and "c" not in allocator
+        assert c.num_cached_tokens == 0 and c.output_token_ids == [7, 9]  # its host copy is dropped
+    for seq in [*scheduler.running, c]:
+        scheduler.finish(seq)
+    assert allocator.all_free()
+
+
+def test_a_sequence_alone_in_a_cache_it_has_outgrown_finishes_with_length():
+    allocator = PagedAllocator(2, block_size=4)
+    scheduler = Scheduler(allocator, max_model_len=64, watermark=0)
+    scheduler.add(_seq("a", 7))
+    assert _run(scheduler, scheduler.schedule()) == []  # its token 8 fills the second block
+    (a,) = _run(scheduler, scheduler.schedule())  # token 9 would need a third
+    assert a.finish_reason == "length" and a.output_token_ids == [7, 7] and a.is_finished
+    assert not scheduler.running and allocator.all_free()

@@ -13,14 +13,25 @@ length at max_tokens when lp > 0).
 
 vLLM's `LLM.beam_search` defines the score differently (the prompt counts in len, an EOS does not),
 keeps every EOS continuation and never stops early; pagedllm follows Hugging Face.
+
+`BeamSearch` is the search alone, on plain lists. `BeamSearchDriver` runs it for one request of the
+engine, above the step loop: its running beams are ordinary sequences the scheduler computes alongside
+every other request's, and the engine's postprocessing hands it each computed beam's best next tokens.
+Once every running beam has its own it takes a step through two primitives of the engine: `fork` (a
+beam chosen twice continues in a copy sharing its KV blocks copy-on-write) and `free` (a beam not
+chosen gives its blocks back at once), and returns each beam's chosen token for the scheduler to append.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
-from pagedllm.sampling_params import BeamSearchParams
+import torch
+
+from pagedllm.engine.sampler import Sample
+from pagedllm.engine.sequence import Sequence
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 @dataclass
@@ -95,3 +106,88 @@ class BeamSearch:
         if self.params.early_stopping == "never" and length_penalty > 0:
             length = self.max_new_tokens
         return best.cum_logprob / length**length_penalty <= self.finished[-1].score
+
+
+def beam_sampling_params(params: BeamSearchParams) -> SamplingParams:
+    """What the scheduler reads of each beam: its length limit. Stops are the search's business."""
+    return SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        skip_special_tokens=params.skip_special_tokens,
+    )
+
+
+class BeamSearchDriver:
+    """One request's beam search over the engine's sequences (see the module's docstring)."""
+
+    def __init__(
+        self,
+        params: BeamSearchParams,
+        eos_token_ids: Collection[int],
+        max_new_tokens: int,
+        beams: list[Sequence],
+        fork: Callable[[Sequence], Sequence],
+        free: Callable[[Sequence], None],
+    ):
+        self.search = BeamSearch(params, eos_token_ids, max_new_tokens)
+        self.beams = beams  # the running beams, best first (the request's own list, kept in place)
+        self._fork, self._free = fork, free
+        self._tops: dict[str, tuple[list[float], list[int]]] = {}  # this round's computed beams
+
+    @property
+    def done(self) -> bool:
+        return self.search.done
+
+    def computed(self, seq: Sequence, logprobs: list[float], token_ids: list[int]) -> None:
+        """A beam's best next tokens (at least num_candidates, best first); it awaits the round's end."""
+        num = self.search.num_candidates
+        self._tops[seq.seq_id] = (logprobs[:num], token_ids[:num])
+        seq.awaiting = True
+
+    def drop(self, seq: Sequence) -> list[tuple[Sequence, Sample]]:
+        """A beam that can never fit the KV cache: the search goes on without it."""
+        self.beams.remove(seq)
+        self._tops.pop(seq.seq_id, None)
+        return self.advance()
+
+    def advance(self) -> list[tuple[Sequence, Sample]]:
+        """Once every running beam is computed, take a search step: returns each running beam's next token
+        (none while a beam is still to compute: a preempted one may be a step behind its siblings)."""
+        beams = list(self.beams)
+        if not beams:  # every beam was dropped: nothing left to search
+            self.search.done = True
+        if not beams or any(seq.seq_id not in self._tops for seq in beams):
+            return []
+        tops = [self._tops.pop(seq.seq_id) for seq in beams]
+        chosen = self.search.step([(seq.output_token_ids, seq.cumulative_logprob) for seq in beams], tops)
+        extended: list[Sequence] = []
+        kept: set[int] = set()
+        for c in chosen:  # a parent chosen again continues in a fork; the others' blocks go back at once
+            if c.parent in kept:
+                extended.append(self._fork(beams[c.parent]))
+            else:
+                kept.add(c.parent)
+                extended.append(beams[c.parent])
+        for i, seq in enumerate(beams):
+            if i not in kept:
+                self._free(seq)
+        self.beams[:] = extended
+        for seq, c in zip(extended, chosen, strict=True):
+            seq.cumulative_logprob = c.cum_logprob  # the search's own sum: its next step ranks by it
+            seq.awaiting = False
+        return [(seq, Sample(c.token_id)) for seq, c in zip(extended, chosen, strict=True)]
+
+
+def beam_tokens(logits: torch.Tensor, beams: list[tuple[Sequence, BeamSearchDriver]]) -> list:
+    """Hand each computed beam's best next tokens to its search (one log-softmax and top-k for all the
+    rows of `logits`, one per beam), then advance every search: the next tokens of those that moved."""
+    width = max(driver.search.num_candidates for _, driver in beams)
+    logprobs, token_ids = logits.log_softmax(dim=-1).topk(width)
+    for (seq, driver), lps, ids in zip(beams, logprobs.tolist(), token_ids.tolist(), strict=True):
+        driver.computed(seq, lps, ids)
+    return [token for driver in _unique(driver for _, driver in beams) for token in driver.advance()]
+
+
+def _unique(drivers: Iterable[BeamSearchDriver]) -> list[BeamSearchDriver]:
+    return list({id(driver): driver for driver in drivers}.values())

@@ -72,7 +72,6 @@ class EngineConfig:
     enable_chunked_prefill: bool = True  # as vLLM v1: long prompts are prefilled over several steps
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     watermark: float = 0.01  # share of KV blocks an admission must leave free (vLLM's 1%)
-    seed: int = 0
     generation_config: str = "auto"  # sampling defaults: auto (the model folder's), vllm (none) or a folder
     # Tensor parallelism: ranks, where they meet (tcp://HOST:PORT or env://; default: this machine, or
     # torchrun's), over how many machines, and how long rank 0 waits for a rank in a collective (seconds).

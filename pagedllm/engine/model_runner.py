@@ -72,24 +72,22 @@ class ModelRunner:
         )
 
     def move_blocks(self, step: StepInputs) -> None:
-        """Swap-outs first (their device blocks may be reused this step), then swap-ins, then CoW copies."""
+        """Swap-outs first (their device blocks may be reused this step), then copies (forks and copy on
+        write, decided after the previous step: a source block freed since, by an abort, may be a swap-in's
+        destination), then swap-ins."""
         swap_out, swap_in, copies = (pairs.tolist() for pairs in (step.swap_out, step.swap_in, step.copies))
         for layer, (k, v) in enumerate(self.kv_caches):
             if swap_out:
                 ops.swap_blocks(k, v, *self.host_kv_caches[layer], swap_out)
-            if swap_in:
-                ops.swap_blocks(*self.host_kv_caches[layer], k, v, swap_in)
             if copies:
                 ops.copy_blocks(k, v, copies)
-
-    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> torch.Tensor:
-        """Compute every scheduled sequence's new tokens; return float32 logits of each one's last
-        computed token (the engine ignores those of a prompt whose prefill is not complete yet)."""
-        return self.execute_step(self.prepare_inputs(out, block_tables))
+            if swap_in:
+                ops.swap_blocks(*self.host_kv_caches[layer], k, v, swap_in)
 
     @torch.inference_mode()
     def execute_step(self, step: StepInputs) -> torch.Tensor | None:
-        """Move blocks, run the forward pass; the logits (None on a tensor-parallel rank other than 0)."""
+        """Move blocks, run the forward pass; float32 logits of each sequence's last computed token (None
+        on a tensor-parallel rank other than 0)."""
         self.move_blocks(step)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(step.slot_mapping),
@@ -107,14 +105,14 @@ class ModelRunner:
     def prepare_inputs(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepInputs:
         """The step's arrays for the scheduled sequences, whose KV blocks are given by `block_tables`.
 
-        Sequence s computes out.num_new_tokens[s] tokens from its num_cached_tokens on (the rest, or one
-        chunk of a long prompt); index arithmetic runs in numpy, one array operation per batch rather
-        than one Python operation per token.
+        Sequence s computes its last out.num_new_tokens[s] tokens up to its num_cached_tokens (which the
+        scheduler already counts them in): the rest of its tokens, or one chunk of a long prompt. Index
+        arithmetic runs in numpy, one array operation per batch rather than one Python operation per token.
         """
         seqs = out.scheduled
-        starts = np.fromiter((seq.num_cached_tokens for seq in seqs), np.int64, len(seqs))
+        ends = np.fromiter((seq.num_cached_tokens for seq in seqs), np.int64, len(seqs))
         counts = np.fromiter((out.num_new_tokens[seq.seq_id] for seq in seqs), np.int64, len(seqs))
-        ends = starts + counts
+        starts = ends - counts
         query_start_loc = np.zeros(len(seqs) + 1, np.int32)
         np.cumsum(counts, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])

@@ -7,12 +7,16 @@ that does not fit the rest of the budget is cut there and continues in the next 
 prompt never stalls the running decodes for more than one step's budget; without it a prompt is
 prefilled whole, in a step of its own if it exceeds the budget.
 
-The scheduler asks the KV allocator for room and never reaches inside it. When a running sequence
-needs a block and none is free, the most recently admitted sequence is preempted: by recompute (its
-blocks are freed; it re-enters the waiting queue and is prefilled again later) or by swap (its blocks
-move to the host pool and come back when room frees up). A beam whose next token waits on a sibling's
-(`Sequence.awaiting`) has nothing to compute: running, it holds its blocks, and when nothing else can
-run it is freed to make room; waiting, it is not admitted until its search has chosen its next token.
+After the forward pass `update_from_output` is the one place a step's results land: each sequence's
+new token is appended and its stops checked (a finished sequence gives its blocks back at once), and
+every running sequence's new token gets its KV slot at once, so that the allocator always holds every
+token of every sequence in the cache. The scheduler asks the KV allocator for room and never reaches
+inside it. When a new token needs a block and none is free, the most recently admitted sequence is
+preempted: by recompute (its blocks are freed; it re-enters the waiting queue and is prefilled again
+later) or by swap (its blocks move to the host pool and come back when room frees up). A beam whose
+next token waits on a sibling's (`Sequence.awaiting`) has nothing to compute: running, it holds its
+blocks, and when nothing else can run it is freed to make room; waiting, it is not admitted until its
+search has chosen its next token.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pagedllm.engine.sampler import Sample
 from pagedllm.engine.sequence import Sequence, SequenceStatus
-from pagedllm.kv import NoFreeBlocks
+from pagedllm.engine.stop_checker import StopChecker
+from pagedllm.kv import KVAllocator, NoFreeBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -32,16 +38,17 @@ PreemptionMode = Literal["recompute", "swap"]
 
 @dataclass
 class SchedulerOutput:
-    """One step's work: what to compute and which KV block copies must happen first."""
+    """One step's work: what to compute and which KV block moves must happen first (those decided after
+    the previous step's forward pass among them)."""
 
     decodes: list[Sequence] = field(default_factory=list)  # one new token each
     prefills: list[Sequence] = field(default_factory=list)  # a chunk of uncached tokens each
     num_new_tokens: dict[str, int] = field(default_factory=dict)  # seq_id -> tokens computed this step
-    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): forks, copy on write
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    preempted: list[Sequence] = field(default_factory=list)
-    ignored: list[Sequence] = field(default_factory=list)  # can never fit in the cache: finish them
+    preempted: list[Sequence] = field(default_factory=list)  # since the previous step's forward pass
+    ignored: list[Sequence] = field(default_factory=list)  # can never fit the cache: finished ("length")
 
     @property
     def scheduled(self) -> list[Sequence]:
@@ -55,19 +62,27 @@ class SchedulerOutput:
         queue.append(seq)
         self.num_new_tokens[seq.seq_id] = num_new_tokens
 
+    def ready(self) -> list[tuple[int, Sequence]]:
+        """(row, sequence) of each scheduled sequence whose every token is computed once this step ran:
+        each needs its next token (a prompt still being prefilled in chunks does not)."""
+        return [
+            (row, seq) for row, seq in enumerate(self.scheduled) if seq.num_cached_tokens == seq.num_tokens
+        ]
+
 
 class Scheduler:
     """First-come first-served continuous batching over a KV allocator (paged or contiguous)."""
 
     def __init__(
         self,
-        allocator,
+        allocator: KVAllocator,
         max_model_len: int,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 8192,
         preemption_mode: PreemptionMode = "recompute",
         watermark: float = 0.01,
         enable_chunked_prefill: bool = True,
+        stop_checker: StopChecker | None = None,
     ):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
@@ -80,6 +95,7 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.watermark = watermark  # share of blocks a new admission must leave free (vLLM's 1%)
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.stop_checker = stop_checker or StopChecker(None, (), max_model_len)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -89,7 +105,9 @@ class Scheduler:
         self.prefix_cache_hits = 0
         self.num_blocks_swapped_out = 0  # device -> host block copies, over the scheduler's life
         self.num_blocks_swapped_in = 0  # host -> device
-        self._fork_copies: list[tuple[int, int]] = []  # to perform before the next forward
+        # The next step's output as far as it is decided between steps: block copies (forks, copy on
+        # write) and swap-outs to perform before its forward, and the sequences preempted for them.
+        self._next = SchedulerOutput()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -102,13 +120,10 @@ class Scheduler:
             child.status = SequenceStatus.WAITING
             self.waiting.appendleft(child)
             return
-        self._fork_copies += self.allocator.fork(parent.seq_id, child.seq_id)
+        self._next.copies += self.allocator.fork(parent.seq_id, child.seq_id)
         child.num_cached_tokens = parent.num_cached_tokens
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished (or aborted) sequence and give its KV blocks back at once."""
@@ -119,9 +134,11 @@ class Scheduler:
             self.allocator.free(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
 
+    # -- before the forward pass --------------------------------------------------------------------
+
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(copies=self._fork_copies)
-        self._fork_copies = []
+        """The step's work; its tokens count as computed from now on (the forward pass computes them)."""
+        out, self._next = self._next, SchedulerOutput()
         prefilling = self._schedule_decodes(out)
         if not out.preempted:
             self._schedule_swap_ins(out)
@@ -134,53 +151,28 @@ class Scheduler:
             self._schedule_swap_ins(out)
             if not self.swapped:
                 self._schedule_prefills(out, budget)
+        for seq in out.scheduled:
+            seq.num_cached_tokens += out.num_new_tokens[seq.seq_id]
         return out
 
     def _has_work_waiting(self) -> bool:
         return bool(self.swapped) or any(not seq.awaiting for seq in self.waiting)
 
-    def update_after_step(self, out: SchedulerOutput) -> list[int]:
-        """After the forward pass: count each scheduled sequence's new tokens as cached; returns the
-        positions in `out.scheduled` of those that now need a next token (all but unfinished prefills)."""
-        rows = []
-        for row, seq in enumerate(out.scheduled):
-            seq.num_cached_tokens += out.num_new_tokens[seq.seq_id]
-            if seq.num_cached_tokens == seq.num_tokens:
-                rows.append(row)
-        return rows
-
     def _schedule_decodes(self, out: SchedulerOutput) -> list[Sequence]:
-        """Give each running sequence a slot for its newest token, preempting from the back if needed;
-        one new token is a decode. Returns the running sequences with more to compute (a prompt part
-        way through its prefill) or nothing (a beam waiting for its siblings)."""
-        queue = deque(self.running)
-        self.running = []
+        """Each running sequence with one token to compute decodes it (the token got its slot when it
+        came). Returns the others: those with more to compute (a prompt part way through its prefill)
+        and those with none (a beam waiting for its siblings)."""
         others = []
-        while queue:
-            seq = queue.popleft()
-            while self._lacks_a_slot(seq) and not self.allocator.can_append(seq.seq_id):
-                if queue:
-                    self._preempt(queue.pop(), out)
-                    continue
-                if self.running:
-                    self._preempt(seq, out)
-                else:  # alone and still no room: it has outgrown the whole KV cache
-                    out.ignored.append(seq)
-                break
+        for seq in self.running:
+            if seq.num_tokens - seq.num_cached_tokens == 1:
+                self._decode(seq, out)
             else:
-                if self._lacks_a_slot(seq):
-                    out.copies += self.allocator.append(seq.seq_id, seq.token_ids[-1])
-                    self.allocator.cache_blocks(seq.seq_id, seq.num_tokens)
-                self.running.append(seq)
-                if seq.num_tokens - seq.num_cached_tokens == 1:
-                    out.add(out.decodes, seq, 1)
-                else:
-                    others.append(seq)
+                others.append(seq)
         return others
 
-    def _lacks_a_slot(self, seq: Sequence) -> bool:
-        """The sequence sampled a token the allocator has no slot for yet."""
-        return self.allocator.num_tokens(seq.seq_id) < seq.num_tokens
+    def _decode(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.allocator.cache_blocks(seq.seq_id, seq.num_tokens)  # a block it fills is computed this step
+        out.add(out.decodes, seq, 1)
 
     def _schedule_swap_ins(self, out: SchedulerOutput) -> None:
         while self.swapped and len(self.running) < self.max_num_seqs:
@@ -193,10 +185,8 @@ class Scheduler:
             self.swapped.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            if self._lacks_a_slot(seq) and self.allocator.can_append(seq.seq_id):
-                out.copies += self.allocator.append(seq.seq_id, seq.token_ids[-1])
-                self.allocator.cache_blocks(seq.seq_id, seq.num_tokens)
-                out.add(out.decodes, seq, 1)  # else it continues from the next step on
+            if seq.num_tokens - seq.num_cached_tokens == 1:
+                self._decode(seq, out)  # else it continues from the next step on
 
     def _schedule_prefill_chunks(self, seqs: list[Sequence], out: SchedulerOutput, budget: int) -> int:
         """Continue the prefills in progress, oldest first, within the budget; returns what is left."""
@@ -218,21 +208,19 @@ class Scheduler:
                 or (not self.enable_chunked_prefill and seq.num_tokens > budget and out.scheduled)
             ):
                 return
-            max_new = seq.max_new_tokens(self.max_model_len)
-            if not self.allocator.can_allocate(seq.token_ids, max_new) or (
-                self.running and not self._leaves_headroom(seq)
-            ):
+            cached = self._allocate(seq)
+            if cached is None:
                 if self.running or self.swapped:
                     return
                 # Nothing will ever free up room: this request cannot fit the cache at all.
                 logger.warning(
                     "request %s (%d tokens) cannot fit the KV cache", seq.request_id, seq.num_tokens
                 )
-                self.waiting.remove(seq)
+                seq.finish_reason = "length"
+                self.finish(seq)
                 out.ignored.append(seq)
                 continue
             self.waiting.remove(seq)
-            cached = self.allocator.allocate(seq.seq_id, seq.token_ids, max_new, num_computed=0)
             seq.num_cached_tokens = cached
             if not seq.output_token_ids:
                 seq.num_prefix_hits = cached
@@ -248,17 +236,83 @@ class Scheduler:
             out.add(out.prefills, seq, num_new)
             budget -= num_new
 
+    def _allocate(self, seq: Sequence) -> int | None:
+        """Give a waiting sequence its blocks if they fit and, beside running sequences, leave the watermark
+        free; returns how many of its tokens the prefix cache held, or None. (One call: the allocator
+        hashes the prompt's blocks once per admission.)"""
+        if self.running and not self._leaves_headroom(seq):
+            return None
+        max_new = seq.max_new_tokens(self.max_model_len)
+        try:
+            return self.allocator.allocate(seq.seq_id, seq.token_ids, max_new, num_computed=0)
+        except NoFreeBlocks:
+            return None
+
     def _leaves_headroom(self, seq: Sequence) -> bool:
         """Admitting seq keeps a watermark of blocks free for the running sequences to grow into."""
         needed = -(-seq.num_tokens // self.allocator.block_size)
         return self.allocator.num_free_blocks - needed >= self.watermark * self.allocator.num_total_blocks
 
+    # -- after the forward pass ---------------------------------------------------------------------
+
+    def update_from_output(self, new_tokens: list[tuple[Sequence, Sample]]) -> list[Sequence]:
+        """Append each sequence's new token (sampled, or chosen by its beam search), finish those it
+        stops, and give every other one in the cache its slot for that token. Returns the sequences
+        finished here, their blocks already back in the pool."""
+        finished, growing = [], set()
+        for seq, smp in new_tokens:
+            seq.append_token(smp)
+            self.stop_checker.check(seq)
+            if seq.finish_reason is not None:
+                self.finish(seq)
+                finished.append(seq)
+            elif seq.status is SequenceStatus.SWAPPED:
+                # A beam chosen to go on while swapped out: the host pool holds no slot for its token, so
+                # its host copy is dropped and it is prefilled again instead.
+                self.swapped.remove(seq)
+                self._recompute(seq)
+            elif seq.status is SequenceStatus.RUNNING:
+                growing.add(seq.seq_id)  # a waiting sequence gets its slots when it is admitted
+        return finished + self._give_slots(growing)
+
+    def _give_slots(self, growing: set[str]) -> list[Sequence]:
+        """Append each growing sequence's newest token to its KV, oldest sequence first: first every one
+        the cache has room for, then each other one, preempting the most recently admitted sequences
+        until it fits. Returns the sequences alone in a cache they have outgrown, finished ("length")."""
+        lacking = []
+        for seq in self.running:
+            if seq.seq_id in growing:
+                if self.allocator.can_append(seq.seq_id):
+                    self._append_slot(seq)
+                else:
+                    lacking.append(seq)
+        missing = {seq.seq_id for seq in lacking}
+        outgrown = []
+        for seq in lacking:
+            while seq.status is SequenceStatus.RUNNING and not self.allocator.can_append(seq.seq_id):
+                victim = self.running[-1]
+                if victim is seq and len(self.running) == 1:
+                    seq.finish_reason = "length"  # alone and still no room: it has outgrown the whole cache
+                    self.finish(seq)
+                    outgrown.append(seq)
+                else:
+                    # A victim whose newest token has no slot yet is recomputed: swapped, its host copy
+                    # would lack that token.
+                    self._preempt(victim, self._next, swap=False if victim.seq_id in missing else None)
+            if seq.status is SequenceStatus.RUNNING:
+                self._append_slot(seq)
+            missing.discard(seq.seq_id)
+        return outgrown
+
+    def _append_slot(self, seq: Sequence) -> None:
+        self._next.copies += self.allocator.append(seq.seq_id, seq.output_token_ids[-1])
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput, swap: bool | None = None) -> None:
-        """Swap the sequence out (by default in swap mode), or free it to be prefilled again first."""
+        """Swap the sequence out (by default in swap mode), or free it to be prefilled again first; the
+        block moves go to `out`, the step they are performed before."""
         self.num_preemptions += 1
         out.preempted.append(seq)
-        if seq in self.running:
-            self.running.remove(seq)
+        self.running.remove(seq)
         if self.preemption_mode == "swap" if swap is None else swap:
             try:
                 copies = self.allocator.swap_out(seq.seq_id)
@@ -270,6 +324,10 @@ class Scheduler:
                 seq.status = SequenceStatus.SWAPPED
                 self.swapped.append(seq)
                 return
+        self._recompute(seq)
+
+    def _recompute(self, seq: Sequence) -> None:
+        """Free the sequence's KV: it waits at the front of the queue to be prefilled again."""
         self.allocator.free(seq.seq_id)
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING

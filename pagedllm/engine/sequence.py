@@ -10,6 +10,7 @@ from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedllm.engine.guided import Guide
+    from pagedllm.engine.sampler import Sample
 
 
 class SequenceStatus(enum.Enum):
@@ -19,7 +20,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: queues find it by identity
 class Sequence:
     """Token ids and progress of one generated sequence (its KV lives under seq_id in the allocator)."""
 
@@ -32,10 +33,12 @@ class Sequence:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     status: SequenceStatus = SequenceStatus.WAITING
-    num_cached_tokens: int = 0  # tokens whose K/V are in the cache (computed in an earlier step)
+    # Tokens whose K/V are in the cache, counting those the step being run computes (the scheduler adds
+    # a step's tokens when it schedules them, as vLLM v1 does): all of them once its prompt is computed,
+    # but the newest, sampled token, whose K/V the next step computes.
+    num_cached_tokens: int = 0
     awaiting: bool = False  # a computed beam whose next token its beam search has not chosen yet
     num_prefix_hits: int = 0  # prompt tokens served by the prefix cache at first admission
-    arrival_step: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str = ""
@@ -55,6 +58,13 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, smp: Sample) -> None:
+        """The next token, with its log-probabilities when the request asked for them."""
+        self.output_token_ids.append(smp.token_id)
+        if smp.logprob is not None:
+            self.cumulative_logprob += smp.logprob
+            self.output_logprobs.append(smp.top_logprobs)
 
     def max_new_tokens(self, max_model_len: int) -> int:
         """How many more tokens this sequence may still generate."""

@@ -32,6 +32,3 @@ class ParallelModelRunner(ModelRunner):
             return super().execute_step(step)
         except CollectiveError as error:
             raise self.executor.fail(error) from error
-
-    def shutdown(self) -> None:
-        self.executor.stop()

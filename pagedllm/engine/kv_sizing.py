@@ -1,0 +1,50 @@
+"""How large the KV cache is: the bytes of a block, and how many blocks the engine's settings give it."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pagedllm import ops
+from pagedllm.engine.config import EngineConfig, parse_bytes
+from pagedllm.models import ModelConfig
+
+
+def kv_block_bytes(config: ModelConfig, num_kv_heads: int, dtype: torch.dtype, block_size: int) -> int:
+    """Bytes of a KV block of `block_size` tokens for `num_kv_heads` heads of every layer (K and V; a
+    quantized cache's scales included)."""
+    return 2 * config.num_layers * ops.kv_block_bytes(block_size, num_kv_heads, config.head_dim, dtype)
+
+
+def num_kv_blocks(config: EngineConfig, block_bytes: int, weight_bytes: int) -> int:
+    """num_kv_blocks if set, else the blocks of `block_bytes` in the KV budget: kv_cache_memory, or what
+    the weights (`weight_bytes`) leave of memory_budget."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.memory_budget is None:
+        setting, budget = "kv_cache_memory", parse_bytes(config.kv_cache_memory)
+    else:
+        setting, budget = "memory_budget", parse_bytes(config.memory_budget, "memory_budget")
+        if budget <= weight_bytes:
+            raise ValueError(
+                f"memory_budget={config.memory_budget!r} ({budget / 2**20:.1f} MiB) leaves nothing for the "
+                f"KV cache: the weights take {weight_bytes / 2**20:.1f} MiB"
+            )
+        budget -= weight_bytes
+    if budget < block_bytes:
+        raise ValueError(f"{setting}={getattr(config, setting)!r} holds no KV block")
+    return budget // block_bytes
+
+
+def check_max_model_len(requested: int | None, context: int) -> int:
+    """The model's context unless asked for less; more is refused, as vLLM does, unless allowed."""
+    if requested is None:
+        return context
+    if requested > context and os.environ.get("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1":
+        raise ValueError(
+            f"max_model_len={requested} is longer than the model's context of {context} tokens "
+            "(max_position_embeddings): positions past it were never trained and give poor output. "
+            "Set PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it anyway"
+        )
+    return requested

@@ -1,0 +1,35 @@
+"""Engines in one process share a loaded model: weights are read-only, and each engine owns its KV cache."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from pagedllm.models import LoadedModel, load_model
+from pagedllm.models.linear import few_rows
+from pagedllm.models.parallel import SINGLE, TensorParallel
+
+_loaded_models: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def load_shared_model(
+    model: str,
+    dtype: torch.dtype,
+    device: str,
+    quantization: str | None = "auto",
+    tp: TensorParallel = SINGLE,
+    max_num_seqs: int | None = None,
+) -> LoadedModel:
+    """load_model, reusing a model another live engine already loaded with the same settings (a shard of a
+    tensor-parallel group is its engine's own: its layers collect through that group)."""
+    if tp.size > 1:
+        return load_model(model, dtype, device, quantization=quantization, tp=tp, max_num_seqs=max_num_seqs)
+    key = (model, dtype, device, quantization, few_rows(max_num_seqs))
+    loaded = _loaded_models.get(key)
+    if loaded is None:
+        loaded = load_model(
+            model, dtype=dtype, device=device, quantization=quantization, max_num_seqs=max_num_seqs
+        )
+        _loaded_models[key] = loaded
+    return loaded
