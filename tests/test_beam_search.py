@@ -111,18 +111,18 @@ def test_ignore_eos_runs_every_beam_to_max_tokens(tiny_eos_dir, tiny_hf, tiny_pr
 def test_beams_share_blocks_and_pruned_beams_free_theirs_at_once(tiny_eos_dir, tiny_prompts):
     """After every step each block in use belongs to a live beam, and beams share their common prefix."""
     llm = LLM(str(tiny_eos_dir), num_kv_blocks=256, block_size=4)
-    engine, allocator = llm.engine, llm.engine.allocator
+    engine = llm.engine
     engine.add_request(
         "beams", tiny_prompts[3], BeamSearchParams(beam_width=4, max_tokens=20, ignore_eos=True)
     )
     shared_steps = 0
     while engine.has_unfinished_requests():
         engine.step()
-        request = engine.requests.get("beams")
-        live = [seq.seq_id for seq in request.seqs] if request else []
-        tables = [allocator.block_table(seq_id) for seq_id in live]
+        snapshot = engine.kv_snapshot()  # every sequence in the cache: the live beams
+        assert snapshot["queues"]["swapped"] == 0
+        tables = [seq["table"] for seq in snapshot["seqs"]]
         held = {block for table in tables for block in table}
-        assert allocator.num_total_blocks - allocator.num_free_blocks == len(held)
+        assert sum(ref > 0 for ref in snapshot["blocks"]["ref"]) == len(held)
         shared_steps += len(held) < sum(len(t) for t in tables)
     assert shared_steps > 10
     assert_all_blocks_free(llm)
@@ -151,7 +151,7 @@ def test_beams_of_many_prompts_batch_with_sampling_requests_and_survive_preempti
             for out in engine.step():
                 if out.finished:
                     finished[out.request_id] = out
-        assert engine.scheduler.num_preemptions > 0, mode
+        assert engine.stats().num_preemptions > 0, mode
         for i, (beams, plain) in enumerate(zip(expected, expected_greedy, strict=True)):
             got = finished[f"beam-{i}"]
             prompt_len = len(got.prompt_token_ids)
@@ -182,7 +182,7 @@ def test_abort_frees_every_beam(tiny_eos_dir, tiny_prompts):
     engine.add_request("b", tiny_prompts[2], BeamSearchParams(beam_width=4, max_tokens=50, ignore_eos=True))
     for _ in range(5):
         engine.step()
-    assert len(engine.requests["b"].seqs) == 4
+    assert engine.stats().num_running == 4  # the beams
     engine.abort_request("b")
     assert_all_blocks_free(llm)
 

@@ -22,7 +22,7 @@ def reference_tokens():
     """The same batch, on the same (default) storage, with a cache big enough that nothing is preempted."""
     llm = LLM("smollm2-135m", max_model_len=512)
     outputs = llm.generate(PROMPTS, GREEDY)
-    assert llm.engine.scheduler.num_preemptions == 0
+    assert llm.engine.stats().num_preemptions == 0
     assert_all_blocks_free(llm)
     return [o.outputs[0].token_ids for o in outputs]
 
@@ -32,14 +32,14 @@ def test_preemption_gives_the_same_tokens_as_no_preemption(mode, reference_token
     # 8 sequences of ~50 tokens need ~32 blocks of 16; 12 blocks force preemption.
     llm = LLM("smollm2-135m", num_kv_blocks=12, max_model_len=512, preemption_mode=mode)
     outputs = llm.generate(PROMPTS, GREEDY)
-    scheduler = llm.engine.scheduler
-    assert scheduler.num_preemptions > 0
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == reference_tokens
     if mode == "swap":  # blocks really went to the host pool and every one came back
-        assert scheduler.num_blocks_swapped_out > 0
-        assert scheduler.num_blocks_swapped_in == scheduler.num_blocks_swapped_out
+        assert stats.num_blocks_swapped_out > 0
+        assert stats.num_blocks_swapped_in == stats.num_blocks_swapped_out
     else:
-        assert scheduler.num_blocks_swapped_out == scheduler.num_blocks_swapped_in == 0
+        assert stats.num_blocks_swapped_out == stats.num_blocks_swapped_in == 0
     assert_all_blocks_free(llm)
 
 
@@ -63,9 +63,9 @@ def test_prefix_caching_is_on_by_default_and_keeps_outputs():
     no_cache = LLM("smollm2-135m", kv_cache_memory="64MiB", max_model_len=512, enable_prefix_caching=False)
     uncached = no_cache.generate(prompts, GREEDY)
     assert all(o.num_cached_tokens == 0 for o in uncached)
-    assert no_cache.engine.scheduler.prefix_cache_queries == 0  # no cache, nothing looked up
+    assert no_cache.engine.stats().prefix_cache_queries == 0  # no cache, nothing looked up
     llm = LLM("smollm2-135m", kv_cache_memory="64MiB", max_model_len=512)
-    assert llm.engine.allocator.enable_prefix_caching
+    assert llm.engine.config.enable_prefix_caching
     first = llm.generate(prompts[:1], GREEDY)[0]
     assert first.num_cached_tokens == 0
     second = llm.generate(prompts, GREEDY)
@@ -74,9 +74,9 @@ def test_prefix_caching_is_on_by_default_and_keeps_outputs():
     assert second[0].num_cached_tokens == full_blocks  # the whole prompt but its last partial block
     assert all(o.num_cached_tokens >= block for o in second[1:])  # the shared system prompt
     assert [o.outputs[0].token_ids for o in second] == [o.outputs[0].token_ids for o in uncached]
-    scheduler = llm.engine.scheduler
-    assert scheduler.prefix_cache_queries == sum(len(o.prompt_token_ids) for o in [first, *second])
-    assert scheduler.prefix_cache_hits == sum(o.num_cached_tokens for o in second)
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_queries == sum(len(o.prompt_token_ids) for o in [first, *second])
+    assert stats.prefix_cache_hits == sum(o.num_cached_tokens for o in second)
     assert_all_blocks_free(no_cache)
     assert_all_blocks_free(llm)
 
@@ -110,13 +110,16 @@ def test_parallel_sampling_forks_and_is_reproducible(smollm2_llm):
 
 
 def test_forked_sequences_share_prompt_blocks_copy_on_write(smollm2_llm):
-    engine = smollm2_llm.engine
-    engine.add_request(
-        "fork", PROMPTS[1], SamplingParams(n=3, max_tokens=5, temperature=0.8, seed=1, ignore_eos=True)
-    )
-    engine.step()  # prefill, then fork
-    usage = engine.allocator.usage()
-    assert usage.shared_saved_slots >= 2 * len(engine.requests["fork"].prompt_token_ids)
+    engine, block = smollm2_llm.engine, smollm2_llm.engine.config.block_size
+    prompt = " ".join([PROMPTS[1]] * 5)
+    params = SamplingParams(n=3, max_tokens=5, temperature=0.8, seed=1, ignore_eos=True)
+    engine.add_request("fork", prompt, params)
+    (out,) = engine.step()  # prefill, fork, and each sample's first token
+    assert len(out.outputs) == 3 and all(len(c.token_ids) == 1 for c in out.outputs)
+    full = len(out.prompt_token_ids) // block * block
+    assert full >= 2 * block
+    # The three hold the prompt's full blocks once; its partial last block was copied for each child's token.
+    assert engine.stats().kv_usage.shared_saved_slots == 2 * full
     while engine.has_unfinished_requests():
         engine.step()
     assert_all_blocks_free(smollm2_llm)
@@ -210,11 +213,9 @@ def test_watermark_is_an_engine_setting(watermark, first_step):
     a 40% watermark (4.8 blocks), so it waits until the first finishes."""
     llm = LLM("smollm2-135m", num_kv_blocks=12, max_model_len=512, watermark=watermark)
     engine = llm.engine
-    assert engine.scheduler.watermark == watermark
     for name in ("a", "b"):
         engine.add_request(name, list(range(1, 60)), SamplingParams(max_tokens=2, ignore_eos=True))
-    engine.step()
-    assert [s.request_id for s in engine.scheduler.running] == first_step
+    assert [out.request_id for out in engine.step()] == first_step  # those admitted got a token
     while engine.has_unfinished_requests():
         engine.step()
     assert_all_blocks_free(llm)

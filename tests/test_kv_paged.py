@@ -188,7 +188,7 @@ def test_swap_round_trip_restores_every_token():
         for o in range(4):
             host[h * 4 + o] = device.pop(d * 4 + o, None)
     with pytest.raises(ValueError, match="swapped out"):
-        kv.append("s", 1)
+        kv.fork("s", "child")
     kv.allocate("other", [0] * 8, 4)  # takes blocks 0 and 1: the sequence must come back elsewhere
     assert kv.can_swap_in("s")
     back = kv.swap_in("s")
@@ -338,4 +338,21 @@ def test_swap_in_shares_no_block_whose_kv_it_has_not_computed():
     assert len(back) == 1 and kv.block_table("s")[0] != kv.block_table("t")[0]
     kv.free("s")
     kv.free("t")
+    assert kv.all_free()
+
+
+def test_a_swapped_out_sequence_may_grow_and_gets_the_new_blocks_when_it_is_back():
+    """A token chosen while its sequence is swapped out takes no memory then: swap_in gives it its slot
+    (its K/V is computed once the sequence is back), in a new block where the last is full (no copy)."""
+    kv = PagedAllocator(num_blocks=4, block_size=2, num_host_blocks=3)
+    kv.allocate("s", [1, 2, 3], 2)
+    host = [h for _, h in kv.swap_out("s")]
+    for token in (4, 5):
+        assert kv.can_append("s") and kv.append("s", token) == []
+    assert kv.num_tokens("s") == 5 and kv.num_free_host_blocks == 1 and kv.num_free_blocks == 4
+    back = kv.swap_in("s")
+    table = kv.block_table("s")
+    assert back == [(host[0], table[0]), (host[1], table[1])] and len(table) == 3
+    assert kv.usage().live_slots == 5 and kv.num_free_host_blocks == 3
+    kv.free("s")
     assert kv.all_free()

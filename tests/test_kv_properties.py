@@ -32,6 +32,8 @@ class KVMachine(RuleBasedStateMachine):
         self.bs = self.kv.block_size
         self.tokens: dict[int, list[int]] = {}  # every live sequence (resident or swapped)
         self.swapped: set[int] = set()
+        self.unwritten: dict[int, int] = {}  # swapped sequence -> its first token appended while away
+        self.host_blocks: dict[int, int] = {}  # swapped sequence -> host blocks it holds
         self.device: dict[int, tuple[int, int]] = {}  # slot -> (position, token) written there
         self.host: dict[int, tuple[int, int] | None] = {}
         self.next_id = 0
@@ -141,6 +143,8 @@ class KVMachine(RuleBasedStateMachine):
         self.kv.free(seq_id)
         del self.tokens[seq_id]
         self.swapped.discard(seq_id)
+        self.unwritten.pop(seq_id, None)
+        self.host_blocks.pop(seq_id, None)
 
     # -- invariants --------------------------------------------------------------------------------
 
@@ -190,6 +194,19 @@ class PagedMachine(KVMachine):
         assert len(copies) == -(-len(self.tokens[seq_id]) // self.bs)
         self.copy_blocks(copies, self.device, self.host)
         self.swapped.add(seq_id)
+        self.host_blocks[seq_id] = len(copies)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data(), token=st.integers(0, 1))
+    def append_swapped(self, data, token):
+        """A swapped-out sequence may grow (it takes no memory until it is back, where its new tokens' K/V
+        is written)."""
+        seq_id = data.draw(st.sampled_from(sorted(self.swapped)))
+        before = self.snapshot()
+        assert self.kv.can_append(seq_id) and self.kv.append(seq_id, token) == []
+        assert self.snapshot() == before
+        self.unwritten.setdefault(seq_id, len(self.tokens[seq_id]))
+        self.tokens[seq_id].append(token)
 
     @precondition(lambda self: self.swapped)
     @rule(data=st.data())
@@ -201,6 +218,9 @@ class PagedMachine(KVMachine):
             return
         self.copy_blocks(copies, self.host, self.device)
         self.swapped.discard(seq_id)
+        del self.host_blocks[seq_id]
+        if seq_id in self.unwritten:  # the step after its return computes them
+            self.write(seq_id, self.unwritten.pop(seq_id))
 
     @invariant()
     def ref_counts_match_block_tables(self):
@@ -218,8 +238,7 @@ class PagedMachine(KVMachine):
         assert len(free) == len(set(free)) == self.kv.num_free_blocks
         assert set(free) == {i for i, n in enumerate(holders) if n == 0}
         assert all(b.block_hash == h for h, b in pool.cached.items())
-        host_held = sum(-(-len(self.tokens[s]) // self.bs) for s in self.swapped)
-        assert self.kv.num_free_host_blocks + host_held == self.kv.num_host_blocks
+        assert self.kv.num_free_host_blocks + sum(self.host_blocks.values()) == self.kv.num_host_blocks
 
 
 class CachingPagedMachine(PagedMachine):

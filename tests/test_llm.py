@@ -104,7 +104,7 @@ def test_half_precision_dtypes_track_fp32(dtype, kv_cache_dtype, tol, fp32_greed
     block_bytes = (
         2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 16 * (4 if stored == "float32" else 2)
     )
-    assert llm.engine.allocator.num_total_blocks == 16 * 2**20 // block_bytes
+    assert llm.engine.num_kv_blocks == 16 * 2**20 // block_bytes
     agreed = 0
     for ref, out in zip(fp32_greedy, llm.generate(PROMPTS, GREEDY_LOGPROBS), strict=True):
         half = out.outputs[0]

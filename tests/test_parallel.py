@@ -202,9 +202,9 @@ def test_two_ranks_generate_the_tokens_of_one(folders, name, layout, kv_cache_dt
     two = LLM(folders[name], tensor_parallel_size=2, **settings)
     try:
         got = two.generate(batch, params)
-        assert two.engine.scheduler.num_preemptions == one.engine.scheduler.num_preemptions
+        assert two.engine.stats().num_preemptions == one.engine.stats().num_preemptions
         if layout == "paged":
-            assert two.engine.scheduler.num_preemptions > 0
+            assert two.engine.stats().num_preemptions > 0
         assert_all_blocks_free(two)
     finally:
         two.engine.shutdown()

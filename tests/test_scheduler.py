@@ -148,8 +148,7 @@ def test_the_newest_sequence_is_preempted_when_a_new_token_finds_no_block(mode):
     if mode == "swap":
         assert allocator.num_tokens("c") == 3 and c.num_cached_tokens == 2
         scheduler.update_from_output([(c, Sample(9))])  # e.g. a beam whose search chose its next token
-        assert list(scheduler.waiting) == [c] and not scheduler.swapped and "c" not in allocator
-        assert c.num_cached_tokens == 0 and c.output_token_ids == [7, 9]  # its host copy is dropped
+        assert list(scheduler.swapped) == [c] and allocator.num_tokens("c") == 4  # slotted on swap-in
     for seq in [*scheduler.running, c]:
         scheduler.finish(seq)
     assert allocator.all_free()
@@ -163,3 +162,24 @@ def test_a_sequence_alone_in_a_cache_it_has_outgrown_finishes_with_length():
     (a,) = _run(scheduler, scheduler.schedule())  # token 9 would need a third
     assert a.finish_reason == "length" and a.output_token_ids == [7, 7] and a.is_finished
     assert not scheduler.running and allocator.all_free()
+
+
+def test_a_victim_swapped_before_its_new_token_had_a_slot_gets_it_when_it_comes_back():
+    """4 blocks of 4, three 4-token prompts: each sampled token needs a new block. a takes the free one,
+    b preempts c, whose token has no slot yet: swapped out, it gets one when it comes back."""
+    allocator = PagedAllocator(4, block_size=4)  # and as many host blocks
+    scheduler = Scheduler(allocator, max_model_len=64, preemption_mode="swap", watermark=0)
+    for name in "abc":
+        scheduler.add(_seq(name, 4))
+    _run(scheduler, scheduler.schedule())
+    (c,) = scheduler.swapped
+    assert c.seq_id == "c" and allocator.num_tokens("c") == c.num_tokens == 5
+    out = scheduler.schedule()
+    assert [s.seq_id for s in out.decodes] == ["a", "b"] and len(out.swap_out) == 1
+    for seq in list(scheduler.running):
+        scheduler.finish(seq)
+    out = scheduler.schedule()
+    assert len(out.swap_in) == 1 and len(allocator.block_table("c")) == 2  # its new block: no copy
+    assert out.decodes == [c] and out.num_new_tokens == {"c": 1}
+    scheduler.finish(c)
+    assert allocator.all_free()

@@ -266,11 +266,8 @@ class Scheduler:
             if seq.finish_reason is not None:
                 self.finish(seq)
                 finished.append(seq)
-            elif seq.status is SequenceStatus.SWAPPED:
-                # A beam chosen to go on while swapped out: the host pool holds no slot for its token, so
-                # its host copy is dropped and it is prefilled again instead.
-                self.swapped.remove(seq)
-                self._recompute(seq)
+            elif seq.status is SequenceStatus.SWAPPED:  # a beam its search moved on while swapped out
+                self._append_slot(seq)  # its slot comes with it when it is swapped back in
             elif seq.status is SequenceStatus.RUNNING:
                 growing.add(seq.seq_id)  # a waiting sequence gets its slots when it is admitted
         return finished + self._give_slots(growing)
@@ -296,9 +293,9 @@ class Scheduler:
                     self.finish(seq)
                     outgrown.append(seq)
                 else:
-                    # A victim whose newest token has no slot yet is recomputed: swapped, its host copy
-                    # would lack that token.
-                    self._preempt(victim, self._next, swap=False if victim.seq_id in missing else None)
+                    self._preempt(victim, self._next)
+                    if victim.seq_id in missing and victim.status is SequenceStatus.SWAPPED:
+                        self._append_slot(victim)  # its newest token's slot comes with it on swap-in
             if seq.status is SequenceStatus.RUNNING:
                 self._append_slot(seq)
             missing.discard(seq.seq_id)

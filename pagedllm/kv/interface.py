@@ -63,7 +63,8 @@ class KVAllocator(Protocol):
     The cache is viewed as [num_total_blocks, block_size, ...]; token t of a sequence lives in slot
     `block_table[t // block_size] * block_size + t % block_size` (the contiguous layout has
     block_size 1, so its block table is the list of its tokens' slots). Every method that needs
-    memory raises NoFreeBlocks, changing nothing, when there is not enough.
+    memory raises NoFreeBlocks, changing nothing, when there is not enough. A swapped-out sequence may
+    still be appended to: its new tokens get their slots when swap_in brings it back.
     """
 
     block_size: int

@@ -4,7 +4,8 @@ Token t of a sequence lives in slot `table[t // block_size] * block_size + t % b
 `table` is its block table. Blocks are taken on demand (only when the last one is full) and given
 back the instant a sequence is freed. `fork` shares blocks (copy-on-write on the first divergent
 append), prefix caching reuses full blocks keyed by a hash chain (a block becomes findable once its K/V is
-computed: `cache_blocks`), and `swap_out` / `swap_in` move a sequence to a host pool and back.
+computed: `cache_blocks`), and `swap_out` / `swap_in` move a sequence to a host pool and back (it may
+be appended to while there: its new tokens get their blocks when it comes back).
 """
 
 from __future__ import annotations
@@ -195,17 +196,30 @@ class PagedAllocator:
     # -- decode ----------------------------------------------------------------------------------------
 
     def can_append(self, seq_id: Hashable) -> bool:
-        return not self._needs_block(self._resident(seq_id)) or self.pool.num_free > 0
+        seq = self._known(seq_id)
+        return seq.host_blocks is not None or not self._needs_block(seq) or self.pool.num_free > 0
 
     def append(self, seq_id: Hashable, token_id: int) -> list[tuple[int, int]]:
         """Give the sequence one more token; returns the (src, dst) block copies to do before writing.
-        A block the token fills is keyed for the prefix cache, and findable once `cache_blocks` says its
-        K/V is computed (a sampled token's K/V is computed in the next step)."""
-        seq = self._resident(seq_id)
-        bs, pool = self.block_size, self.pool
-        offset = len(seq.token_ids) % bs
+
+        A swapped-out sequence takes no memory for it now: swap_in gives it its slot (its K/V is computed
+        once the sequence is back). A block the token fills is keyed for the prefix cache, and findable
+        once `cache_blocks` says its K/V is computed (a sampled token's K/V is computed in the next step).
+        """
+        seq = self._known(seq_id)
+        bs, offset = self.block_size, len(seq.token_ids) % self.block_size
+        copies = [] if seq.host_blocks is not None else self._grow(seq_id, seq)
+        seq.token_ids.append(token_id)
+        if self.enable_prefix_caching and offset == bs - 1:
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[-bs:]))
+        return copies
+
+    def _grow(self, seq_id: Hashable, seq: _Seq) -> list[tuple[int, int]]:
+        """A device slot for the next token: in the last block, or a new one (a copy of a shared last one)."""
+        pool, offset = self.pool, len(seq.token_ids) % self.block_size
         copies = []
-        if offset == 0 or seq.blocks[-1].ref_cnt > 1:  # the last block is full, or shared
+        if self._needs_block(seq):
             if pool.num_free == 0:
                 raise NoFreeBlocks(f"sequence {seq_id!r} needs a block for token {len(seq.token_ids)}")
             block = pool.allocate(after=None if offset else seq.blocks[-1])
@@ -215,12 +229,8 @@ class PagedAllocator:
                 pool.write(block, offset)
                 pool.release([shared])
             seq.blocks.append(block)
-        seq.token_ids.append(token_id)
         pool.write(seq.blocks[-1], 1)
         self._resident_tokens += 1
-        if self.enable_prefix_caching and offset == bs - 1:
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            seq.block_hashes.append(hash_block(parent, seq.token_ids[-bs:]))
         return copies
 
     def _needs_block(self, seq: _Seq) -> bool:
@@ -279,7 +289,8 @@ class PagedAllocator:
     def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """Bring the sequence back to device blocks; returns the (host block, device block) copies to do.
 
-        With prefix caching, computed full blocks still cached on the device are reused instead of copied.
+        With prefix caching, computed full blocks still cached on the device are reused instead of copied;
+        a block of tokens appended while swapped out is new (their K/V is still to be computed).
         """
         seq = self._swapped(seq_id)
         hits = self._swap_in_hits(seq)
@@ -290,9 +301,10 @@ class PagedAllocator:
                 self.pool.touch(block)
         seq.blocks = self._take_blocks(hits)
         copies = []
-        for i, (hit, host) in enumerate(zip(hits, seq.host_blocks, strict=True)):
+        for i, hit in enumerate(hits):
             if hit is None:
-                copies.append((host, seq.blocks[i].block_id))
+                if i < len(seq.host_blocks):
+                    copies.append((seq.host_blocks[i], seq.blocks[i].block_id))
                 self._fill(seq, i)
         self._free_host_blocks.extend(reversed(seq.host_blocks))
         seq.host_blocks = None
@@ -300,19 +312,16 @@ class PagedAllocator:
         return copies
 
     def _swap_in_hits(self, seq: _Seq) -> list[Block | None]:
-        """For each block of a swapped sequence, the device block still caching its content, if any. Only
-        blocks it computed count: one whose K/V is still to come is never shared (it will be written)."""
+        """For each block the swapped sequence's tokens need, the device block still caching its content, if
+        any. Only blocks it computed count: one whose K/V is still to come is never shared (it is written)."""
         computed = seq.block_hashes[: seq.num_cached_blocks]
         hits: list[Block | None] = [self.pool.cached.get(h) for h in computed]
-        return hits + [None] * (len(seq.host_blocks) - len(hits))
+        return hits + [None] * (-(-len(seq.token_ids) // self.block_size) - len(hits))
 
     # -- views -----------------------------------------------------------------------------------------
 
     def num_tokens(self, seq_id: Hashable) -> int:
-        seq = self._seqs.get(seq_id)
-        if seq is None:
-            raise unknown(seq_id)
-        return len(seq.token_ids)
+        return len(self._known(seq_id).token_ids)
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         return [block.block_id for block in self._resident(seq_id).blocks]
@@ -350,16 +359,20 @@ class PagedAllocator:
                 states += [SlotState.LIVE] * block.num_tokens + [SlotState.TAIL] * (bs - block.num_tokens)
         return states
 
-    def _resident(self, seq_id: Hashable) -> _Seq:
-        seq = self._seqs.get(seq_id)
-        if seq is None or seq.host_blocks is not None:
-            raise unknown(seq_id) if seq is None else ValueError(f"sequence {seq_id!r} is swapped out")
-        return seq
-
-    def _swapped(self, seq_id: Hashable) -> _Seq:
+    def _known(self, seq_id: Hashable) -> _Seq:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise unknown(seq_id)
+        return seq
+
+    def _resident(self, seq_id: Hashable) -> _Seq:
+        seq = self._known(seq_id)
+        if seq.host_blocks is not None:
+            raise ValueError(f"sequence {seq_id!r} is swapped out")
+        return seq
+
+    def _swapped(self, seq_id: Hashable) -> _Seq:
+        seq = self._known(seq_id)
         if seq.host_blocks is None:
             raise ValueError(f"sequence {seq_id!r} is not swapped out")
         return seq
