@@ -24,7 +24,7 @@ chosen gives its blocks back at once), and returns each beam's chosen token for 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -179,15 +179,14 @@ class BeamSearchDriver:
         return [(seq, Sample(c.token_id)) for seq, c in zip(extended, chosen, strict=True)]
 
 
-def beam_tokens(logits: torch.Tensor, beams: list[tuple[Sequence, BeamSearchDriver]]) -> list:
+def beam_tokens(
+    logits: torch.Tensor, beams: list[tuple[Sequence, BeamSearchDriver]]
+) -> list[tuple[Sequence, Sample]]:
     """Hand each computed beam's best next tokens to its search (one log-softmax and top-k for all the
     rows of `logits`, one per beam), then advance every search: the next tokens of those that moved."""
     width = max(driver.search.num_candidates for _, driver in beams)
     logprobs, token_ids = logits.log_softmax(dim=-1).topk(width)
     for (seq, driver), lps, ids in zip(beams, logprobs.tolist(), token_ids.tolist(), strict=True):
         driver.computed(seq, lps, ids)
-    return [token for driver in _unique(driver for _, driver in beams) for token in driver.advance()]
-
-
-def _unique(drivers: Iterable[BeamSearchDriver]) -> list[BeamSearchDriver]:
-    return list({id(driver): driver for driver in drivers}.values())
+    searches = dict.fromkeys(driver for _, driver in beams)  # each once, in order
+    return [token for driver in searches for token in driver.advance()]

@@ -321,10 +321,6 @@ class Scheduler:
                 seq.status = SequenceStatus.SWAPPED
                 self.swapped.append(seq)
                 return
-        self._recompute(seq)
-
-    def _recompute(self, seq: Sequence) -> None:
-        """Free the sequence's KV: it waits at the front of the queue to be prefilled again."""
         self.allocator.free(seq.seq_id)
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
