@@ -205,7 +205,7 @@ class KernelLinear(LinearMethod):
 
     def embedding(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         w = layer.stored
-        if w.data.dim() == 3:  # float32 panels: a strided gather (3,200 rows of SmolLM2's head in 7 ms)
+        if w.data.dim() == 3:  # float32 panels: a strided gather, no copy of the table
             return cpu.panel_rows(w.data, ids)
         return cpu.dequantize_rows(w.data, w.scales, w.mins, w.group_size, ids, layer.params_dtype)
 
@@ -223,12 +223,13 @@ LINEAR_METHODS: dict[str, type[LinearMethod]] = {
 def default_linear_method(
     device: torch.device | str, dtype: torch.dtype, max_num_seqs: int | None = None
 ) -> LinearMethod:
-    """For unquantized weights on the CPU: float32 on an AVX-512 CPU, pagedllm's kernel on its panels (at
-    the 8-16 rows of a batched decode step 1.1-1.6x oneDNN's prepacked GEMM, level at 64 and at a
-    prefill's thousands; `pagedllm bench linear`); else oneDNN's prepacked GEMM, but where a decode
-    step never holds more than KernelLinear.STREAM_ROWS sequences (`max_num_seqs`: one user chatting),
-    the kernel, which streams a weight at one row 1.5x as fast. Dense elsewhere;
-    $PAGEDLLM_LINEAR_METHOD overrides."""
+    """For unquantized weights on the CPU: float32 on an AVX-512 CPU, pagedllm's kernel on its panels
+    (its register tiles feed each loaded weight to several rows, which beats or matches oneDNN's
+    prepacked GEMM at a batched decode's row counts and a prefill's); else oneDNN's prepacked GEMM, but
+    where a decode step never holds more than KernelLinear.STREAM_ROWS sequences (`max_num_seqs`: one user
+    chatting), the kernel, which streams a weight at one row at the memory's rate. Dense elsewhere;
+    $PAGEDLLM_LINEAR_METHOD overrides. `pagedllm bench linear` measures each choice (docs/JOURNAL.md,
+    "float32 in panels" and "One user")."""
     requested = os.environ.get(LINEAR_METHOD_ENV_VAR, "").strip().lower()
     if requested:
         if requested not in LINEAR_METHODS:
