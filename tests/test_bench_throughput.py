@@ -207,7 +207,6 @@ def test_a_bfloat16_comparison_reports_each_systems_agreement_with_float32_token
     args = Namespace(
         model="smollm2-135m",
         dtype="bfloat16",
-        kv_cache_dtype="auto",
         kv_cache_memory="16MiB",
         max_model_len=64,
         output_len=6,
@@ -218,13 +217,45 @@ def test_a_bfloat16_comparison_reports_each_systems_agreement_with_float32_token
     assert_all_blocks_free(llm)
     peer = [list(float32[0]), list(float32[1])]
     peer[1][2] = (peer[1][2] + 1) % 49152
-    line = throughput.agreement_with_float32(args, prompts, {"paged": float32, "peer": peer})
+    line = throughput.agreement_with_float32(args, prompts, {"paged": float32, "peer": peer}, "auto")
     assert line == (
         "against pagedllm's float32 greedy tokens (bfloat16): paged 2 of 2 requests identical, 6.0 tokens "
         "before any difference; peer 1 of 2 requests identical, 4.0 tokens before any difference"
     )
-    args.dtype, args.kv_cache_dtype = "auto", "bfloat16"  # float32 weights over a bfloat16 cache
-    line = throughput.agreement_with_float32(args, prompts, {"paged": float32})
+    args.dtype = "auto"  # float32 weights over a bfloat16 cache
+    line = throughput.agreement_with_float32(args, prompts, {"paged": float32}, "bfloat16")
     assert line.startswith(
         "against pagedllm's float32 greedy tokens (float32 weights, bfloat16 KV): paged 2 of 2"
+    )
+
+
+def test_the_precision_label_names_the_stored_dtypes():
+    """Names resolved to what the engine stores: aliases of one dtype are one dtype, fp8 is e4m3 codes."""
+    assert throughput.precision("auto", "auto") == "float32"
+    assert throughput.precision("bf16", "bfloat16") == "bfloat16"
+    assert throughput.precision("auto", "bfloat16") == "float32 weights, bfloat16 KV"
+    assert throughput.precision("auto", "int8") == "float32 weights, int8 KV"
+    assert throughput.precision("bfloat16", "fp8") == "bfloat16 weights, fp8 e4m3 KV"
+    assert throughput.precision("auto", "fp8_e4m3") == "float32 weights, fp8 e4m3 KV"
+
+
+def test_kv_cache_dtypes_run_side_by_side_at_the_same_kv_memory(capsys):
+    """3 MiB of SmolLM2 KV (30 layers, 3 KV heads of 64, blocks of 16): 4 float32 blocks, 16 int8 ones
+    (codes and a float32 scale per token and head): the int8 run holds every request at once."""
+    argv = ["--num-prompts", "4", "--input-len", "20-40", "--output-len", "6", "--kv-cache-memory", "3MiB",
+            "--max-model-len", "64", "--layouts", "paged", "--kv-cache-dtype", "float32", "int8"]  # fmt: skip
+    assert throughput.main([*argv, "--json"]) == 0
+    rows = {r["system"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    float32, int8 = rows["paged float32 KV"], rows["paged int8 KV"]
+    assert float32["kv_blocks"] == 3 * 2**20 // (2 * 30 * 16 * 3 * 64 * 4) == 4
+    assert int8["kv_blocks"] == 3 * 2**20 // (2 * 30 * 16 * 3 * (64 + 4)) == 16
+    assert float32["max_batch"] < int8["max_batch"] == 4
+    assert float32["same_tokens_as_paged"] == 1.0 and int8["output_tokens"] == 4 * 6
+    assert throughput.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "KV cache dtype float32 / int8" in lines[0]
+    share = int8["same_tokens_as_paged"] * 4
+    assert (
+        f"against paged float32 KV's greedy tokens: paged int8 KV {share:.0f} of 4 requests identical"
+        in lines[-1]
     )

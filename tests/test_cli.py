@@ -57,6 +57,29 @@ def test_engine_flags_spelled_as_vllm():
     assert cli._engine_kwargs(parse(["generate", "x"]))["max_num_batched_tokens"] == 8192
 
 
+def test_every_kv_cache_dtype_is_a_choice_and_reaches_the_engine(capsys, caplog):
+    """generate and serve take every kv_cache_dtype name; a quantized cache's start-up line counts its
+    blocks as codes plus a float32 scale per token and KV head (SmolLM2: 30 layers, 3 KV heads of 64)."""
+    from pagedllm.engine.config import KV_CACHE_DTYPES
+
+    parse = cli.build_parser().parse_args
+    for name in ["auto", *KV_CACHE_DTYPES]:
+        for command in (["generate", "x"], ["serve"]):
+            assert cli._engine_kwargs(parse([*command, "--kv-cache-dtype", name]))["kv_cache_dtype"] == name
+    caplog.set_level("INFO", logger="pagedllm")
+    assert cli.main(["generate", PROMPT, "--max-tokens", "2", *SMALL, "--kv-cache-dtype", "int8"]) == 0
+    block_bytes = 2 * 30 * 16 * 3 * (64 + 4)  # K and V, every layer, 16 tokens, 3 heads: codes + scale
+    blocks = 32 * 2**20 // block_bytes
+    assert f"{blocks} blocks of 16 tokens ({blocks * 16} tokens" in caplog.text, caplog.text
+
+
+def test_an_unknown_kv_cache_dtype_names_the_choices(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["generate", "hi", "--kv-cache-dtype", "int4"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "invalid choice: 'int4'" in err and "'fp8_e4m3'" in err
+
+
 def test_beam_width_with_chat_is_refused(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["generate", "--chat", "hi", "--beam-width", "2"])

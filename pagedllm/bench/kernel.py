@@ -14,6 +14,12 @@ process measures on this machine, same threads: a `sum` over a 512 MiB tensor (m
 and torch's `embedding_bag` summing the same cache blocks in the same block-table order (what memory
 delivers for paged attention's access pattern, timed round-robin with the kernels). On the CPU the
 caches lie in memory as the engine allocates them (head-major, huge pages: ops/kv_cache.py).
+
+`--kv-dtype` stores the caches in another dtype than the queries' (float32, bfloat16, or int8 / fp8 codes
+with their scales, as kv_cache_dtype does); the dense baseline then attends over the values the cache
+holds, and K/V bytes are what the cache holds (ops.kv_block_bytes: a quantized cache's scales included).
+`--kv-sweep` times decode with every sequence at each `--contexts` length, the caches in each
+`--kv-dtype` side by side (interleaved in one run), each checked against the reference first.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedllm.ops import BACKENDS, get_backend_name
+from pagedllm.ops import BACKENDS, get_backend_name, kv_block_bytes, reference
+from pagedllm.ops.kv_cache import is_quantized, kv_blocks
 from pagedllm.ops.synthetic import PagedBatch, random_paged_batch
 
 SHAPES = {  # name: (num_heads, num_kv_heads, head_dim)
@@ -39,14 +46,24 @@ SHAPES = {  # name: (num_heads, num_kv_heads, head_dim)
     "smollm2": (9, 3, 64),
     "gemma3": (4, 1, 256),
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the queries' (and by default the caches')
+KV_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+}
+SAME_AS_QUERIES = {"fp32": "float32", "bf16": "bfloat16"}
+SWEEP_CONTEXTS = [1024, 4096, 16384]
+SWEEP_KV_DTYPES = ["float32", "bfloat16", "int8"]
 
 
 @dataclass
 class Row:
     shape: str
     backend: str
-    dtype: str
+    dtype: str  # the queries'
+    kv_dtype: str  # the caches'
     num_seqs: int
     tokens: int
     paged_ms: float
@@ -54,7 +71,7 @@ class Row:
     contiguous_ms: float
     paging_ratio: float  # paged / in-order: the cost of scattered blocks alone
     ratio: float  # paged / contiguous baseline
-    kv_gb_s: float  # K/V bytes of all sequences / paged time
+    kv_gb_s: float  # K/V bytes of all sequences (scales included) / paged time
     read_gb_s: float  # this machine's read bandwidth, measured in the same process
     bandwidth_fraction: float  # kv_gb_s / read_gb_s
     block_read_gb_s: float  # the same scattered blocks summed by embedding_bag, in table order
@@ -108,8 +125,11 @@ def padded_batch_attention(batch: PagedBatch, scale: float) -> Callable[[], torc
 def block_read(batch: PagedBatch) -> tuple[Callable[[], torch.Tensor], int]:
     """A pure read of the batch's K/V blocks in block-table order (torch's embedding_bag summing each
     sequence's blocks), and the bytes it reads: the access pattern of paged attention without its math."""
-    rows = []  # per cache one row per block: a view in its memory order, slot-major or head-major
+    rows = []  # per cache one row per block: its memory, slot-major or head-major
     for cache in (batch.k_cache, batch.v_cache):
+        if is_quantized(cache.dtype):  # codes and scales, read as float32 words: only the read counts
+            rows.append(kv_blocks(cache).view(torch.float32))
+            continue
         memory_order = cache if cache.is_contiguous() else cache.transpose(1, 2)
         assert memory_order.is_contiguous(), "expected a slot-major or head-major cache"
         rows.append(memory_order.flatten(1))
@@ -149,28 +169,50 @@ def median_ms(
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def run_case(shape: str, backend: str, dtype: str, context_lens: list[int], args: argparse.Namespace) -> Row:
+def make_batch(
+    shape: str, dtype: str, kv_dtype: str, context_lens: list[int], args: argparse.Namespace, scattered: bool
+) -> PagedBatch:
+    """One query per sequence in `dtype` over caches of `kv_dtype` in the engine's memory order for the
+    device; its contiguous keys and values are the values the caches hold, in the queries' dtype."""
     num_heads, num_kv_heads, head_dim = SHAPES[shape]
+    queries, cache = DTYPES[dtype], KV_DTYPES[kv_dtype]
+    quantized = is_quantized(cache)
+    b = random_paged_batch(
+        context_lens, [1] * len(context_lens), num_heads, num_kv_heads, head_dim, args.block_size,
+        queries if quantized else cache, args.device, seed=args.seed, scattered=scattered,
+        head_major=torch.device(args.device).type == "cpu", kv_dtype=cache if quantized else None,
+    )  # fmt: skip
+
+    def held(x: torch.Tensor) -> torch.Tensor:
+        return (reference.dequantize(*reference.quantize(x, cache)) if quantized else x).to(queries)
+
+    b.q, b.keys, b.values = b.q.to(queries), [held(k) for k in b.keys], [held(v) for v in b.values]
+    return b
+
+
+def _through_tables(backend: str, b: PagedBatch, scale: float) -> Callable[[], torch.Tensor]:
+    inputs = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale)
+    return lambda: _backend_module(backend).paged_decode_attention(*inputs)
+
+
+def _kv_bytes(shape: str, kv_dtype: str, tokens: int) -> int:
+    """Bytes of `tokens` tokens' K and V as a cache of kv_dtype holds them (a quantized one's scales too)."""
+    _, num_kv_heads, head_dim = SHAPES[shape]
+    return 2 * tokens * kv_block_bytes(1, num_kv_heads, head_dim, KV_DTYPES[kv_dtype])
+
+
+def run_case(
+    shape: str, backend: str, dtype: str, kv_dtype: str, context_lens: list[int], args: argparse.Namespace
+) -> Row:
     device = torch.device(args.device)
-    sizes = (num_heads, num_kv_heads, head_dim, args.block_size, DTYPES[dtype], device)
     paged, in_order = (
-        random_paged_batch(
-            context_lens, [1] * len(context_lens), *sizes, seed=args.seed, scattered=scattered,
-            head_major=device.type == "cpu",
-        )
-        for scattered in (True, False)
-    )  # the same values; only where the blocks lie differs  # fmt: skip
-    scale = 1.0 / math.sqrt(head_dim)
-    ops = _backend_module(backend)
-
-    def through_tables(b: PagedBatch) -> Callable[[], torch.Tensor]:
-        inputs = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale)
-        return lambda: ops.paged_decode_attention(*inputs)
-
+        make_batch(shape, dtype, kv_dtype, context_lens, args, scattered) for scattered in (True, False)
+    )  # the same values; only where the blocks lie differs
+    scale = 1.0 / math.sqrt(SHAPES[shape][2])
     dense = padded_batch_attention if device.type == "cuda" else per_sequence_attention
     variants = {
-        "paged": through_tables(paged),
-        "in_order": through_tables(in_order),
+        "paged": _through_tables(backend, paged, scale),
+        "in_order": _through_tables(backend, in_order, scale),
         "contiguous": dense(paged, scale),
     }
     read_blocks, block_bytes = block_read(paged)
@@ -180,39 +222,110 @@ def run_case(shape: str, backend: str, dtype: str, context_lens: list[int], args
         torch.testing.assert_close(variants[name]().float(), expected, atol=tol, rtol=tol)
     ms = median_ms({**variants, "block_read": read_blocks}, args.reps, args.warmup, device)
     block_read_gb_s = block_bytes / ms["block_read"] / 1e6
-    kv_bytes = 2 * sum(context_lens) * num_kv_heads * head_dim * paged.k_cache.element_size()
-    kv_gb_s = kv_bytes / ms["paged"] / 1e6
+    kv_gb_s = _kv_bytes(shape, kv_dtype, sum(context_lens)) / ms["paged"] / 1e6
     return Row(
         shape=shape,
         backend=backend,
         dtype=dtype,
+        kv_dtype=kv_dtype,
         num_seqs=len(context_lens),
         tokens=sum(context_lens),
-        paged_ms=round(ms["paged"], 4),
-        in_order_ms=round(ms["in_order"], 4),
-        contiguous_ms=round(ms["contiguous"], 4),
-        paging_ratio=round(ms["paged"] / ms["in_order"], 3),
-        ratio=round(ms["paged"] / ms["contiguous"], 3),
-        kv_gb_s=round(kv_gb_s, 4),
-        read_gb_s=round(args.read_gb_s, 2),
-        bandwidth_fraction=round(kv_gb_s / args.read_gb_s, 5),
-        block_read_gb_s=round(block_read_gb_s, 4),
-        block_read_fraction=round(kv_gb_s / block_read_gb_s, 5),
+        paged_ms=ms["paged"],
+        in_order_ms=ms["in_order"],
+        contiguous_ms=ms["contiguous"],
+        paging_ratio=ms["paged"] / ms["in_order"],
+        ratio=ms["paged"] / ms["contiguous"],
+        kv_gb_s=kv_gb_s,
+        read_gb_s=args.read_gb_s,
+        bandwidth_fraction=kv_gb_s / args.read_gb_s,
+        block_read_gb_s=block_read_gb_s,
+        block_read_fraction=kv_gb_s / block_read_gb_s,
         contiguous_impl="padded-batch-sdpa" if device.type == "cuda" else "per-sequence-sdpa",
         threads=torch.get_num_threads(),
         device=device.type,
     )
 
 
+@dataclass
+class SweepRow:
+    """Paged decode at one context length, per KV dtype (in --kv-dtype's order), timed round-robin."""
+
+    shape: str
+    backend: str
+    dtype: str  # the queries'
+    context: int  # of every sequence
+    num_seqs: int
+    paged_ms: dict[str, float]
+    kv_gb_s: dict[str, float]  # K/V bytes the cache holds (scales included) / paged time
+    threads: int
+    device: str
+
+
+def sweep_case(shape: str, backend: str, dtype: str, context: int, args: argparse.Namespace) -> SweepRow:
+    """Every --kv-dtype's cache of the same values, each checked against the reference on its own
+    blocks, then timed in interleaved repetitions."""
+    lens = [context] * args.num_seqs
+    scale = 1.0 / math.sqrt(SHAPES[shape][2])
+    variants = {}
+    for kv_dtype in args.kv_dtype:
+        b = make_batch(shape, dtype, kv_dtype, lens, args, scattered=True)
+        b.keys = b.values = []  # the contiguous copies: only the paged kernel is timed here
+        inputs = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale)
+        variants[kv_dtype] = _through_tables(backend, b, scale)
+        tol = 2e-2 if dtype == "bf16" else 1e-4
+        expected = reference.paged_decode_attention(*inputs).float()
+        torch.testing.assert_close(variants[kv_dtype]().float(), expected, atol=tol, rtol=tol)
+    ms = median_ms(variants, args.reps, args.warmup, torch.device(args.device))
+    tokens = sum(lens)
+    return SweepRow(
+        shape=shape,
+        backend=backend,
+        dtype=dtype,
+        context=context,
+        num_seqs=args.num_seqs,
+        paged_ms=ms,
+        kv_gb_s={kv: _kv_bytes(shape, kv, tokens) / ms[kv] / 1e6 for kv in ms},
+        threads=torch.get_num_threads(),
+        device=torch.device(args.device).type,
+    )
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pagedllm bench kernel", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--backends", nargs="+", choices=sorted(BACKENDS), help="default: the device's")
-    p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        choices=sorted(BACKENDS),
+        help="default: the device's (--kv-sweep: its kernel)",
+    )
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=sorted(DTYPES),
+        help="the queries' (default: fp32 bf16; --kv-sweep: fp32)",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        nargs="+",
+        choices=list(KV_DTYPES),
+        help="the caches' dtype (default: the queries'; --kv-sweep: " + " ".join(SWEEP_KV_DTYPES) + ")",
+    )
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["issue", "gemma3"])
     p.add_argument("--num-seqs", type=int, default=32)
     p.add_argument("--min-context", type=int, default=64)
     p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument(
+        "--kv-sweep",
+        action="store_true",
+        help="decode with every sequence at each --contexts length, one column per --kv-dtype",
+    )
+    p.add_argument(
+        "--contexts",
+        nargs="+",
+        type=int,
+        help="--kv-sweep's context lengths (default: " + " ".join(map(str, SWEEP_CONTEXTS)) + ")",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
@@ -222,11 +335,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 1 <= args.min_context <= args.max_context:
         p.error(f"need 1 <= --min-context <= --max-context, got {args.min_context}, {args.max_context}")
+    if args.contexts is not None and not args.kv_sweep:
+        p.error("--contexts is for --kv-sweep (without it, contexts are drawn from --min/--max-context)")
+    if args.kv_sweep:
+        args.contexts = args.contexts or SWEEP_CONTEXTS
+        if min(args.contexts) < 1:
+            p.error(f"--contexts must be >= 1, got {args.contexts}")
+        args.kv_dtype = args.kv_dtype or SWEEP_KV_DTYPES
+        args.dtypes = args.dtypes or ["fp32"]
+        args.backends = args.backends or ["triton" if args.device == "cuda" else "cpu"]
+    args.dtypes = args.dtypes or ["fp32", "bf16"]
     if args.backends is None:
         if args.device == "cuda":
             args.backends = ["triton", "sdpa", "torch"]
         else:
             args.backends = ["cpu", "sdpa", "torch"]
+    if "cpu" in args.backends and "bf16" in args.dtypes and "float32" in (args.kv_dtype or []):
+        p.error("the cpu kernels read no float32 cache under bf16 queries: drop one of them")
     return args
 
 
@@ -237,23 +362,67 @@ def read_bandwidth_gb_s(device: torch.device, reps: int = 5) -> float:
     return x.numel() * x.element_size() / best / 1e6
 
 
-def iter_rows(args: argparse.Namespace) -> Iterator[Row]:
-    """Run every (shape, backend, dtype) case on one set of context lengths."""
-    rng = random.Random(args.seed)
-    context_lens = [rng.randint(args.min_context, args.max_context) for _ in range(args.num_seqs)]
+def _check_cpu_backend(args: argparse.Namespace) -> None:
     if "cpu" in args.backends and get_backend_name("cpu") != "cpu":
         raise RuntimeError("the cpu backend is unavailable here (see the warning above)")
+
+
+def iter_rows(args: argparse.Namespace) -> Iterator[Row]:
+    """Run every (shape, backend, dtype, kv dtype) case on one set of context lengths."""
+    rng = random.Random(args.seed)
+    context_lens = [rng.randint(args.min_context, args.max_context) for _ in range(args.num_seqs)]
+    _check_cpu_backend(args)
     args.read_gb_s = read_bandwidth_gb_s(torch.device(args.device))
     for shape in args.shapes:
         for backend in args.backends:
             for dtype in args.dtypes:
-                yield run_case(shape, backend, dtype, context_lens, args)
+                for kv_dtype in args.kv_dtype or [SAME_AS_QUERIES[dtype]]:
+                    yield run_case(shape, backend, dtype, kv_dtype, context_lens, args)
+
+
+def iter_sweep(args: argparse.Namespace) -> Iterator[SweepRow]:
+    """--kv-sweep: every (shape, backend, dtype, context) case, the KV dtypes side by side."""
+    _check_cpu_backend(args)
+    for shape in args.shapes:
+        for backend in args.backends:
+            for dtype in args.dtypes:
+                for context in args.contexts:
+                    yield sweep_case(shape, backend, dtype, context, args)
+
+
+def print_sweep(args: argparse.Namespace) -> None:
+    first, *others = args.kv_dtype
+    ms_cols = [f"{kv} ms" for kv in args.kv_dtype]
+    rate_cols = [f"{kv} GB/s" for kv in args.kv_dtype]
+    speed_cols = [f"{first}/{kv}" for kv in others]
+    cols = ms_cols + rate_cols + speed_cols
+    formats = [".3f"] * len(ms_cols) + [".1f"] * len(rate_cols) + [".2f"] * len(speed_cols)
+    if not args.json:
+        print(
+            f"paged decode, every sequence at the context shown, K/V in each dtype (scales included): "
+            f"{args.num_seqs} seqs, block {args.block_size}, {torch.get_num_threads()} threads, "
+            f"{args.device}, median of {args.reps} reps interleaved across the dtypes"
+        )
+        print(f"{'shape':8} {'backend':8} {'q':5} {'context':>7} " + " ".join(cols))
+    for row in iter_sweep(args):
+        if args.json:
+            print(json.dumps(asdict(row)), flush=True)
+            continue
+        cells = [row.paged_ms[kv] for kv in args.kv_dtype] + [row.kv_gb_s[kv] for kv in args.kv_dtype]
+        cells += [row.paged_ms[first] / row.paged_ms[kv] for kv in others]
+        line = " ".join(f"{v:>{len(c)}{f}}" for v, c, f in zip(cells, cols, formats, strict=True))
+        print(f"{row.shape:8} {row.backend:8} {row.dtype:5} {row.context:>7} {line}", flush=True)
+    if not args.json:
+        print(f"{first}/X: how many times faster paged decode runs over X's cache than over {first}'s")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.kv_sweep:
+        print_sweep(args)
+        return 0
     if not args.json:
         print(
             "paged decode (blocks scattered) vs the same backend on in-order blocks vs dense SDPA: "
@@ -261,9 +430,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{torch.get_num_threads()} threads, {args.device}, median of {args.reps} interleaved reps"
         )
         print(
-            f"{'shape':8} {'backend':8} {'dtype':5} {'paged ms':>9} {'in-order ms':>11} {'contig ms':>9} "
-            f"{'paged/in-order':>14} {'paged/contig':>12} {'K/V GB/s':>9} {'of read bw':>10} "
-            f"{'block read GB/s':>15} {'of block read':>13}"
+            f"{'shape':8} {'backend':8} {'dtype':5} {'KV':8} {'paged ms':>9} {'in-order ms':>11} "
+            f"{'contig ms':>9} {'paged/in-order':>14} {'paged/contig':>12} {'K/V GB/s':>9} "
+            f"{'of read bw':>10} {'block read GB/s':>15} {'of block read':>13}"
         )
     for row in iter_rows(args):
         if args.json:
@@ -273,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
             ratios = f"{row.paging_ratio:14.2f} {row.ratio:12.2f}"
             bandwidth = f"{row.kv_gb_s:9.1f} {row.bandwidth_fraction:10.0%} "
             bandwidth += f"{row.block_read_gb_s:15.1f} {row.block_read_fraction:13.0%}"
-            print(f"{row.shape:8} {row.backend:8} {row.dtype:5} {cells} {ratios} {bandwidth}", flush=True)
+            what = f"{row.shape:8} {row.backend:8} {row.dtype:5} {row.kv_dtype:8}"
+            print(f"{what} {cells} {ratios} {bandwidth}", flush=True)
     if not args.json:
         print("block read: the paged case's K/V blocks summed in block-table order by torch's embedding_bag")
         print(f"read bandwidth of this machine (sum over 512 MiB, same threads): {args.read_gb_s:.1f} GB/s")

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.bench.workload import first_difference, make_prompts
+from pagedllm.engine.config import KV_CACHE_DTYPES
 
 
 @dataclass
@@ -200,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16"],
+        choices=["auto", *KV_CACHE_DTYPES],
         help="pagedllm's K/V storage (auto: the model's dtype); llama.cpp keeps its default, float16 K/V",
     )
     parser.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp (llama-cpp-python)")

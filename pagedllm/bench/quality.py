@@ -1,10 +1,13 @@
-"""`pagedllm bench quality`: what each weight storage costs in quality, against float32 on the same model.
+"""`pagedllm bench quality`: what each weight storage and KV cache dtype costs in quality, against the first.
 
-Per configuration (`--configs`: fp32, bf16, int8, int4, gguf): weight memory; perplexity on a fixed text
+Per configuration (`--configs`: fp32, bf16, int8, int4, gguf) and KV cache dtype (`--kv-cache-dtype`:
+auto, float32, bfloat16, int8, fp8; each config runs with each): weight memory, the KV cache's bytes per
+token (every layer's K and V, a quantized cache's scales included); perplexity on a fixed text
 (`--text`, default the Apache License 2.0 that ships in pagedllm/bench/data: 2,224 SmolLM2 tokens), all
 of it in one prefill through the paged cache; and greedy agreement with fp32 on the prompts the
 Hugging Face equivalence tests use (EQUIVALENCE_PROMPTS, `--max-tokens` greedy tokens each): `same` =
-prompts whose tokens all equal fp32's, `prefix` = the mean number of leading tokens equal to fp32's.
+prompts whose tokens all equal the first run's, `prefix` = the mean number of leading tokens equal to
+its. `--configs gguf --kv-cache-dtype float32 int8 fp8`: what a quantized KV cache costs the shipped model.
 Deterministic for a given CPU build (sums may round differently between the AVX2 and AVX-512 kernels).
 """
 
@@ -14,12 +17,14 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from pagedllm.bench.workload import first_difference
+from pagedllm.engine.config import KV_CACHE_DTYPES
 
 TEXT = Path(__file__).with_name("data") / "apache-2.0.txt"
 # The prompts of tests/test_models_smollm2.py (greedy output there equals Hugging Face's).
@@ -47,8 +52,10 @@ CONFIGS = {
 @dataclass
 class Quality:
     config: str
+    kv_cache_dtype: str
     linear_method: str
     weight_mib: float
+    kv_bytes_per_token: int  # every layer's K and V (a quantized cache's scales too)
     perplexity: float
     greedy_same: int  # prompts whose greedy tokens all equal the first config's
     greedy_prefix: float  # mean leading tokens equal to the first config's
@@ -86,18 +93,30 @@ def perplexity(model: torch.nn.Module, ids: list[int], dtype: torch.dtype, chunk
     return math.exp(nll / (count - 1))
 
 
-def evaluate(model: str, name: str, text_ids: list[int], prompts: list[str], max_tokens: int) -> Quality:
+def evaluate(
+    model: str, name: str, kv_cache_dtype: str, text_ids: list[int], prompts: list[str], max_tokens: int
+) -> Quality:
     """One configuration: perplexity of text_ids, greedy tokens of each prompt (agreement filled in later)."""
     from pagedllm import LLM, SamplingParams
 
     dtype, quantization = CONFIGS[name]
-    llm = LLM(model, dtype=dtype, quantization=quantization, kv_cache_memory="64MiB", max_model_len=512)
+    llm = LLM(
+        model,
+        dtype=dtype,
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_memory="64MiB",
+        max_model_len=512,
+    )
     engine = llm.engine
     outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     assert engine.stats().kv_all_free, "KV blocks leaked"
-    ppl = perplexity(engine.model, text_ids, engine.config.torch_dtype)
+    ppl = perplexity(engine.model, text_ids, engine.config.kv_torch_dtype)
+    token_bytes = engine.kv_cache_bytes // (engine.num_kv_blocks * engine.config.block_size)
     tokens = [o.outputs[0].token_ids for o in outputs]
-    return Quality(name, engine.loaded_model.linear_method, engine.weight_bytes / 2**20, ppl, 0, 0.0, tokens)
+    weight_mib = engine.weight_bytes / 2**20
+    method = engine.loaded_model.linear_method
+    return Quality(name, kv_cache_dtype, method, weight_mib, token_bytes, ppl, 0, 0.0, tokens)
 
 
 def compare(results: list[Quality]) -> None:
@@ -110,8 +129,14 @@ def compare(results: list[Quality]) -> None:
 
 
 def run(
-    model: str, configs: list[str], text: str, max_text_tokens: int | None, max_tokens: int
+    model: str,
+    configs: list[str],
+    text: str,
+    max_text_tokens: int | None,
+    max_tokens: int,
+    kv_cache_dtypes: Sequence[str] = ("auto",),
 ) -> list[Quality]:
+    """Every (config, KV cache dtype) pair, config-major; agreement is with the first."""
     from pagedllm.models.loader import read_config, resolve_checkpoint
     from pagedllm.models.tokenizer import load_tokenizer
 
@@ -122,7 +147,11 @@ def run(
         raise ValueError(
             f"the text has {len(ids)} tokens, more than the model's {limit}: pass --max-text-tokens"
         )
-    results = [evaluate(model, name, ids, EQUIVALENCE_PROMPTS, max_tokens) for name in configs]
+    results = [
+        evaluate(model, name, kv, ids, EQUIVALENCE_PROMPTS, max_tokens)
+        for name in configs
+        for kv in kv_cache_dtypes
+    ]
     compare(results)
     return results
 
@@ -135,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", *KV_CACHE_DTYPES],
+        help="the KV cache's dtype (auto: the weights' compute dtype); several: each config runs with each",
+    )
     parser.add_argument("--text", type=Path, default=TEXT, help="the text whose perplexity is measured")
     parser.add_argument("--max-text-tokens", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
@@ -144,25 +180,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    results = run(args.model, args.configs, args.text.read_text(), args.max_text_tokens, args.max_tokens)
+    text = args.text.read_text()
+    results = run(args.model, args.configs, text, args.max_text_tokens, args.max_tokens, args.kv_cache_dtype)
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=2))
         return 0
     base = results[0]
     print(
-        f"model {args.model}; perplexity of {args.text.name}; greedy agreement with {base.config} on "
-        f"{len(EQUIVALENCE_PROMPTS)} prompts x {args.max_tokens} tokens"
+        f"model {args.model}; perplexity of {args.text.name}; greedy agreement with {base.config} weights, "
+        f"{base.kv_cache_dtype} KV on {len(EQUIVALENCE_PROMPTS)} prompts x {args.max_tokens} tokens"
     )
     print(
-        f"{'config':<8}{'storage':>9}{'weights MiB':>13}{'perplexity':>12}{'vs ' + base.config:>10}"
-        f"{'same':>7}{'prefix':>8}"
+        f"{'config':<8}{'KV':>10}{'storage':>9}{'weights MiB':>13}{'KV B/token':>12}{'perplexity':>12}"
+        f"{'vs first':>10}{'same':>7}{'prefix':>8}"
     )
     for r in results:
         delta = f"{r.perplexity / base.perplexity - 1:+.2%}"
         print(
-            f"{r.config:<8}{r.linear_method:>9}{r.weight_mib:>13.1f}{r.perplexity:>12.4f}{delta:>10}"
-            f"{r.greedy_same:>4}/{len(r.tokens)}{r.greedy_prefix:>8.1f}"
+            f"{r.config:<8}{r.kv_cache_dtype:>10}{r.linear_method:>9}{r.weight_mib:>13.1f}"
+            f"{r.kv_bytes_per_token:>12,}{r.perplexity:>12.4f}{delta:>10}{r.greedy_same:>4}/{len(r.tokens)}"
+            f"{r.greedy_prefix:>8.1f}"
         )
+    print(
+        "same: prompts whose greedy tokens all equal the first row's; prefix: mean tokens before a difference"
+    )
     return 0
 
 

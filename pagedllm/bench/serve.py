@@ -223,6 +223,7 @@ class ServerProcess:
         argv = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", args.model]
         argv += ["--port", str(self.port), "--kv-cache-memory", args.kv_cache_memory]
         argv += ["--max-num-seqs", str(args.max_num_seqs), "--quantization", args.quantization]
+        argv += ["--kv-cache-dtype", args.kv_cache_dtype]
         if args.max_model_len:
             argv += ["--max-model-len", str(args.max_model_len)]
         if args.api_key:
@@ -294,6 +295,7 @@ def run_offline(args, requests: list[Request]) -> tuple[float, int]:
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=server_cpu_batched_tokens(),  # the step budget the server ran with
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     params = [
         SamplingParams(max_tokens=r.output_len, temperature=args.temperature, ignore_eos=args.ignore_eos)
@@ -342,6 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", "none", "int8", "int4", "gguf"],
         help="weight storage, served and offline alike (none: the float weights other servers load)",
+    )
+    engine.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="K/V storage, served and offline alike: a name `pagedllm serve --kv-cache-dtype` takes (auto, "
+        "int8, fp8, ...; checked there, so that this load generator needs no torch)",
     )
     engine.add_argument("--serve-arg", action="append", default=[], help="one more `pagedllm serve` argument")
     engine.add_argument("--startup-timeout", type=float, default=600.0)

@@ -3,7 +3,9 @@
 The same requests run through the engine with the paged KV layout and with contiguous slabs
 (`max` and `pow2` reservation), all with the same KV memory, and optionally through Hugging Face
 transformers' `generate` on the same weights. `--quantization` runs each layout once per weight
-storage; with `--memory-budget` (weights + KV) smaller weights leave more KV blocks. Printed: the
+storage; with `--memory-budget` (weights + KV) smaller weights leave more KV blocks; `--kv-cache-dtype`
+runs each layout once per KV cache dtype at the same KV memory (int8 / fp8: about 3.8x float32's blocks at
+head_dim 64), its rows' `= paged` against the first dtype's paged run. Printed: the
 workload's totals, then per system the output tokens and tokens/s, pagedllm's weight memory and KV
 blocks, mean and max running batch, mean share of KV slots holding live tokens, preemptions ("-" where
 a system does not report it), and the ratios measured in this one run.
@@ -36,6 +38,7 @@ import torch
 from pagedllm.bench.profile import record_phases, top_ops
 from pagedllm.bench.profile import report as profile_report
 from pagedllm.bench.workload import first_difference, make_prompts, parse_range
+from pagedllm.engine.config import KV_CACHE_DTYPES, EngineConfig
 
 LAYOUTS = {  # name -> LLM settings
     "paged": dict(kv_layout="paged"),
@@ -75,14 +78,14 @@ class Workload:
 
 
 def run_engine(
-    args, layout: str, watermark: float, quantization: str, tp: int, prompts: list[list[int]]
+    args, layout: str, watermark: float, quantization: str, tp: int, kv: str, prompts: list[list[int]]
 ) -> tuple[Row, list[list[int]], list[str]]:
     """One pagedllm run; returns its row, each request's tokens, and the --profile report (if asked)."""
     from pagedllm import LLM
 
     # Split over ranks, each rank's KV memory holds its share of the heads: the same number of blocks as
     # one process keeps the scheduling (and so the work) the same.
-    num_kv_blocks = None if tp == 1 else args.num_kv_blocks
+    num_kv_blocks = None if tp == 1 else args.num_kv_blocks[kv]
     llm = LLM(
         args.model,
         **LAYOUTS[layout],
@@ -90,7 +93,7 @@ def run_engine(
         kv_cache_memory=args.kv_cache_memory,
         memory_budget=args.memory_budget,
         quantization=quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=kv,
         num_kv_blocks=num_kv_blocks,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
@@ -99,12 +102,14 @@ def run_engine(
         tensor_parallel_size=tp,
     )
     try:
-        return _measure(args, llm, layout, watermark, quantization, tp, prompts)
+        return _measure(args, llm, layout, watermark, quantization, tp, kv, prompts)
     finally:
         llm.engine.shutdown()
 
 
-def _measure(args, llm, layout: str, watermark: float, quantization: str, tp: int, prompts: list[list[int]]):
+def _measure(
+    args, llm, layout: str, watermark: float, quantization: str, tp: int, kv: str, prompts: list[list[int]]
+):
     from pagedllm import SamplingParams
 
     engine = llm.engine
@@ -112,10 +117,11 @@ def _measure(args, llm, layout: str, watermark: float, quantization: str, tp: in
     llm.generate(warm_up, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     before = engine.stats()
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    first = (watermark, quantization, tp) == (
+    first = (watermark, quantization, tp, kv) == (
         args.watermark[0],
         args.quantization[0],
         args.tensor_parallel_size[0],
+        args.kv_cache_dtype[0],
     )
     profiling = args.profile and layout == "paged" and first
     comm_before, steps = engine.comm_stats(), 0  # None on one process
@@ -153,6 +159,8 @@ def _measure(args, llm, layout: str, watermark: float, quantization: str, tp: in
     name = layout if len(args.watermark) == 1 else f"{layout} w={watermark:g}"
     if len(args.quantization) > 1:
         name += f" {engine.loaded_model.linear_method}"
+    if len(args.kv_cache_dtype) > 1:
+        name += f" {kv} KV"
     comm_ms = collectives = None
     if comm_before is not None:
         pairs = list(zip(comm_before, engine.comm_stats(), strict=True))
@@ -269,10 +277,36 @@ def explain_differences(
     )
 
 
-def agreement_with_float32(args, prompts: list[list[int]], systems: dict[str, list[list[int]]]) -> str:
-    """How close each system's greedy tokens at a lower precision (bfloat16 weights or KV) stay to
-    pagedllm's float32 tokens on the same prompts: two engines rounding in different places part ways at
-    different steps, so the float32 run is the reference that says whether either one drifts further."""
+def agreement(systems: dict[str, list[list[int]]], reference: list[list[int]]) -> str:
+    """Per system: requests whose greedy tokens all equal the reference's, mean tokens before a difference."""
+    parts = []
+    for name, tokens in systems.items():
+        pairs = list(zip(tokens, reference, strict=True))
+        same = sum(a == b for a, b in pairs)
+        mean = sum(first_difference(a, b) for a, b in pairs) / len(pairs)
+        parts.append(
+            f"{name} {same} of {len(pairs)} requests identical, {mean:.1f} tokens before any difference"
+        )
+    return "; ".join(parts)
+
+
+def precision(dtype: str, kv_cache_dtype: str) -> str:
+    """A run's precision as stored: its weights' dtype, and its KV cache's where that differs."""
+    config = EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    weights, kv = (
+        "fp8 e4m3" if t == torch.float8_e4m3fn else str(t).removeprefix("torch.")
+        for t in (config.torch_dtype, config.kv_torch_dtype)
+    )
+    return weights if kv == weights else f"{weights} weights, {kv} KV"
+
+
+def agreement_with_float32(
+    args, prompts: list[list[int]], systems: dict[str, list[list[int]]], kv_cache_dtype: str
+) -> str:
+    """How close each system's greedy tokens at a lower precision (bfloat16 weights, a bfloat16 / int8 /
+    fp8 KV cache) stay to pagedllm's float32 tokens on the same prompts: two engines rounding in different
+    places part ways at different steps, so the float32 run is the reference that says whether either one
+    drifts further. kv_cache_dtype: the systems' pagedllm runs'."""
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(
@@ -280,18 +314,8 @@ def agreement_with_float32(args, prompts: list[list[int]], systems: dict[str, li
     )
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     reference = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-
-    parts = []
-    for name, tokens in systems.items():
-        same = sum(a == b for a, b in zip(tokens, reference, strict=True))
-        mean = sum(first_difference(a, b) for a, b in zip(tokens, reference, strict=True)) / len(tokens)
-        parts.append(
-            f"{name} {same} of {len(tokens)} requests identical, {mean:.1f} tokens before any difference"
-        )
-    precision = weights = "float32" if args.dtype == "auto" else args.dtype  # auto: float32 on the CPU
-    if args.kv_cache_dtype not in ("auto", weights):
-        precision = f"{weights} weights, {args.kv_cache_dtype} KV"
-    return f"against pagedllm's float32 greedy tokens ({precision}): " + "; ".join(parts)
+    label = precision(args.dtype, kv_cache_dtype)
+    return f"against pagedllm's float32 greedy tokens ({label}): " + agreement(systems, reference)
 
 
 def _opt(value, spec: str) -> str:
@@ -344,7 +368,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="pagedllm's weight storage (none: the float weights the peers load; auto: a GGUF model's own "
         "blocks); several values: each layout runs with each",
     )
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", *KV_CACHE_DTYPES],
+        help="pagedllm's KV storage (auto: the weights' dtype); several values: each layout runs with each, "
+        "at the same KV memory",
+    )
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -397,47 +428,61 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.threads:
         torch.set_num_threads(args.threads)
-    from pagedllm.engine.config import EngineConfig, parse_bytes
+    from pagedllm.engine.config import parse_bytes
     from pagedllm.engine.llm_engine import kv_block_bytes, load_shared_model
 
-    config = EngineConfig(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+    configs = {kv: EngineConfig(dtype=args.dtype, kv_cache_dtype=kv) for kv in args.kv_cache_dtype}
+    config = configs[args.kv_cache_dtype[0]]
     held = [load_shared_model(args.model, config.torch_dtype, "cpu", q) for q in args.quantization]
     model_config = held[0].config  # the loaded models are held for the whole run
     # Every split over ranks gets one process's KV block count (unless a memory budget sizes each run).
-    block = kv_block_bytes(model_config, model_config.num_kv_heads, config.kv_torch_dtype, args.block_size)
-    args.num_kv_blocks = parse_bytes(args.kv_cache_memory) // block if not args.memory_budget else None
+    args.num_kv_blocks = {
+        kv: None
+        if args.memory_budget
+        else parse_bytes(args.kv_cache_memory)
+        // kv_block_bytes(model_config, model_config.num_kv_heads, c.kv_torch_dtype, args.block_size)
+        for kv, c in configs.items()
+    }
     vocab = model_config.vocab_size
     prompts = make_prompts([(lo, hi)] * args.num_prompts, vocab, args.seed, args.shared_prefix_len)
     if args.layouts is None:
         no_cache = ["paged", "paged-no-prefix-cache"]
         args.layouts = no_cache if args.shared_prefix_len else ["paged", "contiguous-max", "contiguous-pow2"]
     rows, base, paged_tokens, profile_lines = [], None, None, []
+    other_caches = {}  # the first paged run of each further KV cache dtype: its tokens
     for layout in args.layouts:
-        for watermark, quantization, tp in itertools.product(
-            args.watermark, args.quantization, args.tensor_parallel_size
+        for watermark, quantization, tp, kv in itertools.product(
+            args.watermark, args.quantization, args.tensor_parallel_size, args.kv_cache_dtype
         ):
-            row, tokens, lines = run_engine(args, layout, watermark, quantization, tp, prompts)
+            row, tokens, lines = run_engine(args, layout, watermark, quantization, tp, kv, prompts)
             profile_lines += lines
             if layout == "paged" and base is None:
                 base, paged_tokens = row, tokens
-            rows.append((row, tokens))
+            elif layout == "paged" and kv != args.kv_cache_dtype[0]:
+                other_caches.setdefault(kv, (row.system, tokens))
+            rows.append((row, tokens, kv))
     if args.hf:
-        rows.append(run_hf(args, prompts))
+        rows.append((*run_hf(args, prompts), None))
     if args.vllm:
-        rows.append(run_vllm(args, prompts))
+        rows.append((*run_vllm(args, prompts), None))
     tie_lines, differing = [], {}
-    for row, tokens in rows:
+    for row, tokens, kv in rows:
         if paged_tokens is not None:
             row.same_tokens_as_paged = sum(a == b for a, b in zip(tokens, paged_tokens, strict=True)) / len(
                 tokens
             )
-            if row.same_tokens_as_paged < 1 and not row.system.startswith("paged"):
+            # (a row over another KV cache dtype than paged's differs by that cache's rounding)
+            peer = not row.system.startswith("paged") and kv in (None, args.kv_cache_dtype[0])
+            if row.same_tokens_as_paged < 1 and peer:
                 tie_lines.append(explain_differences(args, row.system, prompts, paged_tokens, tokens))
                 differing[row.system] = tokens
+    if other_caches:
+        systems = dict(other_caches.values())
+        tie_lines.append(f"against {base.system}'s greedy tokens: " + agreement(systems, paged_tokens))
     if differing and {config.torch_dtype, config.kv_torch_dtype} != {torch.float32}:
         systems = {base.system: paged_tokens, **differing}
-        tie_lines.append(agreement_with_float32(args, prompts, systems))
-    rows = [row for row, _ in rows]
+        tie_lines.append(agreement_with_float32(args, prompts, systems, args.kv_cache_dtype[0]))
+    rows = [row for row, _, _ in rows]
     workload = Workload(len(prompts), sum(len(p) for p in prompts), len(prompts) * args.output_len)
     if args.json:
         report = {"config": vars(args), "workload": asdict(workload), "rows": [asdict(r) for r in rows]}
@@ -449,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{workload.prompt_tokens:,} prompt tokens in all, {args.output_len} output tokens each = "
         f"{workload.output_tokens:,}; model {args.model}, "
         + (f"memory budget {args.memory_budget}, " if args.memory_budget else f"KV {args.kv_cache_memory}, ")
-        + f"quantization {' / '.join(args.quantization)}, "
+        + f"quantization {' / '.join(args.quantization)}, KV cache dtype {' / '.join(args.kv_cache_dtype)}, "
         f"max_model_len {args.max_model_len}, watermark {' / '.join(f'{w:g}' for w in args.watermark)}"
     )
     print(HEADER)

@@ -150,6 +150,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 
 def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
     """EngineConfig settings, spelled as vLLM's CLI spells them, with EngineConfig's defaults."""
+    from pagedllm.engine.config import KV_CACHE_DTYPES
+
     parser.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf file")
     parser.add_argument(
         "--dtype", default=defaults["dtype"], help="auto (float32 on CPU), float32, bfloat16 or float16"
@@ -161,8 +163,9 @@ def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
     parser.add_argument(
         "--kv-cache-dtype",
         default=defaults["kv_cache_dtype"],
-        choices=["auto", "float32", "bfloat16"],
-        help="auto: the model's dtype",
+        choices=["auto", *KV_CACHE_DTYPES],
+        help="K/V storage; auto: the model's dtype; int8 / fp8 (= fp8_e4m3): codes with a float32 scale per "
+        "token and KV head, 4x the tokens of float32 in the same memory",
     )
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"

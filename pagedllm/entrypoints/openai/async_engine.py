@@ -68,6 +68,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.metrics = EngineMetrics()
+        self.metrics.observe(engine)  # the KV pool's size from the first scrape (no engine thread yet)
         self._calls: list[Callable[[], None]] = []
         self._wakeup = threading.Condition()
         self._streams: dict[str, _Stream] = {}
