@@ -17,7 +17,12 @@ from pagedllm.bench.serve import ServerProcess
 def _serve(model, shutdown_timeout: float) -> ServerProcess:
     """`pagedllm serve` as `bench serve` starts it: a subprocess on a free loopback port."""
     args = argparse.Namespace(
-        model=str(model), kv_cache_memory="16MiB", max_num_seqs=8, max_model_len=4096, quantization="auto"
+        model=str(model),
+        kv_cache_memory="16MiB",
+        max_num_seqs=8,
+        max_model_len=4096,
+        quantization="auto",
+        kv_cache_dtype="auto",
     )
     args.api_key, args.serve_arg = None, ["--shutdown-timeout", str(shutdown_timeout)]
     server = ServerProcess(args)
