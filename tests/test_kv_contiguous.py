@@ -98,19 +98,6 @@ def test_bad_ids_and_arguments_raise_clear_errors():
         ContiguousAllocator(0, 16)
 
 
-def test_a_refused_allocate_is_remembered_like_a_refused_can_allocate():
-    """The engine asks allocate alone: its refusal, too, makes usage() count the gaps too small for it."""
-    kv = ContiguousAllocator(num_slots=20, max_model_len=8, reserve="oracle")
-    for seq_id in "abc":
-        kv.allocate(seq_id, [1] * 4, 2, true_output_len=2)  # [0,6) [6,12) [12,18)
-    kv.free("a")  # gaps (0, 6) and (18, 2)
-    with pytest.raises(NoFreeBlocks):
-        kv.allocate("d", [1] * 5, 2, true_output_len=2)
-    assert "d" not in kv and kv.usage().external_frag_slots == 8
-    kv.allocate("e", [1] * 5, 1, true_output_len=1)
-    assert kv.usage().external_frag_slots == 0
-
-
 def test_the_contiguous_layout_cannot_swap_and_says_so():
     kv = ContiguousAllocator(num_slots=16, max_model_len=8)
     kv.allocate("a", [1], 2)

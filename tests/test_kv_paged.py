@@ -356,3 +356,21 @@ def test_a_swapped_out_sequence_may_grow_and_gets_the_new_blocks_when_it_is_back
     assert kv.usage().live_slots == 5 and kv.num_free_host_blocks == 3
     kv.free("s")
     assert kv.all_free()
+
+
+def test_can_allocate_then_allocate_hash_the_prompt_once(monkeypatch):
+    """The scheduler asks can_allocate, then allocate, of one prompt: its block hashes are computed once."""
+    from pagedllm.kv import paged
+
+    calls = []
+    monkeypatch.setattr(paged, "hash_block", lambda parent, tokens: calls.append(0) or bytes([len(calls)]))
+    kv = PagedAllocator(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(10))  # two full blocks
+    assert kv.can_allocate(prompt, 4) and kv.allocate("a", prompt, 4) == 0
+    assert len(calls) == 2
+    kv.append("a", 10)
+    kv.append("a", 11)  # fills block 2: one more hash, on a's own list (not the kept prompt's)
+    assert len(calls) == 3 and kv.allocate("b", prompt, 4) == 8 and len(calls) == 3
+    kv.free("a")
+    kv.free("b")
+    assert kv.all_free()

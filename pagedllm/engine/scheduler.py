@@ -238,15 +238,13 @@ class Scheduler:
 
     def _allocate(self, seq: Sequence) -> int | None:
         """Give a waiting sequence its blocks if they fit and, beside running sequences, leave the watermark
-        free; returns how many of its tokens the prefix cache held, or None. (One call: the allocator
-        hashes the prompt's blocks once per admission.)"""
-        if self.running and not self._leaves_headroom(seq):
+        free; returns how many of its tokens the prefix cache held, or None."""
+        max_new, token_ids = seq.max_new_tokens(self.max_model_len), seq.token_ids
+        if not self.allocator.can_allocate(token_ids, max_new) or (
+            self.running and not self._leaves_headroom(seq)
+        ):
             return None
-        max_new = seq.max_new_tokens(self.max_model_len)
-        try:
-            return self.allocator.allocate(seq.seq_id, seq.token_ids, max_new, num_computed=0)
-        except NoFreeBlocks:
-            return None
+        return self.allocator.allocate(seq.seq_id, token_ids, max_new, num_computed=0)
 
     def _leaves_headroom(self, seq: Sequence) -> bool:
         """Admitting seq keeps a watermark of blocks free for the running sequences to grow into."""

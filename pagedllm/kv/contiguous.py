@@ -126,19 +126,13 @@ class ContiguousAllocator:
     ) -> int:
         """Reserve the request's slab first fit and place the prompt at its start; returns 0 (no cache).
 
-        Raises NoFreeBlocks when no single gap holds the slab, changing nothing but the refusal that
-        usage() remembers, as can_allocate does.
+        Raises NoFreeBlocks, changing nothing, when no single gap holds the slab.
         """
         if seq_id in self.slabs:
             raise duplicate(seq_id)
         check_request(prompt_token_ids, max_new_tokens)
         size = self.slab_size(len(prompt_token_ids), max_new_tokens, true_output_len)
-        try:
-            start = self._reserve(seq_id, size)
-        except NoFreeBlocks:
-            self._refused = size
-            raise
-        self.slabs[seq_id] = Slab(start, size, len(prompt_token_ids))
+        self.slabs[seq_id] = Slab(self._reserve(seq_id, size), size, len(prompt_token_ids))
         self._live += len(prompt_token_ids)
         self._refused = 0
         return 0

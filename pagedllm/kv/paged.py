@@ -71,6 +71,7 @@ class PagedAllocator:
         self._free_host_blocks = list(range(num_host_blocks - 1, -1, -1))  # a stack, lowest id on top
         self._seqs: dict[Hashable, _Seq] = {}
         self._resident_tokens = 0  # tokens of sequences on the device
+        self._hashed: tuple[tuple[int, ...], list[bytes]] = ((), [])  # the last prompt and its block hashes
 
     # -- capacity --------------------------------------------------------------------------------------
 
@@ -162,14 +163,24 @@ class PagedAllocator:
         hashes: list[bytes] = []
         hits: list[Block] = []
         if self.enable_prefix_caching:
-            for i in range(len(prompt) // bs):
-                hashes.append(hash_block(hashes[-1] if hashes else None, prompt[i * bs : (i + 1) * bs]))
+            hashes = self._prompt_hashes(prompt)
             for block_hash in hashes[: (len(prompt) - 1) // bs]:
                 block = self.pool.cached.get(block_hash)
                 if block is None:
                     break
                 hits.append(block)
         return hashes, hits, -(-len(prompt) // bs) - len(hits)
+
+    def _prompt_hashes(self, prompt: Sequence[int]) -> list[bytes]:
+        """The hash chain of the prompt's full blocks (a new list). The last prompt's is kept: a scheduler
+        asks can_allocate and then allocate of the same prompt, and a waiting one again each step."""
+        key = tuple(prompt)
+        if self._hashed[0] != key:
+            bs, hashes = self.block_size, []
+            for i in range(len(prompt) // bs):
+                hashes.append(hash_block(hashes[-1] if hashes else None, prompt[i * bs : (i + 1) * bs]))
+            self._hashed = (key, hashes)
+        return list(self._hashed[1])
 
     def _take_blocks(self, blocks: list[Block | None]) -> list[Block]:
         """`blocks` with each None replaced by a newly taken block, placed right after the one before it
