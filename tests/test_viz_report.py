@@ -118,10 +118,10 @@ def allocator_states(engine) -> list[str]:
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])
 def test_slot_states_read_from_the_kv_snapshot_are_the_allocators_own(layout):
     """After every step of a real run, the states the pictures draw (derived from kv_snapshot()) equal
-    the allocator's; over the run (10 requests: a pow2 slab once finds only too-small gaps) every state
+    the allocator's; over the run (8 requests: a pow2 slab once finds only too-small gaps) every state
     of the layout shows up."""
-    args = report.build_parser().parse_args(["--out", "unused", *ARGS, "--num-requests", "10"])
-    arrivals = recording.make_workload(10, (6, 14), 49152, 128, seed=0)
+    args = report.build_parser().parse_args(["--out", "unused", *ARGS, "--num-requests", "8"])
+    arrivals = recording.make_workload(8, (6, 14), 49152, 128, seed=0)
     engine = recording.make_engine(args, layout)
     pending, seen = list(arrivals), set()
     while pending or engine.has_unfinished_requests():
