@@ -15,6 +15,17 @@ import torch
 
 from pagedllm.models.attention import AttentionMetadata
 
+# A tiny Llama-shaped config (transformers keyword arguments) for loader tests.
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
 
 @dataclass
 class PagedCache:

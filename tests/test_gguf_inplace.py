@@ -71,22 +71,13 @@ def test_a_tiny_q8_0_qwen2_loads_in_place_and_matches_hf(tmp_path, monkeypatch):
     import torch
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
-    from models_helpers import PagedCache, forward_chunks, hf_logits, write_gguf
+    from models_helpers import TINY, PagedCache, forward_chunks, hf_logits, write_gguf
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from pagedllm.models import load_model
 
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
-    config = Qwen2Config(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
+    config = Qwen2Config(**TINY, tie_word_embeddings=False)
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

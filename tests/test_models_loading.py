@@ -9,22 +9,12 @@ import gguf
 import pytest
 import torch
 from gguf import GGUFReader
-from models_helpers import PagedCache, forward_chunks, hf_logits, write_gguf
+from models_helpers import TINY, PagedCache, forward_chunks, hf_logits, write_gguf
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pagedllm.models import load_model
 from pagedllm.models.gguf_loader import cache_root
-
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
 
 
 @pytest.fixture(scope="module")
