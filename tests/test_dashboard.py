@@ -50,18 +50,19 @@ def client(server):
         yield client
 
 
-def in_flight(client, max_tokens: int = 120) -> list:
-    """Start an n = 3 request and four others (three of them sharing the system prompt); return futures."""
+def in_flight(client, max_tokens: int = 120, trio_tokens: int | None = None) -> list:
+    """Start an n = 3 request (`trio_tokens` long, default `max_tokens`) and four others (three of them
+    sharing the system prompt); return futures."""
     pool = ThreadPoolExecutor(5)
 
-    def complete(prompt: str, n: int, seed: int):
+    def complete(prompt: str, n: int, seed: int, max_tokens: int = max_tokens):
         return client.completions.create(
             model=MODEL, prompt=prompt, max_tokens=max_tokens, n=n, temperature=1.0, seed=seed,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
 
     prompts = [SYSTEM + "Name a colour.", SYSTEM + "Name a fruit.", SYSTEM + "Name a river.", "Count: 1, 2,"]
-    futures = [pool.submit(complete, SYSTEM + "Name three animals.", 3, 0)]
+    futures = [pool.submit(complete, SYSTEM + "Name three animals.", 3, 0, trio_tokens or max_tokens)]
     futures += [pool.submit(complete, prompt, 1, i) for i, prompt in enumerate(prompts)]
     pool.shutdown(wait=False)
     return futures
@@ -275,7 +276,9 @@ def test_dashboard_page_draws_the_live_paged_cache(client, server, browser, tmp_
     base, _ = server
     errors = []
     page = open_dashboard(browser, base, errors)  # first, so its time series start before the load
-    futures = in_flight(client, max_tokens=100)
+    # The n = 3 request outlives the page checks below by a wide margin on any machine (they take about
+    # three seconds), so the row hovered after them is still there: 400 + its prompt fit max_model_len.
+    futures = in_flight(client, max_tokens=100, trio_tokens=400)
     with Recorder(base) as recorder:
         shown = drawn_at_recorded_steps(page, recorder, PAGE_STATE, forked_blocks)
         # While the n = 3 request runs: its third sequence's block table marks the forked blocks shared.
