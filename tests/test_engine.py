@@ -98,6 +98,18 @@ def test_contiguous_layout_parallel_sampling_copies_the_prompt(smollm2_llm):
     assert_all_blocks_free(smollm2_llm)
 
 
+def test_a_contiguous_fork_that_finds_no_slab_waits_and_is_prefilled_later(smollm2_llm):
+    """8 MiB holds one 128-slot slab: the second sample's fork cannot copy the slab, so the child waits
+    and is prefilled with the prompt and its first token once the first sample's slab is free."""
+    llm = LLM("smollm2-135m", kv_layout="contiguous", kv_cache_memory="8MiB", max_model_len=128)
+    params = SamplingParams(n=2, max_tokens=20, temperature=0.0, ignore_eos=True)
+    out = llm.generate(PROMPTS[0], params)[0]
+    alone = smollm2_llm.generate(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    assert [c.token_ids for c in out.outputs] == [alone[0].outputs[0].token_ids] * 2
+    assert_all_blocks_free(llm)
+    assert_all_blocks_free(smollm2_llm)
+
+
 def test_parallel_sampling_forks_and_is_reproducible(smollm2_llm):
     params = SamplingParams(n=4, max_tokens=24, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
     first = smollm2_llm.generate(PROMPTS[0], params)[0]

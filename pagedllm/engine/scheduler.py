@@ -115,15 +115,20 @@ class Scheduler:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Start `child` as a copy of `parent` (parallel sampling, beam search). A running parent's
         paged blocks are shared copy-on-write (a contiguous slab is copied slot by slot at the start of
-        the next step); the child of a preempted parent waits beside it to be prefilled."""
-        if parent.status is not SequenceStatus.RUNNING:
-            child.status = SequenceStatus.WAITING
-            self.waiting.appendleft(child)
-            return
-        self._next.copies += self.allocator.fork(parent.seq_id, child.seq_id)
-        child.num_cached_tokens = parent.num_cached_tokens
-        child.status = SequenceStatus.RUNNING
-        self.running.append(child)
+        the next step). The child of a preempted parent, or one whose slab does not fit now, waits at the
+        head of the queue to be prefilled with the parent's tokens (as a recomputed sequence is)."""
+        if parent.status is SequenceStatus.RUNNING:
+            try:
+                self._next.copies += self.allocator.fork(parent.seq_id, child.seq_id)
+            except NoFreeBlocks:
+                pass
+            else:
+                child.num_cached_tokens = parent.num_cached_tokens
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
+                return
+        child.status = SequenceStatus.WAITING
+        self.waiting.appendleft(child)
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished (or aborted) sequence and give its KV blocks back at once."""
