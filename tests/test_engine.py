@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 from helpers import assert_all_blocks_free
 
 from pagedllm import LLM, SamplingParams
@@ -236,6 +237,12 @@ def test_watermark_is_an_engine_setting(watermark, first_step):
 def test_bad_watermark_is_rejected_by_value():
     with pytest.raises(ValueError, match="watermark .*1.5"):
         EngineConfig(watermark=1.5)
+
+
+def test_a_float32_cache_under_bfloat16_activations_is_refused_by_value():
+    with pytest.raises(ValueError, match="kv_cache_dtype='float32' with dtype='bfloat16'"):
+        EngineConfig(dtype="bfloat16", kv_cache_dtype="float32")
+    assert EngineConfig(dtype="float32", kv_cache_dtype="bfloat16").kv_torch_dtype == torch.bfloat16
 
 
 def test_abort_frees_blocks(smollm2_llm):

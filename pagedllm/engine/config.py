@@ -93,6 +93,12 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             choices = ["auto", *KV_CACHE_DTYPES]
             raise ValueError(f"kv_cache_dtype must be one of {choices}, got {self.kv_cache_dtype!r}")
+        if self.kv_torch_dtype == torch.float32 and self.torch_dtype != torch.float32:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} with dtype={self.dtype!r}: K and V are computed in "
+                f"{self.torch_dtype}, so a float32 cache would hold the same values in twice the memory; "
+                "choose 'auto', 'bfloat16', 'int8' or 'fp8'"
+            )
         if self.kv_layout not in ("paged", "contiguous"):
             raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
         if self.contiguous_reserve not in ("max", "pow2"):
