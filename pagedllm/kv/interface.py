@@ -79,7 +79,11 @@ class KVAllocator(Protocol):
 
     def __contains__(self, seq_id: Hashable) -> bool: ...
 
-    def can_allocate(self, prompt_token_ids: Sequence[int], max_new_tokens: int) -> bool: ...
+    # true_output_len: what `pagedllm bench memory` knows of a request's real length, for the contiguous
+    # layout's reserve='oracle'; the paged layout ignores it (its memory grows on demand).
+    def can_allocate(
+        self, prompt_token_ids: Sequence[int], max_new_tokens: int, *, true_output_len: int | None = None
+    ) -> bool: ...
 
     def allocate(
         self,
@@ -87,6 +91,7 @@ class KVAllocator(Protocol):
         prompt_token_ids: Sequence[int],
         max_new_tokens: int,
         *,
+        true_output_len: int | None = None,
         num_computed: int | None = None,
     ) -> int: ...
 
