@@ -52,9 +52,9 @@ class EngineConfig:
     kv_cache_memory: int | str = "1GiB"
     # auto: the model's dtype; bfloat16 halves K/V memory, int8 / fp8 quarter it (scales included; fp32 math)
     kv_cache_dtype: str = "auto"
-    # Commit the CPU KV cache's memory at start-up, as vLLM does (~1 s a GiB on a fresh VM), so that the
-    # steps never pay it; False: pages are committed by first use (`pagedllm generate`: a one-shot run
-    # that uses a few blocks of its cache starts that much sooner).
+    # Commit the CPU KV cache's memory at start-up, as vLLM does (its cost per GiB: docs/JOURNAL.md,
+    # Start-up), so that the steps never pay it; False: pages are committed by first use (`pagedllm
+    # generate`: a one-shot run that uses a few blocks of its cache starts that much sooner).
     prefault_kv_cache: bool = True
     num_kv_blocks: int | None = None
     # Weights and KV cache together (vLLM's gpu_memory_utilization, in bytes): the KV cache gets what the
