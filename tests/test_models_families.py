@@ -17,6 +17,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
+    Qwen3Config,
 )
 
 from pagedllm.models import load_model
@@ -61,6 +62,7 @@ FAMILIES = {
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
         },
     ),
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32),
 }
 PROMPT_LENS = [1, 5, 16, 17, 40]
 
@@ -144,6 +146,13 @@ def test_greedy_32_tokens_match_hf_generate(pair):
     assert greedy_generate(model, batch[1:2], 32, block_size=16) == expected[1:2]
 
 
+def fusable_layers(config) -> list[bool]:
+    """Which layers run as one C++ call: a Llama-family layer's ops (no QK-norm). Gemma's
+    layers have their own order of ops."""
+    llama = not config.architecture.startswith("Gemma")
+    return [llama and not config.qk_norm for i in range(config.num_layers)]
+
+
 def _mixed_steps(model, kv_dtype: torch.dtype) -> list[torch.Tensor]:
     """Logits of a prefill of three prompts, then decode steps of one and of several sequences mixed with
     a later prefill chunk, on a fresh cache of `kv_dtype`."""
@@ -183,11 +192,10 @@ def test_a_layer_in_one_call_equals_its_ops_one_by_one(
         monkeypatch.setenv("PAGEDLLM_LINEAR_METHOD", method)
     _, folder = checkpoint
     model = load_model(str(folder), dtype=dtype, quantization=quantization, max_num_seqs=4).model
-    one_call = [getattr(layer, "one_call", None) for layer in model.layers]
-    if model.config.architecture.startswith("Gemma3"):
-        assert one_call == [None] * len(one_call)  # Gemma's layer has its own order of ops: never fused
+    one_call = [getattr(layer, "one_call", None) is not None for layer in model.layers]
+    assert one_call == fusable_layers(model.config)
+    if not any(one_call):
         return
-    assert all(args is not None for args in one_call)
     fused = _mixed_steps(model, kv_dtype)
     for layer in model.layers:
         layer.one_call = None
@@ -199,7 +207,7 @@ def test_a_layer_in_one_call_equals_its_ops_one_by_one(
 def test_a_layer_runs_one_call_only_where_the_kernels_run_every_op(checkpoint, monkeypatch):
     """torch's plain F.linear (the dense method) keeps the layer's ops one by one; oneDNN's prepacked
     weights and the kernel's storage take the one call."""
-    hf, folder = checkpoint
+    _, folder = checkpoint
     monkeypatch.setenv("PAGEDLLM_LINEAR_METHOD", "dense")
     model = load_model(str(folder), quantization="none", max_num_seqs=64).model
     assert all(getattr(layer, "one_call", None) is None for layer in model.layers)
@@ -207,5 +215,4 @@ def test_a_layer_runs_one_call_only_where_the_kernels_run_every_op(checkpoint, m
         monkeypatch.setenv("PAGEDLLM_LINEAR_METHOD", method)
         model = load_model(str(folder), quantization="none", max_num_seqs=64).model
         fused = [getattr(layer, "one_call", None) is not None for layer in model.layers]
-        gemma3 = hf.config.model_type.startswith("gemma3")  # Gemma 3's layers stay modules
-        assert all(fused) if not gemma3 else not any(fused)
+        assert fused == fusable_layers(model.config)

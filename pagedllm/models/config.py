@@ -30,6 +30,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     hidden_act: str = "silu"
     qkv_bias: bool = False  # Qwen2: bias on q/k/v only
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before RoPE
     o_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None  # window of the layers whose type is "sliding_attention"
@@ -74,6 +75,7 @@ class ModelConfig:
             layer_types = [kind] * num_layers
         attention_bias = bool(get("attention_bias", False))
         is_qwen2 = text.model_type == "qwen2"
+        qk_norm = text.model_type in ("qwen3",)
         hidden_act = get("hidden_activation") or get("hidden_act") or "silu"
         if hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"unsupported activation {hidden_act!r}; supported: {SUPPORTED_ACTIVATIONS}")
@@ -98,6 +100,7 @@ class ModelConfig:
             eos_token_ids=_as_list(eos),
             hidden_act=hidden_act,
             qkv_bias=attention_bias or is_qwen2,
+            qk_norm=qk_norm,
             o_bias=attention_bias,
             mlp_bias=bool(get("mlp_bias", False)),
             sliding_window=get("sliding_window"),
