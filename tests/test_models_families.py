@@ -16,6 +16,7 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -63,6 +64,8 @@ FAMILIES = {
         },
     ),
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32),
+    # Phi-3's checkpoint holds q/k/v as one qkv_proj tensor and gate/up as one gate_up_proj.
+    "phi3": lambda: Phi3Config(**COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 PROMPT_LENS = [1, 5, 16, 17, 40]
 

@@ -1,7 +1,9 @@
 """Llama family: Llama 2/3, SmolLM2, TinyLlama; Qwen2 (bias on q/k/v), Mistral (sliding window), Qwen3
-(QK-norm).
+(QK-norm) and Phi-3
+(q/k/v and gate/up fused in the checkpoint).
 
-The differences live in ModelConfig (qkv_bias, qk_norm, layer_types/sliding_window), not here.
+The differences live in ModelConfig (qkv_bias, qk_norm, layer_types/sliding_window) and in the
+loader (fused checkpoint tensors are split into the projections they hold), not here.
 """
 
 from __future__ import annotations
