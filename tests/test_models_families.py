@@ -13,6 +13,7 @@ import torch
 from models_helpers import PagedCache, forward_chunks, greedy_generate, hf_greedy, hf_logits
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
@@ -66,6 +67,15 @@ FAMILIES = {
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32),
     # Phi-3's checkpoint holds q/k/v as one qkv_proj tensor and gate/up as one gate_up_proj.
     "phi3": lambda: Phi3Config(**COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "gemma2": lambda: Gemma2Config(
+        **COMMON,
+        head_dim=32,
+        sliding_window=9,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=1.5,  # small enough to bend these random models' scores
+        final_logit_softcapping=5.0,
+    ),
 }
 PROMPT_LENS = [1, 5, 16, 17, 40]
 

@@ -30,7 +30,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     hidden_act: str = "silu"
     qkv_bias: bool = False  # Qwen2: bias on q/k/v only
-    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each q and k head before RoPE
     o_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None  # window of the layers whose type is "sliding_attention"
@@ -38,6 +38,7 @@ class ModelConfig:
     rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers
     query_pre_attn_scalar: float | None = None  # Gemma 3: attention scale is its -1/2 power
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # Gemma 2: attention scores capped at +-this (tanh)
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The attention window of one layer (None: full causal attention)."""
@@ -75,12 +76,10 @@ class ModelConfig:
             layer_types = [kind] * num_layers
         attention_bias = bool(get("attention_bias", False))
         is_qwen2 = text.model_type == "qwen2"
-        qk_norm = text.model_type in ("qwen3",)
+        qk_norm = text.model_type in ("qwen3", "gemma3_text")
         hidden_act = get("hidden_activation") or get("hidden_act") or "silu"
         if hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"unsupported activation {hidden_act!r}; supported: {SUPPORTED_ACTIVATIONS}")
-        if get("attn_logit_softcapping") is not None:
-            raise ValueError("attention logit soft-capping (attn_logit_softcapping) is not supported")
         eos = get("eos_token_id", getattr(hf, "eos_token_id", None))
         return cls(
             architecture=architecture,
@@ -108,6 +107,7 @@ class ModelConfig:
             rope_local_theta=float(local_rope["rope_theta"]) if local_rope else None,
             query_pre_attn_scalar=get("query_pre_attn_scalar"),
             final_logit_softcapping=get("final_logit_softcapping"),
+            attn_logit_softcapping=get("attn_logit_softcapping"),
         )
 
 
