@@ -20,6 +20,7 @@ from transformers import (
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from pagedllm.models import load_model
@@ -75,6 +76,16 @@ FAMILIES = {
         query_pre_attn_scalar=24,
         attn_logit_softcapping=1.5,  # small enough to bend these random models' scores
         final_logit_softcapping=5.0,
+    ),
+    # Layer 1 keeps a dense MLP (mlp_only_layers); the others route each token to 2 of 8 experts.
+    "qwen3-moe": lambda: Qwen3MoeConfig(
+        **COMMON,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
     ),
 }
 PROMPT_LENS = [1, 5, 16, 17, 40]
@@ -160,10 +171,10 @@ def test_greedy_32_tokens_match_hf_generate(pair):
 
 
 def fusable_layers(config) -> list[bool]:
-    """Which layers run as one C++ call: a Llama-family layer's ops (no QK-norm). Gemma's
+    """Which layers run as one C++ call: a Llama-family layer's ops (no QK-norm, a dense MLP). Gemma's
     layers have their own order of ops."""
     llama = not config.architecture.startswith("Gemma")
-    return [llama and not config.qk_norm for i in range(config.num_layers)]
+    return [llama and not config.qk_norm and i not in config.moe_layers for i in range(config.num_layers)]
 
 
 def _mixed_steps(model, kv_dtype: torch.dtype) -> list[torch.Tensor]:
