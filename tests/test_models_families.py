@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from helpers import assert_all_blocks_free
 from models_helpers import PagedCache, forward_chunks, greedy_generate, hf_greedy, hf_logits
 from transformers import (
     AutoModelForCausalLM,
@@ -23,6 +24,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from pagedllm import LLM, SamplingParams
 from pagedllm.models import load_model
 from pagedllm.ops import cpu
 
@@ -168,6 +170,18 @@ def test_greedy_32_tokens_match_hf_generate(pair):
     assert greedy_generate(model, batch, 32, block_size=16) == expected
     # A batch of one: each decode step writes a single token's K/V (a strided [1, Hkv, D] view).
     assert greedy_generate(model, batch[1:2], 32, block_size=16) == expected[1:2]
+
+
+def test_engine_batch_of_two_prompts_matches_hf_generate(checkpoint):
+    """The whole engine (scheduler, paged KV blocks of 4 tokens, sampler) on the folder as a user names it:
+    a batch of two prompts of different lengths, greedy, equal to HF's batched generate."""
+    hf, folder = checkpoint
+    batch = prompts([3, 26], hf.config.vocab_size, seed=6)
+    llm = LLM(str(folder), num_kv_blocks=32, block_size=4)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy)
+    assert [out.outputs[0].token_ids for out in outputs] == hf_greedy(hf, batch, 12)
+    assert_all_blocks_free(llm)
 
 
 def fusable_layers(config) -> list[bool]:
