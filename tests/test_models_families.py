@@ -184,6 +184,48 @@ def test_engine_batch_of_two_prompts_matches_hf_generate(checkpoint):
     assert_all_blocks_free(llm)
 
 
+GGUF_ARCHITECTURES = {"qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2", "qwen3-moe": "qwen3moe"}
+
+
+@pytest.mark.parametrize("family", list(GGUF_ARCHITECTURES))
+def test_gguf_in_llama_cpp_names_loads_in_place_and_matches_hf(family, tmp_path, monkeypatch):
+    """A Q8_0 GGUF written under llama.cpp's names (gguf-py's map; Phi-3's fused attn_qkv and ffn_up,
+    Qwen3-MoE's stacked experts, Gemma's (1 + w) norms and soft-capping metadata) loads with its blocks
+    kept, and its logits equal HF's on the same weights rounded through Q8_0."""
+    import copy
+
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    from models_helpers import write_gguf
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    config = FAMILIES[family]()
+    if family == "gemma2":  # a GGUF has no field for it: llama.cpp scales by head_dim^-1/2 (but on 27B)
+        config.query_pre_attn_scalar = config.head_dim
+    if family == "qwen3-moe":  # llama.cpp's qwen3moe routes in every layer
+        config.mlp_only_layers = []
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    randomize(hf)
+    path = tmp_path / f"tiny-{family}.gguf"
+    write_gguf(hf, path, arch=GGUF_ARCHITECTURES[family], qtype=GGMLQuantizationType.Q8_0)
+    loaded = load_model(str(path))
+    assert loaded.linear_method == "gguf"
+    assert not [name for name, p in loaded.model.named_parameters() if p.dim() > 1]  # all still blocks
+    rounded = copy.deepcopy(hf)
+    with torch.no_grad():
+        for param in rounded.parameters():
+            if param.dim() > 1:
+                q8 = quantize(param.numpy(), GGMLQuantizationType.Q8_0)
+                param.copy_(torch.from_numpy(dequantize(q8, GGMLQuantizationType.Q8_0)))
+    batch = prompts([5, 23], hf.config.vocab_size, seed=7)
+    cache = PagedCache.create(loaded.config, 16, 8)
+    got = forward_chunks(loaded.model, cache, [(i, p, 0) for i, p in enumerate(batch)])
+    expected = torch.cat([hf_logits(rounded, p) for p in batch])
+    # The kernel's integer path rounds activations to int16 blocks: a little more than float32's 1e-4.
+    torch.testing.assert_close(got, expected, atol=3e-4, rtol=1e-3)
+
+
 def fusable_layers(config) -> list[bool]:
     """Which layers run as one C++ call: a Llama-family layer's ops (no QK-norm, a dense MLP). Gemma's
     layers have their own order of ops."""
