@@ -18,6 +18,7 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
@@ -89,6 +90,8 @@ FAMILIES = {
         norm_topk_prob=True,
         mlp_only_layers=[1],
     ),
+    # Mixtral's checkpoint names its experts' projections w1 (gate), w3 (up), w2 (down).
+    "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
 }
 PROMPT_LENS = [1, 5, 16, 17, 40]
 

@@ -39,7 +39,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # Gemma 3: attention scale is its -1/2 power
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None  # Gemma 2: attention scores capped at +-this (tanh)
-    # Mixture of experts (Qwen3-MoE): the layers whose MLP is `num_experts` experts of
+    # Mixture of experts (Qwen3-MoE, Mixtral): the layers whose MLP is `num_experts` experts of
     # moe_intermediate_size, a router picking num_experts_per_tok of them per token.
     moe_layers: list[int] = field(default_factory=list)
     num_experts: int = 0
@@ -120,7 +120,16 @@ class ModelConfig:
 
 
 def _moe_fields(text: Any) -> dict[str, Any]:
-    """Qwen3-MoE's expert settings: every decoder_sparse_step-th layer is sparse, but mlp_only_layers."""
+    """The expert settings: Mixtral's layers are all sparse, experts of intermediate_size, the chosen
+    weights renormalized; Qwen3-MoE's every decoder_sparse_step-th layer is, but mlp_only_layers."""
+    if text.model_type == "mixtral":
+        return dict(
+            moe_layers=list(range(text.num_hidden_layers)),
+            num_experts=text.num_local_experts,
+            num_experts_per_tok=text.num_experts_per_tok,
+            moe_intermediate_size=text.intermediate_size,
+            norm_topk_prob=True,
+        )
     num_experts = getattr(text, "num_experts", 0) or 0
     if not num_experts:
         return {}

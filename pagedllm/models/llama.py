@@ -1,5 +1,6 @@
 """Llama family: Llama 2/3, SmolLM2, TinyLlama; Qwen2 (bias on q/k/v), Mistral (sliding window), Qwen3
-(QK-norm), Phi-3 (q/k/v and gate/up fused in the checkpoint) and Qwen3-MoE (experts in place of the MLP).
+(QK-norm), Phi-3 (q/k/v and gate/up fused in the checkpoint) and Qwen3-MoE and Mixtral (experts in
+place of the MLP).
 
 The differences live in ModelConfig (qkv_bias, qk_norm, layer_types/sliding_window, moe_layers) and in the
 loader (fused checkpoint tensors are split into the projections they hold), not here.

@@ -1,4 +1,4 @@
-"""Mixture of experts (Qwen3-MoE): a router picks the top k of E expert MLPs for each token.
+"""Mixture of experts (Qwen3-MoE, Mixtral): a router picks the top k of E expert MLPs for each token.
 
 Each expert is a plain GatedMLP. A forward sorts the (token, expert) pairs by expert and runs each chosen
 expert once, on the rows of the tokens routed to it (one matmul batch per expert, as vLLM's fused MoE and

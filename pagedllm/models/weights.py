@@ -6,6 +6,7 @@ says which (models/parallel.py), and only that part is copied.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -26,10 +27,21 @@ _SKIPPED_PREFIXES = (
 )
 
 
+# Mixtral's names for its experts, as the modules call them (transformers renames them the same way).
+_RENAMES = (
+    (re.compile(r"\.block_sparse_moe\."), ".mlp."),
+    (re.compile(r"(\.experts\.\d+)\.w1\."), r"\1.gate_proj."),
+    (re.compile(r"(\.experts\.\d+)\.w3\."), r"\1.up_proj."),
+    (re.compile(r"(\.experts\.\d+)\.w2\."), r"\1.down_proj."),
+)
+
+
 def module_name(checkpoint_name: str) -> str | None:
     """`model.layers.0.mlp.up_proj.weight` -> `layers.0.mlp.up_proj.weight`; None for tensors we skip."""
     if checkpoint_name.startswith(_SKIPPED_PREFIXES) or checkpoint_name.endswith("rotary_emb.inv_freq"):
         return None
+    for pattern, replacement in _RENAMES:
+        checkpoint_name = pattern.sub(replacement, checkpoint_name)
     for prefix in _LM_PREFIXES:
         if checkpoint_name.startswith(prefix):
             return checkpoint_name[len(prefix) :]
