@@ -178,10 +178,11 @@ def write_gguf(hf_model, path, arch: str = "llama", qtype=None, names_of: str | 
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    if getattr(cfg, "num_experts", None):
-        writer.add_expert_count(cfg.num_experts)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        writer.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", cfg.intermediate_size))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[(names_of or arch).upper()], cfg.num_hidden_layers)
     for name, tensor in _llama_cpp_tensors(hf_model):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:

@@ -187,14 +187,20 @@ def test_engine_batch_of_two_prompts_matches_hf_generate(checkpoint):
     assert_all_blocks_free(llm)
 
 
-GGUF_ARCHITECTURES = {"qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2", "qwen3-moe": "qwen3moe"}
+GGUF_ARCHITECTURES = {
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma2": "gemma2",
+    "qwen3-moe": "qwen3moe",
+    "mixtral": "llama",  # llama.cpp's Llama with experts
+}
 
 
 @pytest.mark.parametrize("family", list(GGUF_ARCHITECTURES))
 def test_gguf_in_llama_cpp_names_loads_in_place_and_matches_hf(family, tmp_path, monkeypatch):
     """A Q8_0 GGUF written under llama.cpp's names (gguf-py's map; Phi-3's fused attn_qkv and ffn_up,
-    Qwen3-MoE's stacked experts, Gemma's (1 + w) norms and soft-capping metadata) loads with its blocks
-    kept, and its logits equal HF's on the same weights rounded through Q8_0."""
+    Qwen3-MoE's and Mixtral's stacked experts, Gemma's (1 + w) norms and soft-capping metadata) loads
+    with its blocks kept, and its logits equal HF's on the same weights rounded through Q8_0."""
     import copy
 
     from gguf import GGMLQuantizationType

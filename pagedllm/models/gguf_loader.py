@@ -7,9 +7,10 @@ still in their blocks, each mapped from the file when it is read. Only where flo
 once (write_float_weights): dequantized with the `gguf` package, undoing two llama.cpp conventions, the
 Q/K row permutation of Llama-family models and Gemma's stored (1 + w) norm weights. Names follow
 llama.cpp's (gguf-py's MODEL_TENSORS): Qwen2 and Qwen3 use Llama's, with q/k/v biases or q/k norms and no
-Q/K permutation (NeoX-style RoPE, as Hugging Face's rotate_half); Phi-3 keeps q/k/v fused (attn_qkv) and
-gate/up fused in ffn_up, as Hugging Face's checkpoint does; Qwen3-MoE stacks each layer's experts in one
-3-D tensor per projection (ffn_gate_exps: [experts, rows, columns]), split here into one per expert.
+Q/K permutation (NeoX-style RoPE, as Hugging Face's rotate_half); Mixtral is a Llama with experts; Phi-3
+keeps q/k/v fused (attn_qkv) and gate/up fused in ffn_up, as Hugging Face's checkpoint does; Mixtral and
+Qwen3-MoE stack each layer's experts in one 3-D tensor per projection (ffn_gate_exps: [experts, rows,
+columns]), split here into one per expert.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ _MODEL_TYPES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
@@ -229,6 +231,8 @@ def hf_config(reader: Any) -> dict[str, Any]:
     arch = _field(reader, "general.architecture")
     architecture = gguf_architecture(arch)
     meta = lambda key, default=None: _field(reader, f"{arch}.{key}", default)
+    if arch == "llama" and meta("expert_count"):  # llama.cpp writes Mixtral as a Llama with experts
+        architecture = "MixtralForCausalLM"
     tensors = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in tensors:
         raise ValueError("GGUF rope_freqs (Llama 3.1 RoPE scaling) is not supported; use the HF folder")
@@ -294,6 +298,8 @@ def hf_config(reader: Any) -> dict[str, Any]:
             decoder_sparse_step=1,
             mlp_only_layers=[],
         )
+    if architecture == "MixtralForCausalLM":
+        config.update(num_local_experts=meta("expert_count"), num_experts_per_tok=meta("expert_used_count"))
     if arch == "gemma3":  # llama.cpp fixes these for Gemma 3 rather than storing them
         config.update(
             sliding_window=meta("attention.sliding_window"),
