@@ -150,10 +150,12 @@ def _permute_like_llama_cpp(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_model, path, arch: str = "llama", qtype=None) -> None:
-    """A GGUF of a tiny Llama-family model, named the way llama.cpp writes one (no tokenizer): Q/K rows
-    permuted for `arch` "llama" (Qwen2's NeoX-style RoPE keeps them), matrices in ggml type `qtype`
-    (default float32), norms and biases float32."""
+def write_gguf(hf_model, path, arch: str = "llama", qtype=None, names_of: str | None = None) -> None:
+    """A GGUF of a tiny model, as llama.cpp's converter writes one (no tokenizer): tensor names from
+    gguf-py's own map of Hugging Face names (TensorNameMap), Q/K rows permuted for `arch` "llama" (the
+    NeoX-style RoPE of the others keeps them), Gemma's norms stored as (1 + w), each layer's experts
+    stacked into one [experts, rows, columns] tensor per projection, matrices in ggml type `qtype`
+    (default float32), norms and biases float32. `names_of`: another architecture's names (default arch's)."""
     import gguf
 
     cfg = hf_model.config
@@ -165,32 +167,37 @@ def write_gguf(hf_model, path, arch: str = "llama", qtype=None) -> None:
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_rope_dimension_count(
-        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    )
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-    names |= {f"self_attn.{p}_proj": f"attn_{p}" for p in "qkv"} | {"self_attn.o_proj": "attn_output"}
-    names |= {f"mlp.{p}_proj": f"ffn_{p}" for p in ("gate", "up", "down")}
-    for name, tensor in hf_model.state_dict().items():
+    if getattr(cfg, "sliding_window", None):
+        writer.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", cfg.intermediate_size))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[(names_of or arch).upper()], cfg.num_hidden_layers)
+    for name, tensor in _llama_cpp_tensors(hf_model):
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # a tied model has no output tensor: llama.cpp reuses token_embd
         w = tensor.numpy()
-        if name.startswith("model.layers."):
-            layer, rest = name[len("model.layers.") :].split(".", 1)
-            module, kind = rest.rsplit(".", 1)
-            if arch == "llama" and module == "self_attn.q_proj":
-                w = _permute_like_llama_cpp(w, cfg.num_attention_heads)
-            elif arch == "llama" and module == "self_attn.k_proj":
-                w = _permute_like_llama_cpp(w, cfg.num_key_value_heads)
-            gguf_name = f"blk.{layer}.{names[module]}.{kind}"
-        else:
-            gguf_name = {
-                "model.embed_tokens.weight": "token_embd.weight",
-                "model.norm.weight": "output_norm.weight",
-            }
-            gguf_name = gguf_name.get(name, "output.weight")
+        if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
+            w = _permute_like_llama_cpp(w, cfg.num_attention_heads)
+        elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
+            w = _permute_like_llama_cpp(w, cfg.num_key_value_heads)
+        elif arch.startswith("gemma") and name.endswith("norm.weight"):
+            w = w + 1.0
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, f"llama.cpp's {arch} has no tensor for {name}"
         w = np.ascontiguousarray(w)
-        if qtype is not None and w.ndim == 2:
+        if qtype is not None and w.ndim >= 2:
             writer.add_tensor(gguf_name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, w)
@@ -198,3 +205,17 @@ def write_gguf(hf_model, path, arch: str = "llama", qtype=None) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _llama_cpp_tensors(hf_model):
+    """The model's tensors under the Hugging Face names llama.cpp's converter maps: transformers' fused
+    expert tensors (gate_up_proj [experts, 2 I, hidden]) split into the gate_proj and up_proj stacks."""
+    for name, tensor in hf_model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            yield name.replace("gate_up_proj", "gate_proj.weight"), gate
+            yield name.replace("gate_up_proj", "up_proj.weight"), up
+        elif name.endswith("mlp.experts.down_proj"):
+            yield name + ".weight", tensor
+        else:
+            yield name, tensor

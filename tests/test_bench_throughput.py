@@ -259,3 +259,22 @@ def test_kv_cache_dtypes_run_side_by_side_at_the_same_kv_memory(capsys):
         f"against paged float32 KV's greedy tokens: paged int8 KV {share:.0f} of 4 requests identical"
         in lines[-1]
     )
+
+
+def test_hf_rows_read_a_gguf_models_float_copy(tmp_path, monkeypatch):
+    """`--hf` on a GGUF model: transformers gets the converted folder with its float32 copy of the weights
+    (the folder alone holds none) and generates what the checkpoint written to the GGUF generates."""
+    from argparse import Namespace
+
+    from models_helpers import TINY, hf_greedy, write_gguf
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(LlamaConfig(**TINY), dtype=torch.float32).eval()
+    write_gguf(hf, tmp_path / "tiny.gguf")
+    prompts = make_prompts([(3, 9)] * 3, TINY["vocab_size"], seed=1)
+    args = Namespace(model=str(tmp_path / "tiny.gguf"), dtype="auto", hf_batch_size=2, output_len=5)
+    row, tokens = throughput.run_hf(args, prompts)
+    assert row.output_tokens == 15
+    assert tokens == hf_greedy(hf, prompts[:2], 5) + hf_greedy(hf, prompts[2:], 5)

@@ -10,15 +10,22 @@ import random
 
 import pytest
 import torch
+from helpers import assert_all_blocks_free
 from models_helpers import PagedCache, forward_chunks, greedy_generate, hf_greedy, hf_logits
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    Phi3Config,
     Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
 )
 
+from pagedllm import LLM, SamplingParams
 from pagedllm.models import load_model
 from pagedllm.ops import cpu
 
@@ -61,6 +68,30 @@ FAMILIES = {
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
         },
     ),
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32),
+    # Phi-3's checkpoint holds q/k/v as one qkv_proj tensor and gate/up as one gate_up_proj.
+    "phi3": lambda: Phi3Config(**COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "gemma2": lambda: Gemma2Config(
+        **COMMON,
+        head_dim=32,
+        sliding_window=9,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=1.5,  # small enough to bend these random models' scores
+        final_logit_softcapping=5.0,
+    ),
+    # Layer 1 keeps a dense MLP (mlp_only_layers); the others route each token to 2 of 8 experts.
+    "qwen3-moe": lambda: Qwen3MoeConfig(
+        **COMMON,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),
+    # Mixtral's checkpoint names its experts' projections w1 (gate), w3 (up), w2 (down).
+    "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
 }
 PROMPT_LENS = [1, 5, 16, 17, 40]
 
@@ -144,6 +175,73 @@ def test_greedy_32_tokens_match_hf_generate(pair):
     assert greedy_generate(model, batch[1:2], 32, block_size=16) == expected[1:2]
 
 
+def test_engine_batch_of_two_prompts_matches_hf_generate(checkpoint):
+    """The whole engine (scheduler, paged KV blocks of 4 tokens, sampler) on the folder as a user names it:
+    a batch of two prompts of different lengths, greedy, equal to HF's batched generate."""
+    hf, folder = checkpoint
+    batch = prompts([3, 26], hf.config.vocab_size, seed=6)
+    llm = LLM(str(folder), num_kv_blocks=32, block_size=4)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy)
+    assert [out.outputs[0].token_ids for out in outputs] == hf_greedy(hf, batch, 12)
+    assert_all_blocks_free(llm)
+
+
+GGUF_ARCHITECTURES = {
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma2": "gemma2",
+    "qwen3-moe": "qwen3moe",
+    "mixtral": "llama",  # llama.cpp's Llama with experts
+}
+
+
+@pytest.mark.parametrize("family", list(GGUF_ARCHITECTURES))
+def test_gguf_in_llama_cpp_names_loads_in_place_and_matches_hf(family, tmp_path, monkeypatch):
+    """A Q8_0 GGUF written under llama.cpp's names (gguf-py's map; Phi-3's fused attn_qkv and ffn_up,
+    Qwen3-MoE's and Mixtral's stacked experts, Gemma's (1 + w) norms and soft-capping metadata) loads
+    with its blocks kept, and its logits equal HF's on the same weights rounded through Q8_0."""
+    import copy
+
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    from models_helpers import write_gguf
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    config = FAMILIES[family]()
+    if family == "gemma2":  # a GGUF has no field for it: llama.cpp scales by head_dim^-1/2 (but on 27B)
+        config.query_pre_attn_scalar = config.head_dim
+    if family == "qwen3-moe":  # llama.cpp's qwen3moe routes in every layer
+        config.mlp_only_layers = []
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    randomize(hf)
+    path = tmp_path / f"tiny-{family}.gguf"
+    write_gguf(hf, path, arch=GGUF_ARCHITECTURES[family], qtype=GGMLQuantizationType.Q8_0)
+    loaded = load_model(str(path))
+    assert loaded.linear_method == "gguf"
+    assert not [name for name, p in loaded.model.named_parameters() if p.dim() > 1]  # all still blocks
+    rounded = copy.deepcopy(hf)
+    with torch.no_grad():
+        for param in rounded.parameters():
+            if param.dim() > 1:
+                q8 = quantize(param.numpy(), GGMLQuantizationType.Q8_0)
+                param.copy_(torch.from_numpy(dequantize(q8, GGMLQuantizationType.Q8_0)))
+    batch = prompts([5, 23], hf.config.vocab_size, seed=7)
+    cache = PagedCache.create(loaded.config, 16, 8)
+    got = forward_chunks(loaded.model, cache, [(i, p, 0) for i, p in enumerate(batch)])
+    expected = torch.cat([hf_logits(rounded, p) for p in batch])
+    # The kernel's integer path rounds activations to int16 blocks: a little more than float32's 1e-4.
+    torch.testing.assert_close(got, expected, atol=3e-4, rtol=1e-3)
+
+
+def fusable_layers(config) -> list[bool]:
+    """Which layers run as one C++ call: a Llama-family layer's ops (no QK-norm, a dense MLP). Gemma's
+    layers have their own order of ops."""
+    llama = not config.architecture.startswith("Gemma")
+    return [llama and not config.qk_norm and i not in config.moe_layers for i in range(config.num_layers)]
+
+
 def _mixed_steps(model, kv_dtype: torch.dtype) -> list[torch.Tensor]:
     """Logits of a prefill of three prompts, then decode steps of one and of several sequences mixed with
     a later prefill chunk, on a fresh cache of `kv_dtype`."""
@@ -183,11 +281,10 @@ def test_a_layer_in_one_call_equals_its_ops_one_by_one(
         monkeypatch.setenv("PAGEDLLM_LINEAR_METHOD", method)
     _, folder = checkpoint
     model = load_model(str(folder), dtype=dtype, quantization=quantization, max_num_seqs=4).model
-    one_call = [getattr(layer, "one_call", None) for layer in model.layers]
-    if model.config.architecture.startswith("Gemma3"):
-        assert one_call == [None] * len(one_call)  # Gemma's layer has its own order of ops: never fused
+    one_call = [getattr(layer, "one_call", None) is not None for layer in model.layers]
+    assert one_call == fusable_layers(model.config)
+    if not any(one_call):
         return
-    assert all(args is not None for args in one_call)
     fused = _mixed_steps(model, kv_dtype)
     for layer in model.layers:
         layer.one_call = None
@@ -199,7 +296,7 @@ def test_a_layer_in_one_call_equals_its_ops_one_by_one(
 def test_a_layer_runs_one_call_only_where_the_kernels_run_every_op(checkpoint, monkeypatch):
     """torch's plain F.linear (the dense method) keeps the layer's ops one by one; oneDNN's prepacked
     weights and the kernel's storage take the one call."""
-    hf, folder = checkpoint
+    _, folder = checkpoint
     monkeypatch.setenv("PAGEDLLM_LINEAR_METHOD", "dense")
     model = load_model(str(folder), quantization="none", max_num_seqs=64).model
     assert all(getattr(layer, "one_call", None) is None for layer in model.layers)
@@ -207,5 +304,4 @@ def test_a_layer_runs_one_call_only_where_the_kernels_run_every_op(checkpoint, m
         monkeypatch.setenv("PAGEDLLM_LINEAR_METHOD", method)
         model = load_model(str(folder), quantization="none", max_num_seqs=64).model
         fused = [getattr(layer, "one_call", None) is not None for layer in model.layers]
-        gemma3 = hf.config.model_type.startswith("gemma3")  # Gemma 3's layers stay modules
-        assert all(fused) if not gemma3 else not any(fused)
+        assert fused == fusable_layers(model.config)

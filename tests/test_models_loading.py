@@ -79,7 +79,8 @@ def test_unknown_architectures_are_named(tiny_folder, tmp_path, monkeypatch):
         load_model(str(tiny_folder))
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'falcon'"):
-        write_gguf(AutoModelForCausalLM.from_config(LlamaConfig(**TINY)), tmp_path / "f.gguf", arch="falcon")
+        tiny = AutoModelForCausalLM.from_config(LlamaConfig(**TINY))
+        write_gguf(tiny, tmp_path / "f.gguf", arch="falcon", names_of="llama")
         load_model(str(tmp_path / "f.gguf"))
 
 

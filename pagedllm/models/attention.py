@@ -28,11 +28,18 @@ class AttentionMetadata:
 class PagedAttention(torch.nn.Module):
     """Stores this step's K/V into the paged cache, then attends through the block tables."""
 
-    def __init__(self, layer_idx: int, scale: float, sliding_window: int | None = None):
+    def __init__(
+        self,
+        layer_idx: int,
+        scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ):
         super().__init__()
         self.layer_idx = layer_idx
         self.scale = scale
         self.sliding_window = sliding_window
+        self.softcap = softcap  # scores capped at +-softcap (Gemma 2); None: not capped
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -42,7 +49,14 @@ class PagedAttention(torch.nn.Module):
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.max_query_len == 1:
             return ops.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale, self.sliding_window
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.context_lens,
+                self.scale,
+                self.sliding_window,
+                self.softcap,
             )
         return ops.paged_prefill_attention(
             q,
@@ -53,4 +67,5 @@ class PagedAttention(torch.nn.Module):
             meta.context_lens,
             self.scale,
             self.sliding_window,
+            self.softcap,
         )

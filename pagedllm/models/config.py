@@ -30,6 +30,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     hidden_act: str = "silu"
     qkv_bias: bool = False  # Qwen2: bias on q/k/v only
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each q and k head before RoPE
     o_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None  # window of the layers whose type is "sliding_attention"
@@ -37,6 +38,14 @@ class ModelConfig:
     rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers
     query_pre_attn_scalar: float | None = None  # Gemma 3: attention scale is its -1/2 power
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # Gemma 2: attention scores capped at +-this (tanh)
+    # Mixture of experts (Qwen3-MoE, Mixtral): the layers whose MLP is `num_experts` experts of
+    # moe_intermediate_size, a router picking num_experts_per_tok of them per token.
+    moe_layers: list[int] = field(default_factory=list)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the chosen experts' router probabilities renormalized to sum to 1
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The attention window of one layer (None: full causal attention)."""
@@ -74,11 +83,10 @@ class ModelConfig:
             layer_types = [kind] * num_layers
         attention_bias = bool(get("attention_bias", False))
         is_qwen2 = text.model_type == "qwen2"
+        qk_norm = text.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
         hidden_act = get("hidden_activation") or get("hidden_act") or "silu"
         if hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"unsupported activation {hidden_act!r}; supported: {SUPPORTED_ACTIVATIONS}")
-        if get("attn_logit_softcapping") is not None:
-            raise ValueError("attention logit soft-capping (attn_logit_softcapping) is not supported")
         eos = get("eos_token_id", getattr(hf, "eos_token_id", None))
         return cls(
             architecture=architecture,
@@ -98,6 +106,7 @@ class ModelConfig:
             eos_token_ids=_as_list(eos),
             hidden_act=hidden_act,
             qkv_bias=attention_bias or is_qwen2,
+            qk_norm=qk_norm,
             o_bias=attention_bias,
             mlp_bias=bool(get("mlp_bias", False)),
             sliding_window=get("sliding_window"),
@@ -105,7 +114,33 @@ class ModelConfig:
             rope_local_theta=float(local_rope["rope_theta"]) if local_rope else None,
             query_pre_attn_scalar=get("query_pre_attn_scalar"),
             final_logit_softcapping=get("final_logit_softcapping"),
+            attn_logit_softcapping=get("attn_logit_softcapping"),
+            **_moe_fields(text),
         )
+
+
+def _moe_fields(text: Any) -> dict[str, Any]:
+    """The expert settings: Mixtral's layers are all sparse, experts of intermediate_size, the chosen
+    weights renormalized; Qwen3-MoE's every decoder_sparse_step-th layer is, but mlp_only_layers."""
+    if text.model_type == "mixtral":
+        return dict(
+            moe_layers=list(range(text.num_hidden_layers)),
+            num_experts=text.num_local_experts,
+            num_experts_per_tok=text.num_experts_per_tok,
+            moe_intermediate_size=text.intermediate_size,
+            norm_topk_prob=True,
+        )
+    num_experts = getattr(text, "num_experts", 0) or 0
+    if not num_experts:
+        return {}
+    step, dense = text.decoder_sparse_step, set(text.mlp_only_layers)
+    return dict(
+        moe_layers=[i for i in range(text.num_hidden_layers) if (i + 1) % step == 0 and i not in dense],
+        num_experts=num_experts,
+        num_experts_per_tok=text.num_experts_per_tok,
+        moe_intermediate_size=text.moe_intermediate_size,
+        norm_topk_prob=bool(text.norm_topk_prob),
+    )
 
 
 def _check_rope(params: dict[str, Any]) -> None:

@@ -2,6 +2,9 @@
 
 Versus Llama: embeddings scaled by sqrt(hidden), (1 + w) RMSNorm, QK-norm, GELU-tanh MLP, norms after
 attention and MLP as well as before, attention scale query_pre_attn_scalar^-1/2.
+
+Gemma 2 is the same layer without QK-norm, one RoPE base for every layer, and attention scores and final
+logits soft-capped (cap * tanh(x / cap); config.attn_logit_softcapping, final_logit_softcapping).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.is_sliding = config.layer_types[layer_idx] == "sliding_attention"
         self.input_layernorm = norm(config.hidden_size)
         scale = config.query_pre_attn_scalar**-0.5
-        self.self_attn = Attention(config, layer_idx, scale, qk_norm=norm, tp=tp)
+        self.self_attn = Attention(config, layer_idx, scale, qk_norm=norm if config.qk_norm else None, tp=tp)
         self.post_attention_layernorm = norm(config.hidden_size)
         self.pre_feedforward_layernorm = norm(config.hidden_size)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp=tp)
@@ -48,8 +51,10 @@ class Gemma3ForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__(config, tp)
         max_pos = config.max_position_embeddings
-        self.local_rotary = RotaryEmbedding(config.head_dim, max_pos, config.rope_local_theta, None)
         self.global_rotary = RotaryEmbedding(config.head_dim, max_pos, config.rope_theta, config.rope_scaling)
+        self.local_rotary = self.global_rotary  # Gemma 2: one RoPE for all layers
+        if config.rope_local_theta is not None:
+            self.local_rotary = RotaryEmbedding(config.head_dim, max_pos, config.rope_local_theta, None)
         self.embed_scale = config.hidden_size**0.5
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)

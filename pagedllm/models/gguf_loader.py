@@ -6,8 +6,11 @@ still in their blocks, each mapped from the file when it is read. Only where flo
 (quantization=None, or a tool that reads a Hugging Face folder) is a float32 copy written beside them,
 once (write_float_weights): dequantized with the `gguf` package, undoing two llama.cpp conventions, the
 Q/K row permutation of Llama-family models and Gemma's stored (1 + w) norm weights. Names follow
-llama.cpp's (gguf-py's MODEL_TENSORS): Qwen2 uses Llama's, with q/k/v biases and no Q/K permutation
-(NeoX-style RoPE, as Hugging Face's rotate_half).
+llama.cpp's (gguf-py's MODEL_TENSORS): Qwen2 and Qwen3 use Llama's, with q/k/v biases or q/k norms and no
+Q/K permutation (NeoX-style RoPE, as Hugging Face's rotate_half); Mixtral is a Llama with experts; Phi-3
+keeps q/k/v fused (attn_qkv) and gate/up fused in ffn_up, as Hugging Face's checkpoint does; Mixtral and
+Qwen3-MoE stack each layer's experts in one 3-D tensor per projection (ffn_gate_exps: [experts, rows,
+columns]), split here into one per expert.
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -48,15 +56,21 @@ _LAYER_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",  # Gemma 3: pre_feedforward_layernorm
+    "ffn_norm": "post_attention_layernorm",  # Gemma: pre_feedforward_layernorm
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the MoE router
+    "ffn_gate_exps": "mlp.experts.gate_proj",  # every expert's, stacked
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
+_GEMMA = ("gemma2", "gemma3")
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
 
@@ -217,9 +231,15 @@ def hf_config(reader: Any) -> dict[str, Any]:
     arch = _field(reader, "general.architecture")
     architecture = gguf_architecture(arch)
     meta = lambda key, default=None: _field(reader, f"{arch}.{key}", default)
+    if arch == "llama" and meta("expert_count"):  # llama.cpp writes Mixtral as a Llama with experts
+        architecture = "MixtralForCausalLM"
     tensors = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in tensors:
         raise ValueError("GGUF rope_freqs (Llama 3.1 RoPE scaling) is not supported; use the HF folder")
+    if "rope_factors_long.weight" in tensors:
+        raise ValueError(
+            "GGUF rope_factors_long (Phi-3 longrope scaling) is not supported; use the HF folder"
+        )
     hidden, num_heads = meta("embedding_length"), meta("attention.head_count")
     num_kv_heads = meta("attention.head_count_kv", num_heads)
     if isinstance(num_kv_heads, list):
@@ -240,7 +260,7 @@ def hf_config(reader: Any) -> dict[str, Any]:
         "model_type": _MODEL_TYPES[architecture],
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),
         "hidden_size": hidden,
-        "intermediate_size": meta("feed_forward_length"),
+        "intermediate_size": meta("feed_forward_length") or meta("expert_feed_forward_length"),
         "num_hidden_layers": meta("block_count"),
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
@@ -258,6 +278,28 @@ def hf_config(reader: Any) -> dict[str, Any]:
         if scaling != "linear":
             raise ValueError(f"unsupported GGUF RoPE scaling {scaling!r}")
         config["rope_scaling"] = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
+    if meta("attention.sliding_window") and arch in ("phi3", "gemma2"):
+        config["sliding_window"] = meta("attention.sliding_window")
+    if arch == "gemma2":  # the sliding layers alternate with full ones, from the first (Gemma2Config's)
+        config.update(
+            # llama.cpp's rule, not stored: 27B (46 layers) scales by (hidden / heads)^-1/2, the others
+            # by head_dim^-1/2.
+            query_pre_attn_scalar=hidden // num_heads if meta("block_count") == 46 else head_dim,
+            attn_logit_softcapping=meta("attn_logit_softcapping"),
+            final_logit_softcapping=meta("final_logit_softcapping"),
+            hidden_activation="gelu_pytorch_tanh",
+        )
+    if arch == "qwen3moe":  # every layer routes (llama.cpp's qwen3moe), the chosen weights renormalized
+        config.update(
+            num_experts=meta("expert_count"),
+            num_experts_per_tok=meta("expert_used_count"),
+            moe_intermediate_size=meta("expert_feed_forward_length"),
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    if architecture == "MixtralForCausalLM":
+        config.update(num_local_experts=meta("expert_count"), num_experts_per_tok=meta("expert_used_count"))
     if arch == "gemma3":  # llama.cpp fixes these for Gemma 3 rather than storing them
         config.update(
             sliding_window=meta("attention.sliding_window"),
@@ -274,36 +316,49 @@ def hf_tensors(
 ) -> Iterator[tuple[str, Any]]:
     """float32 tensors of GGUF architecture `arch` under Hugging Face names; with keep_blocks, quantized
     2-D tensors of a kept type stay in their blocks (GGUFBlocks; rows reordered as the float ones are,
-    which is exact)."""
+    which is exact). A stack of experts' tensors comes out as one tensor per expert."""
+    for tensor in tensors:
+        name = hf_tensor_name(tensor.name, arch)
+        if ".experts." not in name:
+            yield name, _hf_tensor(arch, name, tensor, config, keep_blocks)
+            continue
+        for expert, data in enumerate(tensor.data):  # [experts, rows, columns]
+            one = GGUFTensor(tensor.name, tensor.tensor_type, data)
+            yield (
+                name.replace(".experts.", f".experts.{expert}."),
+                _hf_tensor(arch, name, one, config, keep_blocks),
+            )
+
+
+def _hf_tensor(arch: str, name: str, tensor: GGUFTensor, config: dict[str, Any], keep_blocks: bool) -> Any:
+    """One GGUF tensor as float32 (or GGUFBlocks, see hf_tensors), in Hugging Face's conventions."""
     from gguf.quants import dequantize
 
     permuted = arch in ("llama", "mistral")  # llama.cpp interleaves Q/K rows for its RoPE kernel
-    for tensor in tensors:
-        name = hf_tensor_name(tensor.name, gemma=arch == "gemma3")
-        blocks = keep_blocks and tensor.tensor_type in KEPT_TYPES and len(tensor.data.shape) == 2
-        weights = (
-            tensor.data
-            if blocks
-            else dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        )
-        if permuted and name.endswith("q_proj.weight"):
-            weights = unpermute_rows(weights, config["num_attention_heads"])
-        elif permuted and name.endswith("k_proj.weight"):
-            weights = unpermute_rows(weights, config["num_key_value_heads"])
-        elif arch == "gemma3" and name.endswith("norm.weight"):
-            weights = weights - 1.0  # GGUF stores Gemma's (1 + w); Hugging Face stores w
-        if blocks:
-            yield name, GGUFBlocks(np.ascontiguousarray(weights), tensor.tensor_type)
-        else:
-            yield name, torch.from_numpy(np.array(weights, dtype=np.float32, order="C"))
+    blocks = keep_blocks and tensor.tensor_type in KEPT_TYPES and len(tensor.data.shape) == 2
+    weights = (
+        tensor.data if blocks else dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+    )
+    if permuted and name.endswith("q_proj.weight"):
+        weights = unpermute_rows(weights, config["num_attention_heads"])
+    elif permuted and name.endswith("k_proj.weight"):
+        weights = unpermute_rows(weights, config["num_key_value_heads"])
+    elif arch in _GEMMA and name.endswith("norm.weight"):
+        weights = weights - 1.0  # GGUF stores Gemma's (1 + w); Hugging Face stores w
+    if blocks:
+        return GGUFBlocks(np.ascontiguousarray(weights), tensor.tensor_type)
+    return torch.from_numpy(np.array(weights, dtype=np.float32, order="C"))
 
 
-def hf_tensor_name(gguf_name: str, gemma: bool) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+def hf_tensor_name(gguf_name: str, arch: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (experts' stacks:
+    `model.layers.3.mlp.experts.gate_proj.weight`, one per expert once split)."""
     if m := _LAYER_NAME.fullmatch(gguf_name):
         layer, part, kind = m.groups()
-        if gemma and part == "ffn_norm":
+        if arch in _GEMMA and part == "ffn_norm":
             return f"model.layers.{layer}.pre_feedforward_layernorm.{kind}"
+        if arch == "phi3" and part == "ffn_up":  # gate and up, fused
+            return f"model.layers.{layer}.mlp.gate_up_proj.{kind}"
         if part in _LAYER_TENSORS:
             return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
     elif (m := _GLOBAL_NAME.fullmatch(gguf_name)) and m.group(1) in _GLOBAL_TENSORS:

@@ -123,7 +123,8 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(heads.q.scaled(d), config.hidden_size, tp, bias=config.o_bias)
         self.q_norm = qk_norm(self.head_dim) if qk_norm else None
         self.k_norm = qk_norm(self.head_dim) if qk_norm else None
-        self.attn = PagedAttention(layer_idx, scale, config.layer_sliding_window(layer_idx))
+        window = config.layer_sliding_window(layer_idx)
+        self.attn = PagedAttention(layer_idx, scale, window, config.attn_logit_softcapping)
 
     def forward(
         self,

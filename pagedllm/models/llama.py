@@ -1,9 +1,14 @@
-"""Llama family: Llama 2/3, SmolLM2, TinyLlama; Qwen2 (bias on q/k/v) and Mistral (sliding window) too.
+"""Llama family: Llama 2/3, SmolLM2, TinyLlama; Qwen2 (bias on q/k/v), Mistral (sliding window), Qwen3
+(QK-norm), Phi-3 (q/k/v and gate/up fused in the checkpoint) and Qwen3-MoE and Mixtral (experts in
+place of the MLP).
 
-The differences between the three live in ModelConfig (qkv_bias, layer_types/sliding_window), not here.
+The differences live in ModelConfig (qkv_bias, qk_norm, layer_types/sliding_window, moe_layers) and in the
+loader (fused checkpoint tensors are split into the projections they hold), not here.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from torch import nn
@@ -13,6 +18,7 @@ from pagedllm.models.attention import AttentionMetadata
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, RotaryEmbedding
 from pagedllm.models.linear import KernelLinear, OneDNNLinear
+from pagedllm.models.moe import SparseMoE
 from pagedllm.models.parallel import SINGLE, TensorParallel
 from pagedllm.ops import cpu
 
@@ -23,11 +29,15 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx, scale=config.head_dim**-0.5, tp=tp)
+        qk_norm = partial(RMSNorm, eps=config.rms_norm_eps) if config.qk_norm else None
+        self.self_attn = Attention(config, layer_idx, config.head_dim**-0.5, qk_norm=qk_norm, tp=tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(
-            config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias, tp=tp
-        )
+        if layer_idx in config.moe_layers:
+            self.mlp = SparseMoE(config, tp)
+        else:
+            self.mlp = GatedMLP(
+                config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias, tp=tp
+            )
         self.one_call: tuple | None = None  # set by use_one_call: the layer's arguments for cpu.decoder_layer
 
     def forward(
@@ -52,10 +62,13 @@ class LlamaDecoderLayer(nn.Module):
 
     def use_one_call(self, rotary: RotaryEmbedding) -> None:
         """After loading: where the CPU kernels run every op of this layer (the cpu backend, every weight
-        in the kernel's storage or oneDNN's, one rank), run the layer as one C++ call of the same kernels
-        (cpu.decoder_layer), which spares the ~80 us of Python its ten op calls cost (a quarter of a
-        one-row decode step on 4-bit weights)."""
+        in the kernel's storage or oneDNN's, one rank, no QK-norm, a dense MLP), run the layer as one C++
+        call of the same kernels (cpu.decoder_layer), which spares the ~80 us of Python its ten op calls
+        cost (a quarter of a one-row decode step on 4-bit weights)."""
         attn, mlp, norm = self.self_attn, self.mlp, self.input_layernorm
+        if attn.q_norm is not None or not isinstance(mlp, GatedMLP):
+            self.one_call = None
+            return
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         usable = (
             ops.get_backend_name(norm.weight.device, norm.weight.dtype) == "cpu"

@@ -7,7 +7,7 @@ import json
 import logging
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -83,20 +83,22 @@ def gguf_file(model: str) -> Path | None:
     )
 
 
-CONFIG_CACHE_VERSION = 1  # bump when ModelConfig or its parsing changes
+CONFIG_CACHE_VERSION = 1  # bump when the parsing changes (a change of ModelConfig's fields is in the key)
 
 
 def read_config(folder: Path) -> ModelConfig:
     """ModelConfig from config.json, with end-of-sequence ids from generation_config.json added.
 
     Parsing goes through transformers' config classes (they know each family's defaults), which costs
-    over a second of imports; the result is cached under the cache root, keyed by the file's content.
+    over a second of imports; the result is cached under the cache root, keyed by the file's content
+    and ModelConfig's fields (so a branch with other fields never reads another's entry).
     """
     path = folder / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {folder}")
     text = path.read_text()
-    key = hashlib.sha256(f"{CONFIG_CACHE_VERSION}:{text}".encode()).hexdigest()[:16]
+    names = ",".join(f.name for f in fields(ModelConfig))
+    key = hashlib.sha256(f"{CONFIG_CACHE_VERSION}:{names}:{text}".encode()).hexdigest()[:16]
     cached = cache_root() / "configs" / f"{key}.json"
     if cached.is_file():
         config = ModelConfig(**json.loads(cached.read_text()))

@@ -108,8 +108,14 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [S, H, D], one token per sequence (the last of its context) -> [S, H, D]."""
+    """q [S, H, D], one token per sequence (the last of its context) -> [S, H, D]. `softcap`: scores
+    capped at +-softcap (softcap * tanh(score / softcap), Gemma 2), by the reference alone for now."""
+    if softcap is not None:
+        return reference.paged_decode_attention(
+            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, softcap
+        )
     return _backend(q.device.type, q.dtype).paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window
     )
@@ -124,8 +130,14 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D]; rows query_start_loc[s]:[s+1] are the last tokens of sequence s, causal -> [T, H, D]."""
+    """q [T, H, D]; rows query_start_loc[s]:[s+1] are the last tokens of sequence s, causal -> [T, H, D].
+    `softcap` as in paged_decode_attention."""
+    if softcap is not None:
+        return reference.paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window, softcap
+        )
     return _backend(q.device.type, q.dtype).paged_prefill_attention(
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window
     )

@@ -90,6 +90,7 @@ def _attend(
     q_positions: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     """q [Q, H, D] at absolute positions q_positions against k/v [C, Hkv, D] at positions 0..C-1."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
@@ -97,6 +98,8 @@ def _attend(
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     k_positions = torch.arange(k.shape[0], device=q.device)
     allowed = k_positions[None, :] <= q_positions[:, None]
     if sliding_window is not None:
@@ -114,11 +117,12 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (q [S, H, D]), the last token of its context: prefill, one row each."""
     one_row_each = torch.arange(q.shape[0] + 1, device=q.device)
     return paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, one_row_each, context_lens, scale, sliding_window
+        q, k_cache, v_cache, block_tables, one_row_each, context_lens, scale, sliding_window, softcap
     )
 
 
@@ -131,10 +135,12 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Several query tokens per sequence (q [T, H, D], sequence s owns rows
     query_start_loc[s]:query_start_loc[s+1]), the last ones of its context: causal within the chunk,
-    attending to all earlier tokens (e.g. a cached prefix) through the block table."""
+    attending to all earlier tokens (e.g. a cached prefix) through the block table. `softcap`: scores
+    capped at +-softcap by softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     for s, context_len in enumerate(context_lens.tolist()):
@@ -143,7 +149,7 @@ def paged_prefill_attention(
             continue
         k, v = gather_kv(k_cache, v_cache, block_tables[s], context_len)
         pos = torch.arange(context_len - (hi - lo), context_len, device=q.device)
-        out[lo:hi] = _attend(q[lo:hi], k, v, pos, scale, sliding_window)
+        out[lo:hi] = _attend(q[lo:hi], k, v, pos, scale, sliding_window, softcap)
     return out
 
 
