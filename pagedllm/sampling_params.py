@@ -10,10 +10,14 @@ SAMPLING_EPS = 1e-5  # temperatures below this sample greedily
 
 @dataclass(frozen=True)
 class GuidedDecodingParams:
-    """vLLM's name: `json` is a JSON schema (a dict or its text); `json_object` allows any JSON object."""
+    """vLLM's name: `json` is a JSON schema (a dict or its text); `json_object` allows any JSON object.
+    `any_whitespace=False` allows no whitespace but json.dumps' separators (`, ` and `: `): small models
+    given the freedom can fill the output with newlines (xgrammar's own warning; vLLM's
+    disable_any_whitespace)."""
 
     json: dict | str | None = None
     json_object: bool = False
+    any_whitespace: bool = True
 
     def __post_init__(self) -> None:
         if (self.json is None) == (not self.json_object):
