@@ -79,7 +79,9 @@ class KVAllocator(Protocol):
 
     def __contains__(self, seq_id: Hashable) -> bool: ...
 
-    def can_allocate(self, prompt_token_ids: Sequence[int], max_new_tokens: int) -> bool: ...
+    def can_allocate(
+        self, prompt_token_ids: Sequence[int], max_new_tokens: int, *, read_prefix_cache: bool = True
+    ) -> bool: ...
 
     def allocate(
         self,
@@ -88,6 +90,7 @@ class KVAllocator(Protocol):
         max_new_tokens: int,
         *,
         num_computed: int | None = None,
+        read_prefix_cache: bool = True,
     ) -> int: ...
 
     def cache_blocks(self, seq_id: Hashable, num_tokens: int) -> None: ...
