@@ -156,6 +156,8 @@ def test_beam_search_returns_every_beam_as_a_choice(client, llm):
     [
         ({"stop": ["."]}, "stop"),
         ({"logprobs": 2}, "logprobs"),
+        ({"prompt_logprobs": 2}, "prompt_logprobs"),
+        ({"echo": True, "logprobs": 2}, "logprobs"),
         ({"n": 0}, "n"),
         ({"presence_penalty": 1.0}, "presence_penalty"),
     ],
@@ -250,11 +252,6 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}
     "endpoint, kwargs, param",
     [  # the README's list of refused fields, then fields the server does not know at all
         ("completions", dict(stream=True, extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
-        (
-            "completions",
-            dict(n=2, extra_body={"prompt_logprobs": 1, "use_beam_search": True}),
-            "prompt_logprobs",
-        ),
         ("chat", dict(tools=[TOOL]), "tools"),
         ("chat", dict(response_format={"type": "regex"}), "response_format.type"),
         ("chat", dict(messages=[{"role": "user", "content": [IMAGE]}]), "messages.0.content"),
