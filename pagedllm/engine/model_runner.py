@@ -146,9 +146,10 @@ class ModelRunner:
             )
             owner = np.repeat(np.arange(len(seqs)), counts)  # which sequence each token belongs to
             positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], counts) + starts[owner]
-            num_logits = np.fromiter(
-                map(prompt_logprobs.num_logits, seqs, starts.tolist(), ends.tolist()), np.int32, len(seqs)
-            )
+            num_logits = np.ones(len(seqs), np.int32)
+            for s, seq in enumerate(seqs):  # a mixed step's decodes pass by at the cost of one test
+                if seq.prompt_logprobs is not None:
+                    num_logits[s] = prompt_logprobs.num_logits(seq, int(starts[s]), int(ends[s]))
         bs = self.block_size
         slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
         return StepInputs(
