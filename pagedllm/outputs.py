@@ -30,6 +30,10 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # With SamplingParams.prompt_logprobs, one entry per prompt token as vLLM gives them: None for the
+    # first (nothing predicts it), then the token's log-probability and the top ones at its position;
+    # the positions computed so far while a long prompt is prefilled in chunks.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
 

@@ -10,10 +10,14 @@ SAMPLING_EPS = 1e-5  # temperatures below this sample greedily
 
 @dataclass(frozen=True)
 class GuidedDecodingParams:
-    """vLLM's name: `json` is a JSON schema (a dict or its text); `json_object` allows any JSON object."""
+    """vLLM's name: `json` is a JSON schema (a dict or its text); `json_object` allows any JSON object.
+    `any_whitespace=False` allows no whitespace but json.dumps' separators (`, ` and `: `): small models
+    given the freedom can fill the output with newlines (xgrammar's own warning; vLLM's
+    disable_any_whitespace)."""
 
     json: dict | str | None = None
     json_object: bool = False
+    any_whitespace: bool = True
 
     def __post_init__(self) -> None:
         if (self.json is None) == (not self.json_object):
@@ -46,6 +50,8 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    # Each prompt token's log-probability and the top ones at its position (vLLM's): computed in the prefill.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     guided_decoding: GuidedDecodingParams | None = None  # output constrained to a JSON grammar
     stop_strings: list[str] = field(init=False)
@@ -73,6 +79,12 @@ class SamplingParams:
             ),
             (self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, "must be >= 0"),
+            (
+                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+                "prompt_logprobs",
+                self.prompt_logprobs,
+                "must be >= 0",
+            ),
             (all(s for s in self.stop_strings), "stop", self.stop, "must not contain empty strings"),
         ]
         for ok, name, value, rule in checks:

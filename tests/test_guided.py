@@ -71,3 +71,23 @@ def test_when_the_grammar_allows_only_eos_it_beats_min_tokens(tiny_llm):
             logits, [SampleRow(params, torch.Generator().manual_seed(0), tuple(eos), guide=guide)]
         )
         assert smp.token_id in eos
+
+
+def test_without_any_whitespace_the_json_is_json_dumps_text(tiny_llm):
+    """any_whitespace=False: no whitespace but json.dumps' separators, where the default allows any."""
+    tokenizer, grammars = tiny_llm.get_tokenizer(), tiny_llm.engine.grammars
+
+    def accepts(text: str, any_whitespace: bool) -> bool:
+        guide = grammars.guide(GuidedDecodingParams(json=SCHEMA, any_whitespace=any_whitespace))
+        return all(guide.accept(token) for token in tokenizer.encode(text))
+
+    assert accepts('{"a": 1, "b": true}', False) and accepts('{"a": 1, "b": true}', True)
+    assert not accepts('{ "a": 1, "b": true}', False) and accepts('{ "a": 1, "b": true}', True)
+    assert not accepts('{"a":\n1, "b": true}', False) and accepts('{"a":\n1, "b": true}', True)
+    guided = GuidedDecodingParams(json=SCHEMA, any_whitespace=False)
+    params = SamplingParams(n=8, temperature=1.0, seed=0, max_tokens=200, guided_decoding=guided)
+    finished = [o for o in tiny_llm.generate("x", params)[0].outputs if o.finish_reason == "stop"]
+    assert finished
+    for o in finished:
+        assert o.text == json.dumps(json.loads(o.text))
+    assert_all_blocks_free(tiny_llm)

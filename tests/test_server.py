@@ -156,6 +156,8 @@ def test_beam_search_returns_every_beam_as_a_choice(client, llm):
     [
         ({"stop": ["."]}, "stop"),
         ({"logprobs": 2}, "logprobs"),
+        ({"prompt_logprobs": 2}, "prompt_logprobs"),
+        ({"echo": True, "logprobs": 2}, "logprobs"),
         ({"n": 0}, "n"),
         ({"presence_penalty": 1.0}, "presence_penalty"),
     ],
@@ -249,7 +251,7 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}
 @pytest.mark.parametrize(
     "endpoint, kwargs, param",
     [  # the README's list of refused fields, then fields the server does not know at all
-        ("completions", dict(echo=True, logprobs=1), "echo"),
+        ("completions", dict(stream=True, extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
         ("chat", dict(tools=[TOOL]), "tools"),
         ("chat", dict(response_format={"type": "regex"}), "response_format.type"),
         ("chat", dict(messages=[{"role": "user", "content": [IMAGE]}]), "messages.0.content"),
@@ -341,6 +343,54 @@ def test_echo_puts_the_prompt_before_the_completion(client, llm):
     chunks = list(client.completions.create(prompt=PROMPT, stream=True, **kwargs))
     assert chunks[0].choices[0].text.startswith(PROMPT)
     assert "".join(c.choices[0].text for c in chunks) == PROMPT + expected
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, llm, logprob_tolerance):
+    """echo with logprobs: the prompt's tokens first (the first with nulls, as OpenAI's), then the
+    completion's; max_tokens 0 gives the prompt alone (lm-eval's request for a loglikelihood)."""
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(max_tokens=3, temperature=0, logprobs=2, prompt_logprobs=2)
+    expected = llm.generate(PROMPT, params)[0]
+    ids, completion = expected.prompt_token_ids, expected.outputs[0]
+    tokens = [tokenizer.decode([t]) for t in ids + completion.token_ids]
+    entries = expected.prompt_logprobs + completion.logprobs
+    kwargs = dict(model=MODEL, prompt=PROMPT, temperature=0, echo=True, logprobs=2)
+    for max_tokens in (0, 3):
+        response = client.completions.create(max_tokens=max_tokens, **kwargs)
+        choice, n = response.choices[0], len(ids) + max_tokens
+        assert choice.text == PROMPT + (completion.text if max_tokens else "")
+        assert (choice.finish_reason, response.usage.completion_tokens) == ("length", max_tokens)
+        logprobs = choice.logprobs
+        assert logprobs.tokens == tokens[:n]
+        assert logprobs.text_offset == [sum(map(len, tokens[:i])) for i in range(n)]
+        assert (logprobs.token_logprobs[0], logprobs.top_logprobs[0]) == (None, None)
+        for token, got, top, entry in zip(
+            (ids + completion.token_ids)[1:n],
+            logprobs.token_logprobs[1:],
+            logprobs.top_logprobs[1:],
+            entries[1:n],
+            strict=True,
+        ):
+            assert got == pytest.approx(entry[token], abs=logprob_tolerance)
+            assert set(top) == {tokenizer.decode([t]) for t in entry}  # the top 2 and the token
+        chunks = client.completions.create(max_tokens=max_tokens, stream=True, **kwargs)
+        streamed = [chunk.choices[0] for chunk in chunks]
+        assert streamed[0].text.startswith(PROMPT)  # the prompt's tokens come in the first chunk
+        assert streamed[0].logprobs.tokens[: len(ids)] == tokens[: len(ids)]
+        assert "".join(c.text for c in streamed) == choice.text
+        assert sum((c.logprobs.tokens for c in streamed), []) == tokens[:n]
+    # vLLM's prompt_logprobs: per prompt token its log-probability, rank and text, keyed by token id.
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    scored = response.choices[0].model_extra["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(ids)
+    for token, got, entry in zip(ids[1:], scored[1:], expected.prompt_logprobs[1:], strict=True):
+        assert {int(t) for t in got} == set(entry)
+        assert got[str(token)]["logprob"] == pytest.approx(entry[token], abs=logprob_tolerance)
+        assert got[str(token)]["decoded_token"] == tokenizer.decode([token])
+        ranked = sorted(entry, key=lambda t: -entry[t])[:2]
+        assert [got[str(t)]["rank"] for t in ranked] == [1, 2]
 
 
 def test_several_prompts_give_choices_prompt_major(client, llm):

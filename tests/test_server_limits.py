@@ -79,6 +79,7 @@ def test_api_key_from_the_environment(monkeypatch):
     [
         (dict(n=5), "n", "limit of 4 (--max-n)"),
         (dict(logprobs=6), "logprobs", "limit of 5 (--max-logprobs)"),
+        (dict(extra_body={"prompt_logprobs": 6}), "prompt_logprobs", "limit of 5 (--max-logprobs)"),
         (dict(max_tokens=250, prompt="hi " * 10), "max_tokens", "max_model_len=256"),
         (dict(prompt=list(range(5, 300))), "prompt", "max_model_len=256"),
     ],

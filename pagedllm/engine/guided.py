@@ -80,7 +80,7 @@ class GrammarCompiler:
         compiler = self._get_compiler()
         schema = '{"type": "object"}' if params.json_object else params.schema_text  # vLLM's json_object
         try:
-            return compiler.compile_json_schema(schema)
+            return compiler.compile_json_schema(schema, any_whitespace=params.any_whitespace)
         except (RuntimeError, ValueError) as error:  # xgrammar's message starts with a C++ source location
             reason = str(error).strip().splitlines()[-1].split(": ", 1)[-1]
             raise ValueError(f"JSON schema not usable for guided decoding: {reason}") from None

@@ -13,13 +13,14 @@ import time
 import torch
 
 from pagedllm._runtime import apply_thread_count, keep_large_allocations
+from pagedllm.engine import prompt_logprobs
 from pagedllm.engine.beam_search import BeamSearchDriver, beam_sampling_params, beam_tokens
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.generation_config import sampling_defaults
 from pagedllm.engine.guided import GrammarCompiler
 from pagedllm.engine.kv_sizing import check_max_model_len, kv_block_bytes, num_kv_blocks
 from pagedllm.engine.model_cache import load_shared_model
-from pagedllm.engine.model_runner import ModelRunner
+from pagedllm.engine.model_runner import ModelRunner, StepInputs
 from pagedllm.engine.parallel.executor import Executor
 from pagedllm.engine.parallel.runner import ParallelModelRunner
 from pagedllm.engine.request import Request, check_prompt
@@ -214,7 +215,25 @@ class LLMEngine:
         clock.lap("inputs")
         logits = self.runner.execute_step(inputs)
         clock.lap("forward")
+        if any(seq.needs_prompt_logprobs for seq in out.prefills):  # logits of prompt positions came too
+            logits = self._gather_prompt_logprobs(out, inputs, logits)
+            clock.lap("sample")
         return logits
+
+    def _gather_prompt_logprobs(
+        self, out: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor
+    ) -> torch.Tensor:
+        """Take the prompt log-probabilities out of the step's logits (each sequence's last
+        inputs.num_logits rows); returns each scheduled sequence's last row, which its next token needs."""
+        ends = inputs.num_logits.cumsum()
+        for seq, end, count in zip(out.scheduled, ends.tolist(), inputs.num_logits.tolist(), strict=True):
+            cached = seq.num_cached_tokens
+            wanted = prompt_logprobs.wanted_positions(seq, cached - out.num_new_tokens[seq.seq_id], cached)
+            if wanted:
+                prompt_logprobs.gather(seq, wanted, logits[end - count : end])
+        if len(logits) == len(ends):
+            return logits
+        return logits[torch.from_numpy(ends - 1).to(logits.device)]
 
     def _postprocess(
         self, out: SchedulerOutput, logits: torch.Tensor | None, clock: _PhaseClock

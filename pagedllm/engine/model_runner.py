@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pagedllm import ops
+from pagedllm.engine import prompt_logprobs
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.models.attention import AttentionMetadata
 
@@ -27,9 +28,18 @@ class StepInputs:
     context_lens: np.ndarray  # [num_seqs] int32
     query_start_loc: np.ndarray  # [num_seqs + 1] int32
     max_query_len: int
+    num_logits: np.ndarray  # [num_seqs] int32: each sequence's last rows whose logits are computed
     swap_out: np.ndarray  # [n, 2] int64 (device block, host block)
     swap_in: np.ndarray  # [n, 2] int64 (host block, device block)
     copies: np.ndarray  # [n, 2] int64 copy-on-write (src, dst)
+
+
+def logits_rows(query_start_loc: np.ndarray, num_logits: np.ndarray) -> np.ndarray:
+    """Rows of the flattened batch whose logits are computed: the last num_logits[s] of sequence s's."""
+    total = int(num_logits.sum())
+    ends = query_start_loc[1:].astype(np.int64)
+    firsts = np.repeat(ends - num_logits, num_logits)
+    return firsts + np.arange(total) - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
 
 
 def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
@@ -86,8 +96,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_step(self, step: StepInputs) -> torch.Tensor | None:
-        """Move blocks, run the forward pass; float32 logits of each sequence's last computed token (None
-        on a tensor-parallel rank other than 0)."""
+        """Move blocks, run the forward pass; float32 logits of each sequence's last step.num_logits
+        computed tokens, sequence after sequence (None on a tensor-parallel rank other than 0)."""
         self.move_blocks(step)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(step.slot_mapping),
@@ -98,8 +108,8 @@ class ModelRunner:
             kv_caches=self.kv_caches,
         )
         hidden = self.model(self._tensor(step.input_ids), self._tensor(step.positions), meta)
-        if step.max_query_len > 1:  # some sequence computed several rows: keep each one's last
-            hidden = hidden[self._tensor(step.query_start_loc[1:].astype(np.int64) - 1)]
+        if int(step.num_logits.sum()) < len(hidden):  # some rows need no logits: keep the others
+            hidden = hidden[self._tensor(logits_rows(step.query_start_loc, step.num_logits))]
         return self.model.compute_logits(hidden)
 
     def prepare_inputs(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepInputs:
@@ -125,6 +135,7 @@ class ModelRunner:
             # decode: one token per sequence, its last
             input_ids = np.fromiter((seq.token_ids[-1] for seq in seqs), np.int64, len(seqs))
             positions, owner = starts, np.arange(len(seqs))
+            num_logits = np.ones(len(seqs), np.int32)  # a prompt's log-probabilities all came before
         else:
             input_ids = np.fromiter(
                 itertools.chain.from_iterable(
@@ -135,6 +146,10 @@ class ModelRunner:
             )
             owner = np.repeat(np.arange(len(seqs)), counts)  # which sequence each token belongs to
             positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], counts) + starts[owner]
+            num_logits = np.ones(len(seqs), np.int32)
+            for s, seq in enumerate(seqs):  # a mixed step's decodes pass by at the cost of one test
+                if seq.prompt_logprobs is not None:
+                    num_logits[s] = prompt_logprobs.num_logits(seq, int(starts[s]), int(ends[s]))
         bs = self.block_size
         slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
         return StepInputs(
@@ -145,6 +160,7 @@ class ModelRunner:
             context_lens=ends.astype(np.int32),
             query_start_loc=query_start_loc,
             max_query_len=int(counts.max()),
+            num_logits=num_logits,
             swap_out=_pairs(out.swap_out),
             swap_in=_pairs(out.swap_in),
             copies=_pairs(out.copies),

@@ -64,6 +64,10 @@ class Request:
     beam_search: BeamSearchDriver | None = None
     first_seq: Sequence | None = None  # the prompt's own sequence (it counts the prefix cache's hits)
     num_created: int = 0  # sequences created so far (each gets the next index)
+    prompt_logprobs: list[dict[int, float]] | None = field(init=False)  # its sequences' shared list
+
+    def __post_init__(self) -> None:
+        self.prompt_logprobs = [] if self.params.prompt_logprobs is not None else None
 
     def new_sequence(self, parent: Sequence | None = None, guide: Guide | None = None) -> Sequence:
         """The request's next sequence: its prompt alone, or a copy of `parent`'s tokens so far."""
@@ -74,6 +78,7 @@ class Request:
             self.prompt_token_ids,
             self.params,
             guide=guide,
+            prompt_logprobs=self.prompt_logprobs,
         )
         self.num_created += 1
         if parent is not None:
@@ -132,5 +137,6 @@ class Request:
             prompt_token_ids=self.prompt_token_ids,
             outputs=outputs,
             finished=self.finished,
+            prompt_logprobs=None if self.prompt_logprobs is None else [None, *self.prompt_logprobs],
             num_cached_tokens=self.first_seq.num_prefix_hits,
         )

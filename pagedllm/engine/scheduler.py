@@ -229,7 +229,7 @@ class Scheduler:
             seq.num_cached_tokens = cached
             if not seq.output_token_ids:
                 seq.num_prefix_hits = cached
-                if self.allocator.enable_prefix_caching:
+                if self.allocator.enable_prefix_caching and not seq.needs_prompt_logprobs:
                     self.prefix_cache_queries += seq.num_tokens
                     self.prefix_cache_hits += cached
             num_new = seq.num_tokens - cached
@@ -243,13 +243,15 @@ class Scheduler:
 
     def _allocate(self, seq: Sequence) -> int | None:
         """Give a waiting sequence its blocks if they fit and, beside running sequences, leave the watermark
-        free; returns how many of its tokens the prefix cache held, or None."""
+        free; returns how many of its tokens the prefix cache held, or None. A sequence still missing
+        prompt log-probabilities reads no cached block: the cache keeps no logits (engine.prompt_logprobs)."""
         max_new, token_ids = seq.max_new_tokens(self.max_model_len), seq.token_ids
-        if not self.allocator.can_allocate(token_ids, max_new) or (
+        read = not seq.needs_prompt_logprobs
+        if not self.allocator.can_allocate(token_ids, max_new, read_prefix_cache=read) or (
             self.running and not self._leaves_headroom(seq)
         ):
             return None
-        return self.allocator.allocate(seq.seq_id, token_ids, max_new, num_computed=0)
+        return self.allocator.allocate(seq.seq_id, token_ids, max_new, num_computed=0, read_prefix_cache=read)
 
     def _leaves_headroom(self, seq: Sequence) -> bool:
         """Admitting seq keeps a watermark of blocks free for the running sequences to grow into."""

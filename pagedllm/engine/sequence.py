@@ -46,6 +46,9 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     guide: Guide | None = None  # its place in the request's grammar (guided decoding)
+    # SamplingParams.prompt_logprobs: the entries of prompt tokens 1, 2, ... gathered so far, one list
+    # shared by the request's sequences (a forked one that is prefilled again gathers nothing twice).
+    prompt_logprobs: list[dict[int, float]] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -58,6 +61,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt log-probabilities and some are still to be computed."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
 
     def append_token(self, smp: Sample) -> None:
         """The next token, with its log-probabilities when the request asked for them."""

@@ -105,9 +105,15 @@ class ContiguousAllocator:
     # -- allocate / append / fork / free ---------------------------------------------------------------
 
     def can_allocate(
-        self, prompt_token_ids: Sequence[int], max_new_tokens: int, *, true_output_len: int | None = None
+        self,
+        prompt_token_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        true_output_len: int | None = None,
+        read_prefix_cache: bool = True,
     ) -> bool:
-        """Whether some single gap holds the request's slab (a refusal is remembered for usage())."""
+        """Whether some single gap holds the request's slab (a refusal is remembered for usage()); there
+        is no prefix cache to read."""
         check_request(prompt_token_ids, max_new_tokens)
         size = self.slab_size(len(prompt_token_ids), max_new_tokens, true_output_len)
         if self._first_fit(size) is None:
@@ -123,6 +129,7 @@ class ContiguousAllocator:
         *,
         true_output_len: int | None = None,
         num_computed: int | None = None,
+        read_prefix_cache: bool = True,
     ) -> int:
         """Reserve the request's slab first fit and place the prompt at its start; returns 0 (no cache).
 

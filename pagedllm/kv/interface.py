@@ -82,7 +82,12 @@ class KVAllocator(Protocol):
     # true_output_len: what `pagedllm bench memory` knows of a request's real length, for the contiguous
     # layout's reserve='oracle'; the paged layout ignores it (its memory grows on demand).
     def can_allocate(
-        self, prompt_token_ids: Sequence[int], max_new_tokens: int, *, true_output_len: int | None = None
+        self,
+        prompt_token_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        true_output_len: int | None = None,
+        read_prefix_cache: bool = True,
     ) -> bool: ...
 
     def allocate(
@@ -93,6 +98,7 @@ class KVAllocator(Protocol):
         *,
         true_output_len: int | None = None,
         num_computed: int | None = None,
+        read_prefix_cache: bool = True,
     ) -> int: ...
 
     def cache_blocks(self, seq_id: Hashable, num_tokens: int) -> None: ...

@@ -102,12 +102,17 @@ class PagedAllocator:
     # -- allocate --------------------------------------------------------------------------------------
 
     def can_allocate(
-        self, prompt_token_ids: Sequence[int], max_new_tokens: int, *, true_output_len: int | None = None
+        self,
+        prompt_token_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        true_output_len: int | None = None,
+        read_prefix_cache: bool = True,
     ) -> bool:
         """Whether the prompt's blocks fit now (decode blocks are taken later, on demand).
         `true_output_len` (what `pagedllm bench memory` passes every layout) changes nothing here."""
         check_request(prompt_token_ids, max_new_tokens)
-        _, hits, num_new = self._plan(prompt_token_ids)
+        _, hits, num_new = self._plan(prompt_token_ids, read_prefix_cache)
         return self._fits(hits, num_new)
 
     def allocate(
@@ -118,6 +123,7 @@ class PagedAllocator:
         *,
         true_output_len: int | None = None,
         num_computed: int | None = None,
+        read_prefix_cache: bool = True,
     ) -> int:
         """Give the prompt its blocks; returns how many leading prompt tokens were already cached.
 
@@ -126,11 +132,13 @@ class PagedAllocator:
         With prefix caching, the full blocks within the first `num_computed` prompt tokens (default:
         all) become findable at once: their K/V is written this step. A prompt prefilled in chunks
         passes its first chunk's end here and each later chunk's end to `cache_blocks`.
+        `read_prefix_cache=False` takes no cached block (every token is computed) but still caches the
+        prompt's own blocks.
         """
         if seq_id in self._seqs:
             raise duplicate(seq_id)
         check_request(prompt_token_ids, max_new_tokens)
-        hashes, hits, num_new = self._plan(prompt_token_ids)
+        hashes, hits, num_new = self._plan(prompt_token_ids, read_prefix_cache)
         if not self._fits(hits, num_new):
             raise NoFreeBlocks(
                 f"sequence {seq_id!r} needs {num_new} new blocks for {len(prompt_token_ids)} prompt "
@@ -157,14 +165,14 @@ class PagedAllocator:
             self.pool.cache(seq.blocks[i], seq.block_hashes[i])
         seq.num_cached_blocks = max(seq.num_cached_blocks, end)
 
-    def _plan(self, prompt: Sequence[int]) -> tuple[list[bytes], list[Block], int]:
+    def _plan(self, prompt: Sequence[int], read_cache: bool = True) -> tuple[list[bytes], list[Block], int]:
         """Hashes of the prompt's full blocks, the cached blocks to reuse, and the count of new blocks."""
         bs = self.block_size
         hashes: list[bytes] = []
         hits: list[Block] = []
         if self.enable_prefix_caching:
             hashes = self._prompt_hashes(prompt)
-            for block_hash in hashes[: (len(prompt) - 1) // bs]:
+            for block_hash in hashes[: (len(prompt) - 1) // bs if read_cache else 0]:
                 block = self.pool.cached.get(block_hash)
                 if block is None:
                     break

@@ -89,9 +89,10 @@ class SamplingRequest(RequestModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[Int] | list[str] | list[list[Int]]  # one prompt, or several (choices prompt-major)
-    max_tokens: Annotated[Int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[Int, Field(ge=0)] | None = 16  # 0: with echo only, the prompt scored alone
     logprobs: Annotated[Int, Field(ge=0)] | None = None
     echo: bool = False
+    prompt_logprobs: Annotated[Int, Field(ge=0)] | None = None  # vLLM's extra: each choice's prompt_logprobs
 
 
 class FunctionDefinition(RequestModel):
@@ -220,10 +221,21 @@ class VersionResponse(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape; with echo the prompt's tokens come first, the very first with nulls."""
+
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: `rank` (1 = the likeliest) is null for a prompt token outside the top
+    prompt_logprobs, whose rank is not computed."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
 
 
 class TopLogprob(BaseModel):
@@ -246,6 +258,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # as vLLM's, first entry null
 
 
 class CompletionResponse(BaseModel):

@@ -65,6 +65,7 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         guided: GuidedDecodingParams | None,
+        prompt_logprobs: int | None = None,
     ) -> list[RequestStream]:
         """One engine request per prompt, `{response_id}-{i}`: tokenized, checked and added in one call on
         the engine thread, so a request joins the very next step; a refusal of any prompt adds none."""
@@ -73,7 +74,7 @@ class OpenAIServing:
             items = []
             for ids in tokenize(engine):
                 limit = self.checked_max_tokens(max_tokens, len(ids))
-                items.append((ids, self.request_params(request, limit, logprobs, guided)))
+                items.append((ids, self.request_params(request, limit, logprobs, guided, prompt_logprobs)))
             return items
 
         request_ids = [f"{response_id}-{i}" for i in range(num_prompts)]
@@ -141,11 +142,14 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         guided: GuidedDecodingParams | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams | BeamSearchParams:
         if not request.use_beam_search:
-            return self.sampling_params(request, max_tokens, logprobs, guided)
+            return self.sampling_params(request, max_tokens, logprobs, guided, prompt_logprobs)
         if guided is not None:
             raise APIError("response_format is not supported with use_beam_search", param="response_format")
+        if prompt_logprobs is not None and logprobs is None:  # with logprobs: refused for logprobs below
+            raise APIError("prompt_logprobs is not supported with use_beam_search", param="prompt_logprobs")
         return beam_search_params(request, max_tokens or self.max_model_len, logprobs)
 
     def sampling_params(
@@ -154,6 +158,7 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         guided: GuidedDecodingParams | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """The request's SamplingParams; unset sampling fields take the model's defaults."""
         given = {
@@ -172,6 +177,7 @@ class OpenAIServing:
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 skip_special_tokens=request.skip_special_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 presence_penalty=request.presence_penalty,
                 frequency_penalty=request.frequency_penalty,
                 guided_decoding=guided,
