@@ -267,7 +267,9 @@ def test_write_kv_quantizes_as_the_reference(backend, source, kv_dtype, head_maj
     assert read[0, 0].isnan().all() and not read[0, 1:].isnan().any()  # token 3's NaN: slot 0, head 0
     assert read[27, 2].isnan().all() and not read[27, :2].isnan().any()  # token 4's infinity
     values = reference.read_blocks(caches[1], torch.arange(7), keys=False).flatten(0, 1)
-    assert torch.equal(values[19, 1], torch.zeros(72)) and kv_scales(caches[1])[4, 3, 1] == 0  # token 2's zeros
+    assert (
+        torch.equal(values[19, 1], torch.zeros(72)) and kv_scales(caches[1])[4, 3, 1] == 0
+    )  # token 2's zeros
 
 
 def test_every_fp8_code_reads_as_torch_converts_it(backend):

@@ -64,7 +64,11 @@ def test_attention_kernel_compiles_for_sm90(dtype, group, head_dim, block_size, 
     data.update(k_scale_ptr=f"*{dtype}", v_scale_ptr=f"*{dtype}", k_factor_ptr=f"*{dtype}")  # stand-ins
     if form:  # a quantized cache: its bytes, its float32 scales and key smoothing factor
         data.update(
-            k_cache_ptr="*u8", v_cache_ptr="*u8", k_scale_ptr="*fp32", v_scale_ptr="*fp32", k_factor_ptr="*fp32"
+            k_cache_ptr="*u8",
+            v_cache_ptr="*u8",
+            k_scale_ptr="*fp32",
+            v_scale_ptr="*fp32",
+            k_factor_ptr="*fp32",
         )
     index = {
         name: "*i32"

@@ -189,7 +189,11 @@ def make_batch(
             for table, n in zip(b.block_tables, b.context_lens, strict=True)
         ]
         b.keys, b.values = [k for k, _ in held], [v for _, v in held]
-    b.q, b.keys, b.values = b.q.to(queries), [k.to(queries) for k in b.keys], [v.to(queries) for v in b.values]
+    b.q, b.keys, b.values = (
+        b.q.to(queries),
+        [k.to(queries) for k in b.keys],
+        [v.to(queries) for v in b.values],
+    )
     return b
 
 

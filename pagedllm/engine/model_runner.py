@@ -9,11 +9,10 @@ import numpy as np
 import torch
 
 from pagedllm import ops
-from pagedllm.ops import reference
-from pagedllm.ops.kv_cache import is_quantized, key_smoothing
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.models.attention import AttentionMetadata
-
+from pagedllm.ops import reference
+from pagedllm.ops.kv_cache import is_quantized, key_smoothing
 
 CALIBRATION_TOKENS = 512  # of the forward pass that calibrates a quantized cache's key smoothing
 

@@ -30,7 +30,7 @@ def _sizes(header: list[int]) -> dict[str, int]:
 
 
 def op_header(op: int, num_tokens: int = 0) -> torch.Tensor:
-    """The header of a message without a step's payload (STOP, STATS; CALIBRATE: its num_tokens ids follow)."""
+    """The header of a message without a step's payload (STOP, STATS; CALIBRATE: num_tokens ids follow)."""
     return torch.tensor([op, num_tokens] + [0] * (HEADER_LEN - 2), dtype=torch.int64)
 
 
