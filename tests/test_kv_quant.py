@@ -1,5 +1,6 @@
 """The quantized KV cache (kv_cache_dtype "int8", "fp8"): codes against independent oracles, the memory
-layout, blocks moving with their scales, attention against float32's, and the engine on SmolLM2.
+layout, blocks moving with their scales, the key smoothing, attention against float32's, and the engine
+on SmolLM2.
 
 The kernels themselves (every backend and C++ build, on the same quantized blocks as the reference) are
 checked in test_ops_backends.py."""
@@ -287,12 +288,12 @@ def _agreed_tokens(expected, outputs, tol: float) -> int:
     return agreed
 
 
-@pytest.mark.parametrize(("kv_cache_dtype", "tol", "min_agreed"), [("int8", 0.2, 200), ("fp8", 0.5, 110)])
+@pytest.mark.parametrize(("kv_cache_dtype", "tol", "min_agreed"), [("int8", 0.2, 200), ("fp8", 0.5, 90)])
 def test_a_quantized_cache_tracks_the_float32_cache(kv_cache_dtype, tol, min_agreed, fp32_greedy):
     """SmolLM2 (float32 weights), 32 greedy tokens on 8 prompts against a float32 cache's (_agreed_tokens):
-    at least min_agreed of the 256 tokens before any divergence (measured: int8 222, two prompts parting
-    at ties of 0.005 and 0.035 nats; fp8 143). The same KV memory holds 256 / 68 times the float32
-    cache's blocks."""
+    at least min_agreed of the 256 tokens before any divergence (measured on an AVX-512 build, keys
+    smoothed: int8 256, fp8 112, its prompts parting at near-ties). The same KV memory holds 256 / 68
+    times the float32 cache's blocks."""
     llm = LLM(
         "smollm2-135m",
         quantization="none",

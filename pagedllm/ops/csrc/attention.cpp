@@ -19,8 +19,8 @@
 // codes are widened in registers, and the scale multiplies a key's score (decode) or its codes (prefill
 // keys, values), or a value's weight (decode). Its keys are stored smoothed, (k - mean) / factor per channel
 // (the layer's key smoothing, after its last block): the query is multiplied by the factor as it is loaded,
-// and the mean, which shifts every score of a query alike, is left out. The query may be a strided view (e.g. the q part of a fused
-// qkv projection): only its last dimension must be contiguous.
+// and the mean, which shifts every score of a query alike, is left out. The query may be a strided view
+// (e.g. the q part of a fused qkv projection): only its last dimension must be contiguous.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -76,12 +76,12 @@ ScaleLayout scale_layout(const at::Tensor& cache) {
 // A quantized K cache's key smoothing (ops/kv_cache.py key_smoothing): its mean, then its factor, [Hkv, D]
 // floats each, right after the view's last block; checked to lie inside the tensor's memory.
 const float* key_smoothing(const at::Tensor& cache) {
-  const int64_t heads = cache.size(2), d = cache.size(3);
-  const int64_t start = cache.storage_offset() + cache.size(0) * cache.stride(0);
-  TORCH_CHECK(start + 2 * heads * d * static_cast<int64_t>(sizeof(float)) <= static_cast<int64_t>(cache.storage().nbytes()),
+  const int64_t blocks_end = cache.size(0) * cache.stride(0);  // bytes: one a code
+  const int64_t bytes = 2 * cache.size(2) * cache.size(3) * static_cast<int64_t>(sizeof(float));
+  TORCH_CHECK(cache.storage_offset() + blocks_end + bytes <= static_cast<int64_t>(cache.storage().nbytes()),
               "a ", cache.scalar_type(), " KV cache must be a view allocate_kv_caches made (its key smoothing after "
               "its last block), got sizes ", cache.sizes(), " and strides ", cache.strides());
-  return reinterpret_cast<const float*>(static_cast<const char*>(cache.data_ptr()) + cache.size(0) * cache.stride(0));
+  return reinterpret_cast<const float*>(static_cast<const char*>(cache.data_ptr()) + blocks_end);
 }
 
 // Codes and a scale for one row of d values (ops/reference.py quantize, to the bit): symmetric, scale =
