@@ -7,7 +7,7 @@ import torch
 
 from pagedllm.bench import kernel
 from pagedllm.ops import reference
-from pagedllm.ops.kv_cache import kv_scales
+from pagedllm.ops.kv_cache import key_smoothing, kv_scales
 from pagedllm.ops.synthetic import random_paged_batch
 
 TINY = ["--num-seqs", "3", "--min-context", "5", "--max-context", "40", "--reps", "2", "--warmup", "0"]
@@ -175,7 +175,8 @@ def test_block_read_of_a_quantized_cache_reads_codes_and_scales():
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "bfloat16"])
 def test_the_dense_baseline_attends_over_what_the_cache_holds(kv_dtype):
     """make_batch's contiguous keys and values are the cache's own values, dequantized: each sequence's
-    blocks read through its table (a quantized row: its codes times its scale)."""
+    blocks read through its table (a quantized row: its codes times its scale; a key's then times its
+    channel's smoothing factor plus its mean)."""
     args = kernel.parse_args(["--block-size", "4"])
     b = kernel.make_batch("smollm2", "fp32", kv_dtype, [7, 30], args, scattered=True)
     assert b.q.dtype == torch.float32 and b.k_cache.dtype == kernel.KV_DTYPES[kv_dtype]
@@ -186,4 +187,7 @@ def test_the_dense_baseline_attends_over_what_the_cache_holds(kv_dtype):
             scales = kv_scales(cache)
             if scales is not None:
                 values = values * scales[ids][..., None]
+                if cache is b.k_cache:
+                    mean, factor = key_smoothing(cache)
+                    values = values * factor + mean
             assert torch.equal(held, values.flatten(0, 1)[:n])

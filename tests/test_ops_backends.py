@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagedllm.ops import BACKENDS, cpu, reference
-from pagedllm.ops.kv_cache import allocate_kv_caches, is_quantized, kv_blocks, kv_scales
+from pagedllm.ops.kv_cache import allocate_kv_caches, is_quantized, key_smoothing, kv_blocks, kv_scales
 from pagedllm.ops.synthetic import random_paged_batch
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -238,8 +238,9 @@ def test_query_may_be_a_strided_view(backend):
 @pytest.mark.parametrize("head_major", [False, True], ids=["slot-major", "head-major"])
 def test_write_kv_quantizes_as_the_reference(backend, source, kv_dtype, head_major):
     """Into a quantized cache, the store writes each (token, kv head) row's codes and scale, to the bit
-    the reference's: magnitudes from 1e-6 to 1e3 (fp8's subnormal codes too), an all-zero row, rows
-    with a NaN or an infinity, a -0.0; nothing else in any block changes."""
+    the reference's, keys through the layer's key smoothing (here a random one): magnitudes from 1e-6 to
+    1e3 (fp8's subnormal codes too), an all-zero row, rows with a NaN or an infinity, a -0.0; nothing else
+    in any block changes."""
     gen = torch.Generator().manual_seed(2)
     caches, expected = (
         allocate_kv_caches(1, 7, 4, 3, 72, kv_dtype, "cpu", head_major=head_major)[0] for _ in "ab"
@@ -249,18 +250,26 @@ def test_write_kv_quantizes_as_the_reference(backend, source, kv_dtype, head_maj
             torch.randint(0, 256, kv_blocks(cache).shape, generator=gen, dtype=torch.uint8)
         )
         kv_blocks(twin).copy_(kv_blocks(cache))
+    mean, factor = torch.randn(3, 72, generator=gen), 4.0 ** torch.randn(3, 72, generator=gen)
+    for smoothing in (key_smoothing(caches[0]), key_smoothing(expected[0])):
+        smoothing[0].copy_(mean), smoothing[1].copy_(factor)
     key = torch.randn(9, 3, 72, generator=gen) * torch.logspace(-6, 3, 9)[:, None, None]
-    key[2, 1], key[3, 0, 5], key[4, 2, 7], key[5, 0, 0] = 0.0, float("nan"), float("inf"), -0.0
-    key, value = key.to(source), torch.randn(9, 3, 72, generator=gen).to(source)
+    key[3, 0, 5], key[4, 2, 7], key[5, 0, 0] = float("nan"), float("inf"), -0.0
+    value = torch.randn(9, 3, 72, generator=gen) * torch.logspace(-6, 3, 9)[:, None, None]
+    value[2, 1], value[6, 2, 3] = 0.0, -0.0
+    key, value = key.to(source), value.to(source)
     slots = torch.tensor([3, -1, 19, 0, 27, 8, 9, 10, 11])
     backend.write_kv(key, value, *caches, slots)
     reference.write_kv(key, value, *expected, slots)
     for cache, twin in zip(caches, expected, strict=True):
         assert torch.equal(kv_blocks(cache), kv_blocks(twin))
-    read = reference.read_blocks(caches[0], torch.arange(7)).flatten(0, 1)  # [slots, Hkv, D]
+    read = reference.read_blocks(caches[0], torch.arange(7), keys=True).flatten(0, 1)  # [slots, Hkv, D]
     assert read[0, 0].isnan().all() and not read[0, 1:].isnan().any()  # token 3's NaN: slot 0, head 0
     assert read[27, 2].isnan().all() and not read[27, :2].isnan().any()  # token 4's infinity
-    assert torch.equal(read[19, 1], torch.zeros(72)) and kv_scales(caches[0])[4, 3, 1] == 0  # token 2's zeros
+    values = reference.read_blocks(caches[1], torch.arange(7), keys=False).flatten(0, 1)
+    assert (
+        torch.equal(values[19, 1], torch.zeros(72)) and kv_scales(caches[1])[4, 3, 1] == 0
+    )  # token 2's zeros
 
 
 def test_every_fp8_code_reads_as_torch_converts_it(backend):

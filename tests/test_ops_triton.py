@@ -61,9 +61,15 @@ def test_attention_kernel_compiles_for_sm90(dtype, group, head_dim, block_size, 
     from pagedllm.ops import triton_ops
 
     data = {name: f"*{dtype}" for name in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
-    data.update(k_scale_ptr=f"*{dtype}", v_scale_ptr=f"*{dtype}")  # a cache of values: stand-ins
-    if form:  # a quantized cache: its bytes and its float32 scales
-        data.update(k_cache_ptr="*u8", v_cache_ptr="*u8", k_scale_ptr="*fp32", v_scale_ptr="*fp32")
+    data.update(k_scale_ptr=f"*{dtype}", v_scale_ptr=f"*{dtype}", k_factor_ptr=f"*{dtype}")  # stand-ins
+    if form:  # a quantized cache: its bytes, its float32 scales and key smoothing factor
+        data.update(
+            k_cache_ptr="*u8",
+            v_cache_ptr="*u8",
+            k_scale_ptr="*fp32",
+            v_scale_ptr="*fp32",
+            k_factor_ptr="*fp32",
+        )
     index = {
         name: "*i32"
         for name in ("block_tables_ptr", "query_start_loc_ptr", "tile_starts_ptr", "context_lens_ptr")
@@ -84,9 +90,11 @@ def test_attention_kernel_compiles_for_sm90(dtype, group, head_dim, block_size, 
 def test_write_kv_kernel_compiles_for_sm90(dtype, form):
     from pagedllm.ops import triton_ops
 
-    cache, scales = ("*u8", "*fp32") if form else (f"*{dtype}", f"*{dtype}")  # quantized: bytes and scales
+    # quantized: bytes, scales and the key smoothing (float32); else stand-ins of the cache's type
+    cache, scales = ("*u8", "*fp32") if form else (f"*{dtype}", f"*{dtype}")
     types = {"key_ptr": f"*{dtype}", "value_ptr": f"*{dtype}", "k_cache_ptr": cache, "v_cache_ptr": cache,
-             "k_scale_ptr": scales, "v_scale_ptr": scales, "slot_ptr": "*i64", "largest": "fp32"}  # fmt: skip
+             "k_scale_ptr": scales, "v_scale_ptr": scales, "k_mean_ptr": scales, "k_factor_ptr": scales,
+             "slot_ptr": "*i64", "largest": "fp32"}  # fmt: skip
     constexprs = {"BLOCK_SIZE": 16, "HEADS": 3, "HEAD_DIM": 64, "BLOCK_H": 4, "BLOCK_D": 64, "FORM": form}
     compiled = _compile_sm90(triton_ops._write_kv_kernel, types, constexprs)
     assert len(compiled.asm["cubin"]) > 0

@@ -16,7 +16,7 @@ import torch
 
 from pagedllm.bench import kernel
 from pagedllm.ops import allocate_kv_caches, reference, triton_ops
-from pagedllm.ops.kv_cache import kv_blocks
+from pagedllm.ops.kv_cache import key_smoothing, kv_blocks
 from pagedllm.ops.synthetic import random_paged_batch
 
 # (name, heads, kv_heads, head_dim, block_size, context_lens, query_lens or None for decode, window)
@@ -70,8 +70,9 @@ def check_case(
 
 def check_write_kv(dtype: torch.dtype, kv_dtype: torch.dtype | None = None, device: str = "cuda") -> dict:
     """Triton's K/V store against the reference's, bit for bit, slot -1 skipped. Into a quantized cache
-    (random bytes everywhere first, scales included): each row's codes and scale, over magnitudes from
-    1e-6 to 1e3, an all-zero row, rows with a NaN or an infinity, a -0.0; nothing else changes."""
+    (random bytes everywhere first, scales included; a random key smoothing): each row's codes and scale,
+    keys smoothed first, over magnitudes from 1e-6 to 1e3, an all-zero row, rows with a NaN or an
+    infinity, a -0.0; nothing else changes."""
     gen = torch.Generator().manual_seed(0)
     key, value = (torch.randn(100, 4, 64, generator=gen) for _ in range(2))
     if kv_dtype is None:
@@ -84,6 +85,9 @@ def check_write_kv(dtype: torch.dtype, kv_dtype: torch.dtype | None = None, devi
             noise = torch.randint(0, 256, kv_blocks(cache).shape, generator=gen, dtype=torch.uint8)
             kv_blocks(cache).copy_(noise)
             kv_blocks(twin).copy_(noise)
+        mean, factor = torch.randn(4, 64, generator=gen), 4.0 ** torch.randn(4, 64, generator=gen)
+        for smoothing in (key_smoothing(caches[0]), key_smoothing(expected[0])):
+            smoothing[0].copy_(mean), smoothing[1].copy_(factor)
         key *= torch.logspace(-6, 3, 100)[:, None, None]
         key[2, 1], key[3, 0, 5], key[4, 2, 7], key[5, 0, 0] = 0.0, float("nan"), float("inf"), -0.0
 

@@ -183,10 +183,17 @@ def make_batch(
         head_major=torch.device(args.device).type == "cpu", kv_dtype=cache if quantized else None,
     )  # fmt: skip
 
-    def held(x: torch.Tensor) -> torch.Tensor:
-        return (reference.dequantize(*reference.quantize(x, cache)) if quantized else x).to(queries)
-
-    b.q, b.keys, b.values = b.q.to(queries), [held(k) for k in b.keys], [held(v) for v in b.values]
+    if quantized:  # the values the blocks hold: dequantized (and the keys unsmoothed)
+        held = [
+            reference.gather_kv(b.k_cache, b.v_cache, table, int(n))
+            for table, n in zip(b.block_tables, b.context_lens, strict=True)
+        ]
+        b.keys, b.values = [k for k, _ in held], [v for _, v in held]
+    b.q, b.keys, b.values = (
+        b.q.to(queries),
+        [k.to(queries) for k in b.keys],
+        [v.to(queries) for v in b.values],
+    )
     return b
 
 

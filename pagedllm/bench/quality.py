@@ -62,17 +62,25 @@ class Quality:
     tokens: list[list[int]]
 
 
-def perplexity(model: torch.nn.Module, ids: list[int], dtype: torch.dtype, chunk: int = 256) -> float:
+def perplexity(
+    model: torch.nn.Module, ids: list[int], dtype: torch.dtype, engine_caches: list, chunk: int = 256
+) -> float:
     """exp(mean negative log-likelihood of ids[1:]) in one prefill of all of `ids` (one sequence, blocks in
-    order), logits computed `chunk` rows at a time."""
+    order), logits computed `chunk` rows at a time. A quantized cache takes the key smoothing the engine
+    calibrated for its own (`engine_caches`)."""
     from pagedllm import ops
     from pagedllm.models.attention import AttentionMetadata
+    from pagedllm.ops.kv_cache import is_quantized, key_smoothing
 
     cfg, block = model.config, 16
     blocks = -(-len(ids) // block)
     caches = ops.allocate_kv_caches(
         cfg.num_layers, blocks, block, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu"
     )
+    if is_quantized(dtype):
+        for (k_cache, _), (calibrated, _) in zip(caches, engine_caches, strict=True):
+            for mine, theirs in zip(key_smoothing(k_cache), key_smoothing(calibrated), strict=True):
+                mine.copy_(theirs)
     count = len(ids)
     meta = AttentionMetadata(
         slot_mapping=torch.arange(count),
@@ -111,7 +119,7 @@ def evaluate(
     engine = llm.engine
     outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     assert engine.stats().kv_all_free, "KV blocks leaked"
-    ppl = perplexity(engine.model, text_ids, engine.config.kv_torch_dtype)
+    ppl = perplexity(engine.model, text_ids, engine.config.kv_torch_dtype, engine.runner.kv_caches)
     token_bytes = engine.kv_cache_bytes // (engine.num_kv_blocks * engine.config.block_size)
     tokens = [o.outputs[0].token_ids for o in outputs]
     weight_mib = engine.weight_bytes / 2**20

@@ -20,7 +20,7 @@ from pagedllm.engine.generation_config import sampling_defaults
 from pagedllm.engine.guided import GrammarCompiler
 from pagedllm.engine.kv_sizing import check_max_model_len, kv_block_bytes, num_kv_blocks
 from pagedllm.engine.model_cache import load_shared_model
-from pagedllm.engine.model_runner import ModelRunner, StepInputs
+from pagedllm.engine.model_runner import ModelRunner, StepInputs, calibration_ids
 from pagedllm.engine.parallel.executor import Executor
 from pagedllm.engine.parallel.runner import ParallelModelRunner
 from pagedllm.engine.request import Request, check_prompt
@@ -93,6 +93,7 @@ class LLMEngine:
             self.runner = ParallelModelRunner(self.executor, self.model, *cache, num_host_blocks, prefault)
         else:
             self.runner = ModelRunner(self.model, *cache, num_host_blocks, prefault)
+        self.runner.calibrate_key_smoothing(calibration_ids(model_cfg.vocab_size, self.max_model_len))
         self.scheduler = Scheduler(
             self.allocator,
             self.max_model_len,

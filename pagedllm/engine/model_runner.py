@@ -12,6 +12,18 @@ from pagedllm import ops
 from pagedllm.engine import prompt_logprobs
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.models.attention import AttentionMetadata
+from pagedllm.ops import reference
+from pagedllm.ops.kv_cache import is_quantized, key_smoothing
+
+CALIBRATION_TOKENS = 512  # of the forward pass that calibrates a quantized cache's key smoothing
+
+
+def calibration_ids(vocab_size: int, max_model_len: int) -> np.ndarray:
+    """The token ids the key smoothing is calibrated on: CALIBRATION_TOKENS of them (at most
+    max_model_len), uniform over the vocabulary from a fixed seed, so the same in every run and on every
+    rank, and no text to ship. Keys' large channels come from the model's weights, not the text."""
+    rng = np.random.default_rng(0)
+    return rng.integers(vocab_size, size=min(CALIBRATION_TOKENS, max_model_len), dtype=np.int64)
 
 
 @dataclass
@@ -80,6 +92,33 @@ class ModelRunner:
             if num_host_blocks
             else []
         )
+
+    @torch.inference_mode()
+    def calibrate_key_smoothing(self, input_ids: np.ndarray) -> None:
+        """Set each layer's key smoothing (ops/kv_cache.py) to the one fitted to the keys of a forward pass
+        over input_ids (reference.fit_key_smoothing), held in a float32 scratch cache; a no-op unless the
+        cache is quantized."""
+        if not is_quantized(self.kv_dtype):
+            return
+        cfg, count, block_size = self.model.config, len(input_ids), 16
+        num_blocks = -(-count // block_size)
+        scratch = ops.allocate_kv_caches(
+            cfg.num_layers, num_blocks, block_size, self.model.num_kv_heads, cfg.head_dim, torch.float32,
+            self.device,
+        )  # fmt: skip
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(count, device=self.device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
+            context_lens=torch.tensor([count], dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, count], dtype=torch.int32, device=self.device),
+            max_query_len=count,
+            kv_caches=scratch,
+        )
+        self.model(self._tensor(input_ids), torch.arange(count, device=self.device), meta)
+        for (keys, _), (k_cache, _) in zip(scratch, self.kv_caches, strict=True):
+            fitted = reference.fit_key_smoothing(keys.flatten(0, 1)[:count])
+            for held, value in zip(key_smoothing(k_cache), fitted, strict=True):
+                held.copy_(value)
 
     def move_blocks(self, step: StepInputs) -> None:
         """Swap-outs first (their device blocks may be reused this step), then copies (forks and copy on

@@ -22,6 +22,17 @@ one stream. The codes are the view every op receives: kv_scales gives the scales
 [num_blocks, block_size, Hkv] view, and the C++ kernels find them by the same rule, so the ops and the
 engine pass (k_cache, v_cache) as for any cache; swap and copy-on-write move each block's codes and
 scales. Per layer, K or V: block_size x Hkv x (head_dim + 4) bytes, against float32's 4 x head_dim.
+
+Keys are smoothed before they are quantized: a few of their channels are far larger than the rest (Qwen2.5's
+and Gemma 3's keys), and one scale per row would give the small channels steps of the large ones' size. Each
+layer's K cache holds, after its last block, a key smoothing (key_smoothing): per KV head and channel a mean
+and a factor (SmoothAttention's per-channel division, with KIVI's observation that keys vary by channel), and
+a key k is stored as the row (k - mean) / factor, quantized as above. Attention multiplies the query by the
+factor and leaves the mean out: q . k = (q * factor) . row + q . mean, and the last term is the same for
+every key of a query, which softmax does not see. The smoothing is the identity (mean 0, factor 1) until the
+engine calibrates it from the keys of a forward pass (ModelRunner); it is the same for every block of a
+layer, so blocks move, fork and are shared as they are. (V's layer has the same room, unused: K and V share
+one geometry.)
 """
 
 from __future__ import annotations
@@ -35,6 +46,11 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (k_cache, v_cache)
 # The quantized cache dtypes and the largest magnitude of their codes.
 LARGEST_CODE = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 SCALE_BYTES = 4  # a float32 scale per row of codes
+
+
+def smoothing_bytes(num_kv_heads: int, head_dim: int) -> int:
+    """Bytes of one layer's key smoothing: a float32 mean and factor per KV head and channel."""
+    return 2 * num_kv_heads * head_dim * 4
 
 
 def is_quantized(dtype: torch.dtype) -> bool:
@@ -74,7 +90,8 @@ def allocate_kv_caches(
     head_major: bool | None = None,
 ) -> list[KVCache]:
     """Per layer, zero-filled (k_cache, v_cache) views of shape [num_blocks, block_size, Hkv, head_dim]
-    (for a quantized dtype: the codes, their scales after each block's, all zero).
+    (for a quantized dtype: the codes, their scales after each block's, all zero, and after the last
+    block the identity key smoothing).
 
     `touch=False` leaves a CPU cache's pages to be committed by first use (ops.memory.huge_page_zeros).
     `head_major`: the memory order, by default the device's (head-major on the CPU, else slot-major)."""
@@ -83,7 +100,14 @@ def allocate_kv_caches(
     inner = (num_kv_heads, block_size) if head_major else (block_size, num_kv_heads)
     if is_quantized(dtype):
         block_bytes = kv_block_bytes(block_size, num_kv_heads, head_dim, dtype)
-        blocks = _zeros((2, num_layers, num_blocks, block_bytes), torch.uint8, device, pin_memory, touch)
+        blocks_end = num_blocks * block_bytes
+        layers = _zeros(
+            (2, num_layers, blocks_end + smoothing_bytes(num_kv_heads, head_dim)),
+            torch.uint8, device, pin_memory, touch,
+        )  # fmt: skip
+        factors = layers[..., blocks_end:].view(torch.float32).unflatten(-1, (2, -1))[..., 1, :]
+        factors.fill_(1.0)  # the identity smoothing
+        blocks = layers[..., :blocks_end].unflatten(-1, (num_blocks, block_bytes))
         codes = block_size * num_kv_heads * head_dim
         memory = blocks[..., :codes].view(dtype).unflatten(-1, (*inner, head_dim))
     else:
@@ -130,3 +154,21 @@ def kv_scales(cache: torch.Tensor) -> torch.Tensor | None:
     head_dim = cache.shape[3]
     strides = (block_stride // SCALE_BYTES, cache.stride(1) // head_dim, cache.stride(2) // head_dim)
     return floats.as_strided(cache.shape[:3], strides, floats.storage_offset() + codes // SCALE_BYTES)
+
+
+def key_smoothing(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantized K cache's smoothing, (mean, factor) float32 [Hkv, D] views of the memory after its last
+    block: a key k is stored as the row (k - mean) / factor."""
+    if not is_quantized(cache.dtype):
+        raise ValueError(f"key_smoothing is for quantized caches, got {cache.dtype}")
+    _, block_stride = _packed_geometry(cache)
+    num_blocks, _, heads, head_dim = cache.shape
+    raw = cache.view(torch.uint8)
+    start, size = raw.storage_offset() + num_blocks * block_stride, smoothing_bytes(heads, head_dim)
+    if start + size > raw.untyped_storage().nbytes():
+        raise ValueError(
+            f"a {cache.dtype} KV cache must be a view allocate_kv_caches made (its key smoothing after its "
+            f"last block), got shape {tuple(cache.shape)} in {raw.untyped_storage().nbytes()} bytes"
+        )
+    floats = raw.as_strided((size,), (1,), start).view(torch.float32).view(2, heads, head_dim)
+    return floats[0], floats[1]

@@ -7,7 +7,8 @@ elementwise kernels (sdpa, triton) use these.
 Shapes (one layer):
   k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] views, any memory order; for a
                     quantized cache (int8, fp8 e4m3) the codes, each row's scale after its block's
-                    codes (kv_cache.py): quantize() writes them, dequantize() reads them
+                    codes and, for K, the layer's key smoothing after its blocks (kv_cache.py):
+                    quantize() writes them, dequantize() reads them
   block_tables:     [num_seqs, max_blocks] int32, padded with any valid id
   context_lens:     [num_seqs] int32, tokens in the cache for each sequence, including this step's
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.ops.kv_cache import LARGEST_CODE, is_quantized, kv_scales
+from pagedllm.ops.kv_cache import LARGEST_CODE, is_quantized, key_smoothing, kv_scales
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -42,6 +43,21 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return codes.float() * scale[..., None]
 
 
+def fit_key_smoothing(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key smoothing (kv_cache.py) fitted to keys [N, Hkv, D]: per KV head and channel their mean, and
+    their largest distance from it as the factor (1 where that is 0 or not finite)."""
+    keys = keys.float()
+    mean = keys.mean(dim=0)
+    spread = (keys - mean).abs().amax(dim=0)
+    return mean, torch.where((spread > 0) & spread.isfinite(), spread, 1.0)
+
+
+def smooth_keys(key: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
+    """Keys [..., Hkv, D] as the rows a quantized K cache stores, (k - mean) / factor (kv_cache.py)."""
+    mean, factor = key_smoothing(k_cache)
+    return (key.float() - mean) / factor
+
+
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -49,26 +65,30 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter new tokens' K/V ([T, Hkv, D]) into cache slots, quantized for a quantized cache; slot -1
-    means skip."""
+    """Scatter new tokens' K/V ([T, Hkv, D]) into cache slots, quantized for a quantized cache (keys
+    smoothed first); slot -1 means skip."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
     for new, cache in ((key[keep], k_cache), (value[keep], v_cache)):
         if is_quantized(cache.dtype):
-            codes, scale = quantize(new, cache.dtype)
+            codes, scale = quantize(smooth_keys(new, cache) if cache is k_cache else new, cache.dtype)
             cache[blocks, offsets] = codes
             kv_scales(cache)[blocks, offsets] = scale
         else:
             cache[blocks, offsets] = new.to(cache.dtype)
 
 
-def read_blocks(cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Blocks `ids` of a cache, [len(ids), block_size, Hkv, D]: in the cache's dtype, or dequantized to
-    float32 for a quantized cache."""
-    if is_quantized(cache.dtype):
-        return dequantize(cache[ids], kv_scales(cache)[ids])
-    return cache[ids]
+def read_blocks(cache: torch.Tensor, ids: torch.Tensor, keys: bool) -> torch.Tensor:
+    """Blocks `ids` of a K (`keys`) or V cache, [len(ids), block_size, Hkv, D]: in the cache's dtype, or
+    dequantized to float32 for a quantized cache (keys unsmoothed: row * factor + mean)."""
+    if not is_quantized(cache.dtype):
+        return cache[ids]
+    values = dequantize(cache[ids], kv_scales(cache)[ids])
+    if keys:
+        mean, factor = key_smoothing(cache)
+        values = values * factor + mean
+    return values
 
 
 def gather_kv(
@@ -78,8 +98,8 @@ def gather_kv(
     block_size = k_cache.shape[1]
     num_blocks = (context_len + block_size - 1) // block_size
     ids = block_table[:num_blocks].long()
-    k = read_blocks(k_cache, ids).reshape(-1, *k_cache.shape[2:])[:context_len]
-    v = read_blocks(v_cache, ids).reshape(-1, *v_cache.shape[2:])[:context_len]
+    k = read_blocks(k_cache, ids, keys=True).reshape(-1, *k_cache.shape[2:])[:context_len]
+    v = read_blocks(v_cache, ids, keys=False).reshape(-1, *v_cache.shape[2:])[:context_len]
     return k, v
 
 

@@ -49,11 +49,11 @@ def paged_prefill_attention(
         ids = block_tables[s, first_block:end_block]
         skip = key_lo - first_block * block_size
         k, v = (
-            read_blocks(cache, ids)
+            read_blocks(cache, ids, keys)
             .flatten(0, 1)[skip : skip + context_len - key_lo]
             .transpose(0, 1)
             .to(q.dtype)
-            for cache in (k_cache, v_cache)
+            for cache, keys in ((k_cache, True), (v_cache, False))
         )  # a cache stored in another dtype than q (kv_cache_dtype) is widened (or dequantized) here
         # [q_len, Hkv * G, D] -> [Hkv, q_len * G, D]: each kv head attends for its whole group at once.
         rows = q[starts[s] : starts[s + 1]].view(q_len, num_kv_heads, group, head_dim).transpose(0, 1)

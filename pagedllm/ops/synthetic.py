@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.ops.kv_cache import allocate_kv_caches, is_quantized, kv_scales
-from pagedllm.ops.reference import quantize
+from pagedllm.ops.kv_cache import allocate_kv_caches, is_quantized, key_smoothing, kv_scales
+from pagedllm.ops.reference import fit_key_smoothing, quantize, smooth_keys
 
 
 @dataclass
@@ -24,13 +24,21 @@ class PagedBatch:
     values: list[torch.Tensor]
 
 
-def _quantized_copy(cache: torch.Tensor, dtype: torch.dtype, head_major: bool, device) -> torch.Tensor:
+def _quantized_copy(
+    cache: torch.Tensor, dtype: torch.dtype, head_major: bool, device, smoothing: tuple | None = None
+) -> torch.Tensor:
     """A cache of `dtype` codes on `device` (allocated as pagedllm allocates one, in the given memory
-    order) holding `cache`'s values quantized, row by row; NaN rows get NaN scales."""
+    order) holding `cache`'s values quantized, row by row, after the key smoothing (mean, factor) if given
+    (a K cache); NaN rows get NaN scales."""
     ((codes, _),) = allocate_kv_caches(1, *cache.shape, dtype, device, head_major=head_major)
-    values, scales = quantize(cache, dtype)
-    codes.copy_(values.to(codes.device))
-    kv_scales(codes).copy_(scales.to(codes.device))
+    rows = cache.to(codes.device)
+    if smoothing is not None:
+        for held, given in zip(key_smoothing(codes), smoothing, strict=True):
+            held.copy_(given)
+        rows = smooth_keys(rows, codes)
+    values, scales = quantize(rows, dtype)
+    codes.copy_(values)
+    kv_scales(codes).copy_(scales)
     return codes
 
 
@@ -57,7 +65,8 @@ def random_paged_batch(
     (ops/kv_cache.py, on huge pages there too): the same [num_blocks, block_size, Hkv, D] views and
     values, other strides.
     kv_dtype: a quantized dtype (int8, float8_e4m3fn) stores the caches as its codes and scales, the
-    values above quantized (in the memory order head_major says, on any device).
+    values above quantized (in the memory order head_major says, on any device), the keys through the
+    key smoothing fitted to them (as the engine fits it to a forward pass's keys).
     """
     if len(context_lens) != len(query_lens) or any(
         q > c for q, c in zip(query_lens, context_lens, strict=True)
@@ -88,7 +97,9 @@ def random_paged_batch(
         keys.append(k.to(device))
         values.append(v.to(device))
     if kv_dtype is not None and is_quantized(kv_dtype):
-        k_cache, v_cache = (_quantized_copy(c, kv_dtype, head_major, device) for c in (k_cache, v_cache))
+        smoothing = fit_key_smoothing(torch.cat(keys).cpu())
+        k_cache = _quantized_copy(k_cache, kv_dtype, head_major, device, smoothing)
+        v_cache = _quantized_copy(v_cache, kv_dtype, head_major, device)
     elif head_major and torch.device(device).type == "cpu":  # the engine's own memory: huge pages too
         ((k_cache, v_cache),) = [
             (k.copy_(k_cache), v.copy_(v_cache))

@@ -7,8 +7,10 @@ once for the whole group. Keys are gathered token by token through the block tab
 search over cumulative tile counts, so the launch needs no host sync.
 
 A quantized cache (int8 or fp8 e4m3 codes, a float32 scale per token and KV head after each block's
-codes: kv_cache.py) is passed as its bytes (uint8) and its scales' view; the kernels decode codes to
-float32 themselves, by integer arithmetic, so that they run alike on every GPU and in the interpreter.
+codes: kv_cache.py) is passed as its bytes (uint8), its scales' view and the K cache's key smoothing; the
+kernels decode codes to float32 themselves, by integer arithmetic, so that they run alike on every GPU and
+in the interpreter. Keys are stored smoothed, (k - mean) / factor: the store smooths them, attention
+multiplies the query by the factor (the mean shifts every score of a query alike: softmax ignores it).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.ops.kv_cache import LARGEST_CODE, kv_scales
+from pagedllm.ops.kv_cache import LARGEST_CODE, key_smoothing, kv_scales
 
 _BLOCK_N = 32  # keys per inner iteration
 _PREFILL_BLOCK_Q = 16  # query rows per program when a sequence may have several
@@ -61,15 +63,32 @@ def _encode(x, FORM: tl.constexpr):
 
 @triton.jit
 def _store_row(
-    src_ptr, cache_ptr, scale_ptr, src, dst, scale_dst, head_valid, mask, largest, FORM: tl.constexpr
+    src_ptr,
+    cache_ptr,
+    scale_ptr,
+    mean_ptr,
+    factor_ptr,
+    src,
+    dst,
+    scale_dst,
+    smoothing,
+    head_valid,
+    mask,
+    largest,
+    FORM: tl.constexpr,
+    SMOOTH: tl.constexpr,
 ):
     """One token's [Hkv, D] values (src offsets) into the cache (dst offsets); into a quantized cache as
-    codes, each head's row quantized as reference.quantize does, its scale to scale_dst."""
+    codes, each head's row quantized as reference.quantize does, its scale to scale_dst; with SMOOTH (keys),
+    each row (x - mean) / factor first (smoothing: the [Hkv, D] offsets of both)."""
     x = tl.load(src_ptr + src, mask=mask, other=0.0)
     if FORM == 0:
         tl.store(cache_ptr + dst, x, mask=mask)
     else:
         x = x.to(tl.float32)
+        if SMOOTH:
+            mean = tl.load(mean_ptr + smoothing, mask=mask, other=0.0)
+            x = (x - mean) / tl.load(factor_ptr + smoothing, mask=mask, other=1.0)
         # A row with a NaN or an infinity gets a NaN scale and codes 0 (no NaN is made here: the
         # interpreter's numpy would warn).
         finite = tl.min(tl.where(tl.abs(x) < float("inf"), 1, 0), 1) > 0
@@ -88,6 +107,8 @@ def _write_kv_kernel(
     v_cache_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    k_mean_ptr,
+    k_factor_ptr,
     slot_ptr,
     largest,
     stride_kb,
@@ -104,7 +125,7 @@ def _write_kv_kernel(
     FORM: tl.constexpr,
 ):
     """Token t's [Hkv, D] K/V (contiguous in the source) to slot slot_mapping[t] of the strided caches;
-    into a quantized cache as codes, each head's scale to the scales' strided view."""
+    into a quantized cache as codes (keys smoothed first), each head's scale to the scales' strided view."""
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
@@ -116,8 +137,15 @@ def _write_kv_kernel(
         block, row = slot // BLOCK_SIZE, slot % BLOCK_SIZE
         dst = block * stride_kb + row * stride_ks + heads[:, None] * stride_kh + dims
         scale_dst = block * stride_sb + row * stride_ss + heads * stride_sh
-        _store_row(key_ptr, k_cache_ptr, k_scale_ptr, src, dst, scale_dst, head_valid, mask, largest, FORM)
-        _store_row(value_ptr, v_cache_ptr, v_scale_ptr, src, dst, scale_dst, head_valid, mask, largest, FORM)
+        smoothing = heads[:, None] * HEAD_DIM + dims
+        _store_row(
+            key_ptr, k_cache_ptr, k_scale_ptr, k_mean_ptr, k_factor_ptr, src, dst, scale_dst, smoothing,
+            head_valid, mask, largest, FORM, True,
+        )  # fmt: skip
+        _store_row(
+            value_ptr, v_cache_ptr, v_scale_ptr, k_mean_ptr, k_factor_ptr, src, dst, scale_dst, smoothing,
+            head_valid, mask, largest, FORM, False,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -142,6 +170,7 @@ def _paged_attention_kernel(
     v_cache_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    k_factor_ptr,
     block_tables_ptr,
     query_start_loc_ptr,
     tile_starts_ptr,
@@ -189,6 +218,9 @@ def _paged_attention_kernel(
         d_valid = offs_d < HEAD_DIM
         q_off = (q_start + row)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(q_ptr + q_off, mask=m_valid[:, None] & d_valid[None, :], other=0.0)
+        if FORM != 0:  # the keys are stored divided by their kv head's smoothing factor
+            factor = tl.load(k_factor_ptr + kv_head * HEAD_DIM + offs_d, mask=d_valid, other=0.0)
+            q = (q.to(tl.float32) * factor[None, :]).to(q.dtype)
         if WIDEN:
             q = q.to(tl.float32)
 
@@ -238,16 +270,17 @@ def _paged_attention_kernel(
         )
 
 
-def _cache_operands(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[tuple, tuple, int]:
-    """What a kernel takes of the caches: (k data, v data, k scales, v scales), the scales' strides and
-    the FORM. A quantized cache goes as its bytes and its scales' views; a cache of values as itself,
-    its scales then stand-ins that are never read."""
+def _cache_operands(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[tuple, tuple, tuple, int]:
+    """What a kernel takes of the caches: (k data, v data, k scales, v scales), the K cache's smoothing
+    (mean, factor), the scales' strides and the FORM. A quantized cache goes as its bytes, its scales' views
+    and its smoothing; a cache of values as itself, the rest then stand-ins that are never read."""
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "K/V caches must share strides"
     form = _FORMS.get(k_cache.dtype, _VALUES)
     if form == _VALUES:
-        return (k_cache, v_cache, k_cache, v_cache), (0, 0, 0), form
+        return (k_cache, v_cache, k_cache, v_cache), (k_cache, k_cache), (0, 0, 0), form
     k_scales, v_scales = kv_scales(k_cache), kv_scales(v_cache)
-    return (k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scales, v_scales), k_scales.stride(), form
+    data = (k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scales, v_scales)
+    return data, key_smoothing(k_cache), k_scales.stride(), form
 
 
 def write_kv(
@@ -261,13 +294,14 @@ def write_kv(
     means skip."""
     if key.shape[0] == 0:
         return
-    caches, scale_strides, form = _cache_operands(k_cache, v_cache)
+    caches, smoothing, scale_strides, form = _cache_operands(k_cache, v_cache)
     source = k_cache.dtype if form == _VALUES else torch.float32  # quantized from float32, as the reference
     num_kv_heads, head_dim = key.shape[1:]
     _write_kv_kernel[(key.shape[0],)](
         key.to(source).contiguous(),
         value.to(source).contiguous(),
         *caches,
+        *smoothing,
         slot_mapping.to(torch.int64),
         LARGEST_CODE.get(k_cache.dtype, 0.0),
         k_cache.stride(0),
@@ -303,7 +337,7 @@ def _attention(
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     assert q.stride(2) == 1
-    caches, scale_strides, form = _cache_operands(k_cache, v_cache)
+    caches, (_, k_factor), scale_strides, form = _cache_operands(k_cache, v_cache)
     query_start_loc = query_start_loc.to(torch.int32)
     block_tables = block_tables.to(torch.int32)
     tiles = (query_start_loc[1:] - query_start_loc[:-1] + block_q - 1) // block_q
@@ -316,6 +350,7 @@ def _attention(
         out,
         q,
         *caches,
+        k_factor,
         block_tables,
         query_start_loc,
         tile_starts,

@@ -8,7 +8,8 @@ import torch
 from pagedllm.engine.model_runner import StepInputs
 from pagedllm.models.parallel import CommStats, TensorParallel
 
-STEP, STOP, STATS = 1, 2, 3  # run a step; exit; gather each rank's CommStats on rank 0
+# run a step; exit; gather each rank's CommStats on rank 0; calibrate the key smoothing on the ids that follow
+STEP, STOP, STATS, CALIBRATE = 1, 2, 3, 4
 HEADER_LEN = 8  # op, num_tokens, num_seqs, max_blocks, max_query_len, swap-outs, swap-ins, copies
 
 
@@ -29,9 +30,9 @@ def _sizes(header: list[int]) -> dict[str, int]:
     }
 
 
-def op_header(op: int) -> torch.Tensor:
-    """The header of a message without payload (STOP, STATS)."""
-    return torch.tensor([op] + [0] * (HEADER_LEN - 1), dtype=torch.int64)
+def op_header(op: int, num_tokens: int = 0) -> torch.Tensor:
+    """The header of a message without a step's payload (STOP, STATS; CALIBRATE: num_tokens ids follow)."""
+    return torch.tensor([op, num_tokens] + [0] * (HEADER_LEN - 2), dtype=torch.int64)
 
 
 def gather_stats(tp: TensorParallel) -> list[CommStats] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pagedllm.engine.model_runner import ModelRunner, StepInputs
@@ -21,6 +22,17 @@ class ParallelModelRunner(ModelRunner):
         executor.start(
             self.num_blocks, self.block_size, self.kv_dtype, self.num_host_blocks, self.prefault_kv_cache
         )
+
+    def calibrate_key_smoothing(self, input_ids: np.ndarray) -> None:
+        """Every rank calibrates its own KV heads' smoothing on the same forward pass."""
+        if self.executor.failure is not None:
+            raise WorkerFailure(self.executor.failure)
+        try:
+            self.executor.tp.broadcast(protocol.op_header(protocol.CALIBRATE, len(input_ids)))
+            self.executor.tp.broadcast(torch.from_numpy(input_ids.astype(np.int64)))
+            super().calibrate_key_smoothing(input_ids)
+        except CollectiveError as error:
+            raise self.executor.fail(error) from error
 
     def execute_step(self, step: StepInputs) -> torch.Tensor:
         if self.executor.failure is not None:

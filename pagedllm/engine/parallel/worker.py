@@ -72,6 +72,11 @@ def serve_steps(runner: ModelRunner, tp: TensorParallel) -> None:
         if header[0] == protocol.STATS:
             protocol.gather_stats(tp)
             continue
+        if header[0] == protocol.CALIBRATE:
+            input_ids = torch.empty(int(header[1]), dtype=torch.int64)
+            tp.broadcast(input_ids)
+            runner.calibrate_key_smoothing(input_ids.numpy())
+            continue
         payload = torch.empty(protocol.payload_len(header), dtype=torch.int64)
         tp.broadcast(payload)
         runner.execute_step(protocol.unpack(header, payload))

@@ -17,8 +17,10 @@
 // Arithmetic is fp32; a bf16 cache is widened in registers. A quantized cache (int8 or fp8 e4m3 codes, a
 // float32 scale per token and kv head after each block's codes: ops/kv_cache.py) is read in place too: the
 // codes are widened in registers, and the scale multiplies a key's score (decode) or its codes (prefill
-// keys, values), or a value's weight (decode). The query may be a strided view (e.g. the q part of a fused
-// qkv projection): only its last dimension must be contiguous.
+// keys, values), or a value's weight (decode). Its keys are stored smoothed, (k - mean) / factor per channel
+// (the layer's key smoothing, after its last block): the query is multiplied by the factor as it is loaded,
+// and the mean, which shifts every score of a query alike, is left out. The query may be a strided view
+// (e.g. the q part of a fused qkv projection): only its last dimension must be contiguous.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -69,6 +71,17 @@ ScaleLayout scale_layout(const at::Tensor& cache) {
               "a ", cache.scalar_type(), " KV cache must be a view allocate_kv_caches made (each block's scales "
               "after its codes), got sizes ", cache.sizes(), " and strides ", cache.strides());
   return {codes, cache.stride(1) / d, cache.stride(2) / d, bytes};
+}
+
+// A quantized K cache's key smoothing (ops/kv_cache.py key_smoothing): its mean, then its factor, [Hkv, D]
+// floats each, right after the view's last block; checked to lie inside the tensor's memory.
+const float* key_smoothing(const at::Tensor& cache) {
+  const int64_t blocks_end = cache.size(0) * cache.stride(0);  // bytes: one a code
+  const int64_t bytes = 2 * cache.size(2) * cache.size(3) * static_cast<int64_t>(sizeof(float));
+  TORCH_CHECK(cache.storage_offset() + blocks_end + bytes <= static_cast<int64_t>(cache.storage().nbytes()),
+              "a ", cache.scalar_type(), " KV cache must be a view allocate_kv_caches made (its key smoothing after "
+              "its last block), got sizes ", cache.sizes(), " and strides ", cache.strides());
+  return reinterpret_cast<const float*>(static_cast<const char*>(cache.data_ptr()) + blocks_end);
 }
 
 // Codes and a scale for one row of d values (ops/reference.py quantize, to the bit): symmetric, scale =
@@ -175,10 +188,14 @@ struct Batch {
   int64_t num_seqs, num_heads, group, head_dim, q_row_stride, q_head_stride;
   int64_t num_blocks, max_blocks, block_size, block_stride, slot_stride, head_stride;
   ScaleLayout scales;  // a quantized cache's (K and V share it)
+  const float* key_factor;  // a quantized K cache's smoothing factor, [Hkv, D] (nullptr otherwise)
   double scale;
   int64_t window;  // 0: none
 
   int64_t q_len(int64_t s) const { return starts[s + 1] - starts[s]; }
+  // What element i of query head `head` is multiplied by over a quantized cache, whose keys are stored
+  // divided by their kv head's key smoothing factor.
+  float key_factor_of(int64_t head, int64_t i) const { return key_factor[head / group * head_dim + i]; }
   // Query row r of sequence s sits at position first_pos(s) + r and sees keys (pos - window, pos].
   int64_t first_pos(int64_t s) const { return lens[s] - q_len(s); }
   // Keys a query row of sequence s reads at most: its context, or its window of it.
@@ -216,6 +233,7 @@ Batch<TQ, TKV> batch_of(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
       .slot_stride = k_cache.stride(1),
       .head_stride = k_cache.stride(2),
       .scales = kScaled<TKV> ? scale_layout(k_cache) : ScaleLayout{},
+      .key_factor = kScaled<TKV> ? key_smoothing(k_cache) + k_cache.size(2) * k_cache.size(3) : nullptr,
       .scale = scale,
       .window = window,
   };
@@ -481,7 +499,10 @@ void decode_row(const Batch<TQ, TKV>& b, const WorkItem& it, float* partial) {
   row_sum.resize(heads);
   for (int64_t i = 0; i < heads; ++i) {  // scaled queries kept in fp32
     const TQ* src = b.q + row * b.q_row_stride + (first_head + i) * b.q_head_stride;
-    for (int64_t j = 0; j < d; ++j) query[i * d + j] = static_cast<float>(src[j]) * b.scale;
+    for (int64_t j = 0; j < d; ++j) {
+      query[i * d + j] = static_cast<float>(src[j]) * b.scale;
+      if constexpr (kScaled<TKV>) query[i * d + j] *= b.key_factor_of(first_head + i, j);
+    }
   }
   const PagedRows<TKV> paged = b.paged(it.seq, it.kv_head, it.kv_heads);
 
@@ -628,7 +649,10 @@ void prefill_tile(const Batch<TQ, TKV>& b, const WorkItem& it) {
   for (int64_t m = 0; m < m_count; ++m) {
     const int64_t row = first_row + m / group, head = first_head + m % group;
     const TQ* src = b.q + row * b.q_row_stride + head * b.q_head_stride;
-    for (int64_t i = 0; i < d; ++i) qt[i * mp + m] = static_cast<float>(src[i]) * scale;
+    for (int64_t i = 0; i < d; ++i) {
+      qt[i * mp + m] = static_cast<float>(src[i]) * scale;
+      if constexpr (kScaled<TKV>) qt[i * mp + m] *= b.key_factor_of(head, i);
+    }
   }
   // Pass 1: scores, kScoreKeys keys by kScoreVecs vectors of rows at a time; a bf16 block is widened first,
   // a quantized one dequantized.
@@ -846,13 +870,16 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
     using S = decltype(src_tag);
     using D = decltype(dst_tag);
     ScaleLayout scales;
+    const float* smoothing = nullptr;  // a quantized K cache's: mean, then factor
     if constexpr (kScaled<D>) {
       scale_layout(v_cache);
       scales = scale_layout(k_cache);
+      smoothing = key_smoothing(k_cache);
     }
     // Tokens split across threads (a prompt's thousands; a decode step's few run inline).
     const int64_t tokens_per_task = grain_by_wake_cost(2 * heads * d, 1 << 15);
     at::parallel_for(0, slot_mapping.size(0), tokens_per_task, [&](int64_t begin, int64_t end) {
+      std::vector<float> smoothed(kScaled<D> ? d : 0);
       for (auto [src, dst] : {std::pair{&key, &k_cache}, std::pair{&value, &v_cache}}) {
         const S* s = src->template data_ptr<S>();
         D* base = dst->template data_ptr<D>();
@@ -865,7 +892,13 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
             D* to = block + j * dst->stride(1) + h * dst->stride(2);
             if constexpr (kScaled<D>) {
               float* scale = reinterpret_cast<float*>(block + scales.codes) + j * scales.slot_stride;
-              quantize_row(from, to, scale + h * scales.head_stride, d);
+              if (dst == &k_cache) {  // (k - mean) / factor, as reference.py smooth_keys computes it
+                const float *mean = smoothing + h * d, *factor = mean + heads * d;
+                for (int64_t i = 0; i < d; ++i) smoothed[i] = (static_cast<float>(from[i]) - mean[i]) / factor[i];
+                quantize_row(smoothed.data(), to, scale + h * scales.head_stride, d);
+              } else {
+                quantize_row(from, to, scale + h * scales.head_stride, d);
+              }
             } else {
               for_each_chunk(d, [&](int64_t i, int n) { store(load(from + i, n), to + i, n); });
             }
