@@ -476,6 +476,23 @@ void panel_tile(const float* panel, const float* x, int64_t ld_x, int64_t cols, 
 // L3 or memory again for each of the panels).
 constexpr int64_t kPanelChunkBytes = 256 << 10;
 
+// out[m_begin .. m_end, n .. n + valid] = x rows . the panel at output column n (+ bias) (+ residual).
+void panel_rows(const float* panel, int64_t n, int valid, int64_t n_rows, int64_t cols, const float* x,
+                int64_t m_begin, int64_t m_end, float* out, const float* bias, const float* residual,
+                int64_t ld_residual) {
+  const float* b = bias != nullptr ? bias + n : nullptr;
+  for (int64_t m = m_begin; m < m_end; m += kPanelTileRows) {
+    const float* xm = x + m * cols;
+    float* om = out + m * n_rows + n;
+    const float* rm = residual != nullptr ? residual + m * ld_residual + n : nullptr;
+    with_count<kPanelTileRows>(m_end - m, [&](auto rows) {
+      constexpr int MR = decltype(rows)::value;
+      constexpr int KU = std::max(1, 12 / (MR * kPanelVectors));  // ~12 sums in flight, within the registers
+      panel_tile<MR, KU>(panel, xm, cols, cols, om, n_rows, b, rm, ld_residual, valid);
+    });
+  }
+}
+
 // out[M, N] = x[M, K] W^T (+ bias) (+ residual) on a panel-packed float32 W. Work items are (chunk of
 // x's rows, panel), chunk after chunk: a thread's run of items takes every panel over one chunk in turn.
 void panel_matmul(const float* packed, int64_t n_rows, int64_t cols, const float* x, int64_t m_rows, float* out,
@@ -490,18 +507,8 @@ void panel_matmul(const float* packed, int64_t n_rows, int64_t cols, const float
       const int64_t p = i % panels, n = p * kPanelCols;
       const int64_t m_begin = i / panels * chunk_rows, m_end = std::min(m_rows, m_begin + chunk_rows);
       const int valid = static_cast<int>(std::min(kPanelCols, n_rows - n));
-      const float* panel = packed + p * cols * kPanelCols;
-      const float* b = bias != nullptr ? bias + n : nullptr;
-      for (int64_t m = m_begin; m < m_end; m += kPanelTileRows) {
-        const float* xm = x + m * cols;
-        float* om = out + m * n_rows + n;
-        const float* rm = residual != nullptr ? residual + m * ld_residual + n : nullptr;
-        with_count<kPanelTileRows>(m_end - m, [&](auto rows) {
-          constexpr int MR = decltype(rows)::value;
-          constexpr int KU = std::max(1, 12 / (MR * kPanelVectors));  // ~12 sums in flight, within the registers
-          panel_tile<MR, KU>(panel, xm, cols, cols, om, n_rows, b, rm, ld_residual, valid);
-        });
-      }
+      panel_rows(packed + p * cols * kPanelCols, n, valid, n_rows, cols, x, m_begin, m_end, out, bias, residual,
+                 ld_residual);
     }
   });
 }
@@ -629,7 +636,9 @@ void blocks_row(const uint8_t* row, const ActivationBlocks& x, int64_t n, const 
         offsets[i] = fmadd(c[j], x.sums(i, k, j), offsets[i]);
       }
     }
-    const int units = (blocks * 32 + kUnitValues - 1) / kUnitValues;
+    // a K super-block's count is known at compile time: the loop unrolls, unit_scales' indices fold
+    const int units = T::kBlockValues == kChunkValues ? kChunkValues / kUnitValues
+                                                      : (blocks * 32 + kUnitValues - 1) / kUnitValues;
     for (int u = 0; u < units; ++u) {
       const VecB codes = T::codes(p, u, blocks);
       for (int i = 0; i < MR; ++i) {
@@ -641,22 +650,33 @@ void blocks_row(const uint8_t* row, const ActivationBlocks& x, int64_t n, const 
   for (int i = 0; i < MR; ++i) out.store(i, n, reduce_add(acc[i] + offsets[i]));
 }
 
-// Work items of at most kPanelRows rows, none crossing a shard: (shard, first row, end row) in it.
+// Work items of at most `size` rows, none crossing a shard: (shard, first row, end row) in it.
 struct ShardPanel {
   int64_t shard, n0, n1;
 };
-std::vector<ShardPanel> shard_panels(const std::vector<BlockShard>& shards) {
+std::vector<ShardPanel> shard_panels(const std::vector<BlockShard>& shards, int64_t size) {
   std::vector<ShardPanel> panels;
   for (int64_t s = 0; s < static_cast<int64_t>(shards.size()); ++s)
-    for (int64_t n = 0; n < shards[s].rows; n += kPanelRows) panels.push_back({s, n, std::min(n + kPanelRows, shards[s].rows)});
+    for (int64_t n = 0; n < shards[s].rows; n += size) panels.push_back({s, n, std::min(n + size, shards[s].rows)});
   return panels;
+}
+
+// A panel's rows of a shard dequantized into pack_panels' layout ([cols, kPanelCols], zeros past its
+// rows), through `row` (cols floats).
+template <typename T>
+void dequantize_panel(const BlockShard& shard, const ShardPanel& p, int64_t cols, float* panel, float* row) {
+  for (int r = 0; r < kPanelCols; ++r) {
+    const bool real = p.n0 + r < p.n1;
+    if (real) quants::dequantize_row<T>(shard.data + (p.n0 + r) * shard.row_bytes, cols, row);
+    for (int64_t k = 0; k < cols; ++k) panel[k * kPanelCols + r] = real ? row[k] : 0.f;
+  }
 }
 
 void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const float* x, int64_t m_rows,
                    const Epilogue& out) {
-  const std::vector<ShardPanel> panels = shard_panels(shards);
-  const auto items = static_cast<int64_t>(panels.size());
   if (m_rows <= kStreamRows) {
+    const std::vector<ShardPanel> panels = shard_panels(shards, kPanelRows);
+    const auto items = static_cast<int64_t>(panels.size());
     const ActivationBlocks qx(x, m_rows, cols);
     const int64_t grain = std::max<int64_t>(1, kTaskWork / (kPanelRows * cols * m_rows));
     at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
@@ -676,6 +696,32 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
     });
     return;
   }
+  if (!out.bf16) {
+    // float32 out: panels of 48 dequantized once for each run of kChunkRows rows of x, under panel_matmul's
+    // register tiles; items panel after panel over one run of x
+    const std::vector<ShardPanel> panels = shard_panels(shards, kPanelCols);
+    const auto items = static_cast<int64_t>(panels.size());
+    const int64_t chunks = (m_rows + kChunkRows - 1) / kChunkRows;
+    const int64_t grain = std::max<int64_t>(1, kTaskWork / (kPanelCols * cols * std::min(kChunkRows, m_rows)));
+    const int64_t n_rows = total_rows(shards);
+    at::parallel_for(0, items * chunks, grain, [&](int64_t begin, int64_t end) {
+      static thread_local std::vector<float> panel, row;
+      panel.resize(kPanelCols * cols);
+      row.resize(cols);
+      for (int64_t item = begin; item < end; ++item) {
+        const ShardPanel& p = panels[item % items];
+        const BlockShard& shard = shards[p.shard];
+        const int64_t m0 = item / items * kChunkRows, m1 = std::min(m0 + kChunkRows, m_rows);
+        quants::with_type(shard.type, [&](auto t) { dequantize_panel<decltype(t)>(shard, p, cols, panel.data(), row.data()); });
+        panel_rows(panel.data(), shard.first_row + p.n0, static_cast<int>(p.n1 - p.n0), n_rows, cols, x, m0, m1,
+                   static_cast<float*>(out.out), static_cast<const float*>(out.bias),
+                   static_cast<const float*>(out.residual), out.ld_residual);
+      }
+    });
+    return;
+  }
+  const std::vector<ShardPanel> panels = shard_panels(shards, kPanelRows);
+  const auto items = static_cast<int64_t>(panels.size());
   const int64_t chunks = (m_rows + kChunkRows - 1) / kChunkRows;
   const int64_t grain = std::max<int64_t>(1, kTaskWork / (kPanelRows * cols * std::min(kChunkRows, m_rows)));
   at::parallel_for(0, items * chunks, grain, [&](int64_t begin, int64_t end) {

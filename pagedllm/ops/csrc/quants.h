@@ -58,15 +58,20 @@ using VecI = __m512i;
 inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m512i mask_bytes(VecB v, int value) { return _mm512_and_si512(v, _mm512_set1_epi8(static_cast<char>(value))); }
-// 32 bytes -> 64 codes: their low nibbles, then their high nibbles.
-inline VecB split_nibbles(__m256i b) {
-  return mask_bytes(_mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1), 15);
+// 32 bytes at p -> 64 codes: their low nibbles, then their high nibbles (the bytes broadcast to both
+// halves by the load, each half shifted by its own count: no shuffle).
+inline VecB split_nibbles(const uint8_t* p) {
+  const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  return mask_bytes(_mm512_srlv_epi16(_mm512_broadcast_i64x4(load32(p)), shifts), 15);
 }
 // Two 32-value blocks of nibbles (16 bytes each: value i in byte i's low nibble, i + 16 in its high) ->
-// their 64 codes in order.
+// their 64 codes in order: a, a >> 4, b, b >> 4 in the four 128-bit lanes.
 inline VecB two_nibble_blocks(const uint8_t* a, const uint8_t* b) {
-  const VecB split = split_nibbles(_mm256_inserti128_si256(_mm256_castsi128_si256(load16(a)), load16(b), 1));
-  return _mm512_shuffle_i64x2(split, split, _MM_SHUFFLE(3, 1, 2, 0));  // a low, b low, a high, b high -> a, b
+  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(load16(a))),
+                                          _mm256_broadcastsi128_si256(load16(b)), 1);
+  const __m512i shifts = _mm512_setr_epi64(0, 0, 0x0004000400040004, 0x0004000400040004, 0, 0,
+                                           0x0004000400040004, 0x0004000400040004);
+  return mask_bytes(_mm512_srlv_epi16(both, shifts), 15);
 }
 // `value` in each byte whose bit is set in `bits` (bit i for byte i), else 0.
 inline VecB bit_bytes(uint64_t bits, int value) {
@@ -265,7 +270,7 @@ inline void k_scales(const uint8_t* p, VecF* s, VecF* c) {
 // Q4_K / Q5_K's nibbles: in each 32-byte run, the low nibbles are one sub-block, the high the next.
 inline VecB k_nibbles(const uint8_t* qs, int u) {
 #if defined(PAGEDLLM_AVX512)
-  return split_nibbles(load32(qs + 32 * u));
+  return split_nibbles(qs + 32 * u);
 #else
   const __m256i b = load32(qs + 32 * (u / 2));
   return mask_bytes(u % 2 ? _mm256_srli_epi16(b, 4) : b, 15);
