@@ -619,12 +619,17 @@ struct ActivationBlocks {
   }
 };
 
-// out[0 .. MR, n] for one weight row of type T.
+// out[0 .. MR, n] for one weight row of type T. Each x row sums its units in kChains chains of
+// multiply-adds (a unit's work is shorter than one multiply-add's latency).
 template <typename T, int MR>
 void blocks_row(const uint8_t* row, const ActivationBlocks& x, int64_t n, const Epilogue& out) {
   using namespace quants;
-  VecF acc[MR], offsets[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = offsets[i] = VecF::zero();
+  constexpr int kUnits = kChunkValues / kUnitValues, kChains = std::max(1, 4 / MR);
+  VecF acc[MR][kChains], offsets[MR];
+  for (int i = 0; i < MR; ++i) {
+    offsets[i] = VecF::zero();
+    for (int j = 0; j < kChains; ++j) acc[i][j] = VecF::zero();
+  }
   for (int64_t k = 0; k < x.chunks; ++k) {
     const uint8_t* p = row + k * chunk_bytes<T>();
     const int blocks = x.blocks_in(k);
@@ -636,18 +641,23 @@ void blocks_row(const uint8_t* row, const ActivationBlocks& x, int64_t n, const 
         offsets[i] = fmadd(c[j], x.sums(i, k, j), offsets[i]);
       }
     }
-    // a K super-block's count is known at compile time: the loop unrolls, unit_scales' indices fold
-    const int units = T::kBlockValues == kChunkValues ? kChunkValues / kUnitValues
-                                                      : (blocks * 32 + kUnitValues - 1) / kUnitValues;
-    for (int u = 0; u < units; ++u) {
+    // unrolled (u a constant: unit_scales' indices fold, the chains stay in registers); a K super-block
+    // has all kUnits
+    const int units = T::kBlockValues == kChunkValues ? kUnits : (blocks * 32 + kUnitValues - 1) / kUnitValues;
+    for (int u = 0; u < kUnits; ++u) {
+      if (u >= units) break;
       const VecB codes = T::codes(p, u, blocks);
       for (int i = 0; i < MR; ++i) {
         const VecI dots = dot<T::kSigned>(codes, x.unit(i, k, u));
-        acc[i] = fmadd(VecF::from_int(dots), unit_scales(scale[i], u), acc[i]);
+        acc[i][u % kChains] = fmadd(VecF::from_int(dots), unit_scales(scale[i], u), acc[i][u % kChains]);
       }
     }
   }
-  for (int i = 0; i < MR; ++i) out.store(i, n, reduce_add(acc[i] + offsets[i]));
+  for (int i = 0; i < MR; ++i) {
+    VecF sum = offsets[i];
+    for (int j = 0; j < kChains; ++j) sum = sum + acc[i][j];
+    out.store(i, n, reduce_add(sum));
+  }
 }
 
 // Work items of at most `size` rows, none crossing a shard: (shard, first row, end row) in it.

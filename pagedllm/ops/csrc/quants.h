@@ -102,6 +102,20 @@ inline VecF unit_scales(const VecF* groups, int u) {
                                          _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2));
   return _mm512_permutexvar_ps(index, groups[0].v);
 }
+// The 32-bit words at the start of each of a chunk's first `blocks` 32-value blocks (kBytes apart), zero
+// past them: one gather, where a scalar loop's stores stalled the vector load that followed them.
+template <int kBytes>
+inline __m256i block_words(const uint8_t* p, int blocks) {
+  const __m256i index = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(kBytes));
+  return _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), static_cast<__mmask8>((1u << blocks) - 1), index,
+                                      p, 1);
+}
+// The words' low (shift 0) or high (16) float16 halves as floats, once per group.
+inline void word_halves(__m256i words, int shift, VecF* out) {
+  const __m256 values = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(words, shift)));
+  const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  out[0] = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(values));
+}
 // Vector j (of kUnitValues / kWidth) of a unit's codes as floats.
 template <bool kSigned>
 inline VecF code_floats(VecB codes, int j) {
@@ -157,6 +171,19 @@ inline VecF unit_scales(const VecF* groups, int u) {
   const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(2 * (u % 4)), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
   return _mm256_permutevar8x32_ps(groups[u / 4].v, index);
 }
+template <int kBytes>
+inline __m256i block_words(const uint8_t* p, int blocks) {
+  const __m256i index = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(kBytes));
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(blocks), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(p), index, mask, 1);
+}
+inline void word_halves(__m256i words, int shift, VecF* out) {
+  const __m256i low = _mm256_and_si256(_mm256_srli_epi32(words, shift), _mm256_set1_epi32(0xffff));
+  const __m256 values =
+      _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1)));
+  out[0] = _mm256_permutevar8x32_ps(values, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+  out[1] = _mm256_permutevar8x32_ps(values, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+}
 template <bool kSigned>
 inline VecF code_floats(VecB codes, int j) {
   alignas(32) uint8_t bytes[32];
@@ -175,32 +202,23 @@ inline int vector_group(int u, int j) { return 2 * u + j / 2; }
 //   codes(p, u, blocks)      unit u's codes (a unit past the blocks reads bytes of the chunk's first
 //                            block: the activations there are zeros)
 
-// The float16 at byte `offset` of each of a chunk's 32-value blocks, once per group (zero past `blocks`).
-template <int kBytes>
-inline void block_halves(const uint8_t* p, int offset, int blocks, VecF* out) {
-  alignas(64) uint32_t pairs[kGroups / 2] = {};
-  for (int b = 0; b < blocks; ++b) {
-    uint16_t bits;
-    std::memcpy(&bits, p + b * kBytes + offset, 2);
-    pairs[b] = bits | uint32_t{bits} << 16;
-  }
-  const auto* halves = reinterpret_cast<const c10::Half*>(pairs);
-  for (int j = 0; j < kGroupVectors; ++j) out[j] = VecF::load(halves + j * VecF::kWidth);
-}
-
-// The 32-value types: a chunk is 8 blocks; byte offsets of m (-1: c = -kImplicitOffset d), of the high
-// bits (-1: none) and of the nibbles.
+// The 32-value types: a chunk is 8 blocks, each starting with d (float16); byte offsets of m (-1: none,
+// c = -kImplicitOffset d; else right after d), of the high bits (-1: none) and of the nibbles.
 template <int kTypeNumber, int kBytes, int kMinOffset, int kHighOffset, int kCodeOffset, int kImplicitOffset>
 struct SmallBlocks {
   static constexpr int kType = kTypeNumber, kBlockValues = 32, kBlockBytes = kBytes;
   static constexpr bool kSigned = false;
 
+  static_assert(kMinOffset < 0 || kMinOffset == 2, "m follows d");
+
   static void scales(const uint8_t* p, int blocks, VecF* s, VecF* c) {
-    block_halves<kBytes>(p, 0, blocks, s);
-    for (int j = 0; j < kGroupVectors; ++j) {
-      if constexpr (kMinOffset < 0) c[j] = s[j] * VecF::set1(-static_cast<float>(kImplicitOffset));
+    const __m256i words = block_words<kBytes>(p, blocks);
+    word_halves(words, 0, s);
+    if constexpr (kMinOffset >= 0) {
+      word_halves(words, 16, c);
+    } else {
+      for (int j = 0; j < kGroupVectors; ++j) c[j] = s[j] * VecF::set1(-static_cast<float>(kImplicitOffset));
     }
-    if constexpr (kMinOffset >= 0) block_halves<kBytes>(p, kMinOffset, blocks, c);
   }
 
   static VecB codes(const uint8_t* p, int u, int blocks) {
@@ -231,7 +249,7 @@ struct Q8_0 {
   static constexpr bool kSigned = true;
 
   static void scales(const uint8_t* p, int blocks, VecF* s, VecF* c) {
-    block_halves<kBlockBytes>(p, 0, blocks, s);
+    word_halves(block_words<kBlockBytes>(p, blocks), 0, s);
     for (int j = 0; j < kGroupVectors; ++j) c[j] = VecF::zero();
   }
   static VecB codes(const uint8_t* p, int u, int blocks) {
@@ -252,10 +270,10 @@ inline void k_scales(const uint8_t* p, VecF* s, VecF* c) {
   uint32_t q[3];
   std::memcpy(q, p + 4, 12);
   constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
-  const uint32_t sc[2] = {q[0] & kLow6, (q[2] & kLow4) | (((q[0] >> 6) & kLow2) << 4)};
-  const uint32_t m[2] = {q[1] & kLow6, ((q[2] >> 4) & kLow4) | (((q[1] >> 6) & kLow2) << 4)};
-  const auto twice = [](const uint32_t* bytes) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
+  const uint64_t sc = (q[0] & kLow6) | uint64_t{(q[2] & kLow4) | (((q[0] >> 6) & kLow2) << 4)} << 32;
+  const uint64_t m = (q[1] & kLow6) | uint64_t{((q[2] >> 4) & kLow4) | (((q[1] >> 6) & kLow2) << 4)} << 32;
+  const auto twice = [](uint64_t bytes) {  // from a register: a vector load of just-stored words would stall
+    const __m128i b = _mm_cvtsi64_si128(static_cast<int64_t>(bytes));
     return _mm_unpacklo_epi8(b, b);
   };
   bytes_as_floats<false>(twice(sc), s);
