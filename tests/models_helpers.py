@@ -219,3 +219,24 @@ def _llama_cpp_tensors(hf_model):
             yield name + ".weight", tensor
         else:
             yield name, tensor
+
+
+# Byte offsets of each GGUF block type's float16 fields (d, m / dmin), which random bytes must not make NaN.
+_HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2]}
+_HALF_FIELDS |= {"Q5_K": [0, 2], "Q6_K": [208]}
+GGUF_TYPES = list(_HALF_FIELDS)
+
+
+def random_blocks(qtype, rows: int, cols: int, seed: int = 0):
+    """Random GGUF blocks of `qtype` (every bit pattern of the codes and small scales is a valid block)."""
+    from gguf import GGML_QUANT_SIZES
+
+    from pagedllm.models.gguf_quants import GGUFBlocks
+
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    for offset in _HALF_FIELDS[qtype.name]:
+        halves = rng.uniform(-0.05, 0.05, raw.shape[0]).astype(np.float16)
+        raw[:, offset : offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return GGUFBlocks(raw.reshape(rows, -1), qtype)

@@ -94,7 +94,7 @@ def test_kernel_packs_float32_in_panels_that_serve_the_lookups_too(tied):
 def test_default_method_per_device_and_dtype(monkeypatch):
     monkeypatch.delenv(LINEAR_METHOD_ENV_VAR, raising=False)
     # float32 goes to the kernel's panels where the AVX-512 build runs, else to oneDNN
-    fp32 = "kernel" if cpu.unavailable_reason() is None and cpu.selected_isa() == "avx512" else "onednn"
+    fp32 = "kernel" if cpu.unavailable_reason() is None and cpu.avx512_selected() else "onednn"
     assert default_linear_method("cpu", torch.float32).name == fp32
     assert default_linear_method("cpu", torch.float32, max_num_seqs=256).name == fp32
     assert default_linear_method("cpu", torch.bfloat16, max_num_seqs=256).name == "onednn"

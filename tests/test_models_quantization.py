@@ -1,12 +1,15 @@
-"""Weight-only quantization: GGUF blocks repacked exactly (against the `gguf` package's dequantizer),
+"""Weight-only quantization: GGUF blocks kept as the file stores them (values against the `gguf` package's
+dequantizer),
 int8 / int4 quantization error bounds, and every kernel-backed LinearMethod against the dense reference
 on the weights it stores."""
 
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+from models_helpers import GGUF_TYPES as TYPES
+from models_helpers import random_blocks
 
 from pagedllm.models.gguf_quants import KEPT_TYPES, GGUFBlocks
 from pagedllm.models.linear import DenseLinear, KernelLinear, Linear, process_linear_layers, weight_bytes
@@ -14,79 +17,62 @@ from pagedllm.models.quantization import (
     GGUFLinear,
     Int4Linear,
     Int8Linear,
+    blocks_storage,
     linear_method_for,
     quantize_int4,
     quantize_int8,
-    repack,
 )
 from pagedllm.ops import cpu
 
 pytestmark = pytest.mark.skipif(cpu.unavailable_reason() is not None, reason="needs the CPU kernels")
 
-# Byte offsets of each block type's float16 fields (d, m / dmin), which random bytes must not make NaN.
-_HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2]}
-_HALF_FIELDS |= {"Q5_K": [0, 2], "Q6_K": [208]}
 
-
-def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> GGUFBlocks:
-    """Random GGUF blocks of `qtype` (every bit pattern of the codes and small scales is a valid block)."""
-    rng = np.random.default_rng(seed)
-    block, size = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
-    for offset in _HALF_FIELDS[qtype.name]:
-        halves = rng.uniform(-0.05, 0.05, raw.shape[0]).astype(np.float16)
-        raw[:, offset : offset + 2] = halves.view(np.uint8).reshape(-1, 2)
-    return GGUFBlocks(raw.reshape(rows, -1), qtype)
-
-
-def stored_rows(stored) -> torch.Tensor:
+def stored_rows(stored, cols: int) -> torch.Tensor:
     """Every row of a StoredWeight, dequantized by the kernel's row lookup (float32 panels: unpacked)."""
     if stored.data.dim() == 3:
         return cpu.panel_rows(stored.data, torch.arange(stored.group_size))
+    if stored.format == "gguf":
+        ids = torch.arange(int(stored.scales[:, 0].sum()))
+        return cpu.dequantize_rows(stored.data, stored.scales, None, 0, ids, torch.float32, cols)
     ids = torch.arange(stored.data.shape[0])
     return cpu.dequantize_rows(stored.data, stored.scales, stored.mins, stored.group_size, ids, torch.float32)
 
 
 @pytest.mark.parametrize("qtype", sorted(KEPT_TYPES, key=lambda t: t.name), ids=lambda t: t.name)
-def test_each_kept_type_repacks_to_exactly_the_gguf_values(qtype):
+def test_each_kept_type_is_stored_as_the_files_bytes(qtype):
     blocks = random_blocks(qtype, 6, 512)
     assert blocks.shape == (6, 512)
     expected = torch.from_numpy(dequantize(blocks.raw, qtype))
-    stored = repack([blocks.unpack()])
-    assert stored.format == ("int4" if qtype.name.startswith("Q4") else "int8")
-    assert torch.equal(stored_rows(stored), expected)
+    stored = blocks_storage([blocks])
+    assert stored.format == "gguf" and stored.data.nbytes == blocks.raw.nbytes
+    assert np.array_equal(stored.data.numpy(), blocks.raw.reshape(-1))
+    assert stored.scales.tolist() == [[6, int(qtype)]]
+    assert torch.equal(stored_rows(stored, 512), expected)
     assert torch.equal(blocks.dequantize(), expected)
 
 
-def test_a_fused_projection_of_mixed_types_is_repacked_exactly():
-    """Gemma 3's Q4_K_M file mixes Q5_0 q/k with Q8_0 v (and Q4_K / Q6_K elsewhere): one int8 storage with
-    the smallest group (Q6_K's 16) holds them all, value for value."""
-    parts = [random_blocks(GGMLQuantizationType[name], 4, 256, seed=i) for i, name in enumerate(_HALF_FIELDS)]
-    stored = repack([p.unpack() for p in parts])
-    assert (stored.format, stored.group_size, stored.scales.dtype) == ("int8", 16, torch.float32)
+def test_a_fused_projection_of_mixed_types_keeps_each_shards_blocks():
+    """Gemma 3's Q4_K_M file mixes Q5_0 q/k with Q8_0 v, Qwen2.5's Q4_K with Q6_K: each shard keeps its
+    own blocks, one after another, value for value."""
+    parts = [random_blocks(GGMLQuantizationType[name], 4, 256, seed=i) for i, name in enumerate(TYPES)]
+    stored = blocks_storage(parts)
+    assert stored.data.nbytes == sum(p.raw.nbytes for p in parts)
+    assert stored.scales.tolist() == [[4, int(p.qtype)] for p in parts]
     expected = torch.cat([torch.from_numpy(dequantize(p.raw, p.qtype)) for p in parts])
-    assert torch.equal(stored_rows(stored), expected)
-
-
-def test_four_bit_types_stay_int4_with_half_scales_where_exact():
-    parts = [random_blocks(GGMLQuantizationType[name], 3, 256, seed=9) for name in ("Q4_0", "Q4_1")]
-    stored = repack([p.unpack() for p in parts])
-    assert (stored.format, stored.group_size, stored.scales.dtype) == ("int4", 32, torch.float16)
-    expected = torch.cat([torch.from_numpy(dequantize(p.raw, p.qtype)) for p in parts])
-    assert torch.equal(stored_rows(stored), expected)
+    assert torch.equal(stored_rows(stored, 256), expected)
 
 
 def test_a_type_not_kept_is_named():
     blocks = GGUFBlocks(np.zeros((1, 84), dtype=np.uint8), GGMLQuantizationType.Q2_K)
     with pytest.raises(ValueError, match="Q2_K is not kept quantized"):
-        blocks.unpack()
+        blocks_storage([blocks])
 
 
 def test_int8_error_is_at_most_half_a_step():
     w = torch.randn(64, 96) * torch.rand(64, 1)
     stored = quantize_int8(w)
     assert stored.group_size == 96 and stored.data.dtype == torch.int8
-    err = (stored_rows(stored) - w).abs()
+    err = (stored_rows(stored, w.shape[1]) - w).abs()
     assert (err <= stored.scales / 2 * (1 + 1e-5) + 1e-7).all()
 
 
@@ -94,7 +80,7 @@ def test_int4_error_is_about_half_a_step_per_group():
     w = torch.randn(32, 128)
     stored = quantize_int4(w)
     assert (stored.format, stored.group_size, stored.scales.dtype) == ("int4", 32, torch.float16)
-    err = (stored_rows(stored) - w).abs().reshape(32, 4, 32)
+    err = (stored_rows(stored, w.shape[1]) - w).abs().reshape(32, 4, 32)
     step = stored.scales.float()[..., None]
     assert (err <= step * 0.5 + 2e-3).all()  # + the float16 rounding of scale and min
     with pytest.raises(ValueError, match="divisible by 32"):
@@ -132,17 +118,17 @@ def test_kernel_methods_compute_dense_linear_on_their_stored_weight(method, dtyp
     layer = _layer(method(), dtype=dtype)
     process_linear_layers(layer)
     assert not hasattr(layer, "weight")
-    stored = stored_rows(layer.stored)
+    stored = stored_rows(layer.stored, 64)
     x = torch.randn(rows, 64).to(dtype)
     residual = torch.randn(rows, 40).to(dtype) if with_residual else None
     reference = Linear(64, 40, bias=True)  # float32 arithmetic on the same values, rounded once at the end
     reference.weight.data, reference.bias.data = stored, layer.bias.data.float()
     expected = DenseLinear().apply(reference, x.float(), None if residual is None else residual.float())
     tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
-    if dtype == torch.float32 and method is not KernelLinear and rows <= KernelLinear.STREAM_ROWS:
+    if method is not KernelLinear and rows <= KernelLinear.STREAM_ROWS:
         # 1-4 rows meet codes as int16 blocks: each value off by at most 1 / 65534 of its block's max
-        block_max = x.abs().reshape(rows, 2, 32).amax(dim=-1).repeat_interleave(32, dim=1)
-        tolerance["atol"] = 1e-5 + (block_max @ stored.abs().T).max().item() / 65534
+        block_max = x.float().abs().reshape(rows, 2, 32).amax(dim=-1).repeat_interleave(32, dim=1)
+        tolerance["atol"] += (block_max @ stored.abs().T).max().item() / 65534
     torch.testing.assert_close(layer(x, residual), expected.to(dtype), **tolerance)
     ids = torch.tensor([39, 0, 5])  # the same storage serves a tied embedding's lookups
     torch.testing.assert_close(layer.method.embedding(layer, ids), stored[ids].to(dtype))
@@ -165,7 +151,7 @@ def test_weight_bytes_counts_the_stored_formats():
 
 def test_linear_method_for_each_setting():
     assert linear_method_for("auto", "cpu", torch.float32, gguf=True).name == "gguf"
-    fp32 = "kernel" if cpu.unavailable_reason() is None and cpu.selected_isa() == "avx512" else "onednn"
+    fp32 = "kernel" if cpu.unavailable_reason() is None and cpu.avx512_selected() else "onednn"
     assert linear_method_for("auto", "cpu", torch.float32, gguf=False).name == fp32
     assert linear_method_for("auto", "cpu", torch.float16, gguf=True).name == "dense"  # kernels: fp32/bf16
     assert linear_method_for(None, "cpu", torch.float32, gguf=True).name == fp32

@@ -145,7 +145,8 @@ class StoredWeight:
     """A weight as pagedllm's C++ linear kernel reads it (ops/csrc/linear.cpp): `data` is W [N, K] in
     float32 / bf16, or int8 [N, K], or int4 pairs in uint8 [N, K / 2]; quantized data has [N, K / group_size]
     scales (float32 or float16) and, for int4 or offset int8, mins. float32 in panels (cpu.pack_panels) is
-    [ceil(N / 48), K, 48] with group_size = N."""
+    [ceil(N / 48), K, 48] with group_size = N. GGUF blocks are uint8 [bytes] with `scales` the int64
+    [shards, 2] table of each shard's (rows, ggml type)."""
 
     data: torch.Tensor
     scales: torch.Tensor | None = None
@@ -154,6 +155,8 @@ class StoredWeight:
 
     @property
     def format(self) -> str:
+        if self.data.dim() == 1:
+            return "gguf"
         return {torch.int8: "int8", torch.uint8: "int4"}.get(self.data.dtype, str(self.data.dtype)[6:])
 
     def tensors(self) -> list[torch.Tensor]:
@@ -207,7 +210,9 @@ class KernelLinear(LinearMethod):
         w = layer.stored
         if w.data.dim() == 3:  # float32 panels: a strided gather, no copy of the table
             return cpu.panel_rows(w.data, ids)
-        return cpu.dequantize_rows(w.data, w.scales, w.mins, w.group_size, ids, layer.params_dtype)
+        return cpu.dequantize_rows(
+            w.data, w.scales, w.mins, w.group_size, ids, layer.params_dtype, cols=layer.in_features
+        )
 
     def tensors(self, layer: Linear) -> list[torch.Tensor]:
         return layer.stored.tensors()
@@ -238,7 +243,7 @@ def default_linear_method(
     if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return DenseLinear()
     kernels = cpu.unavailable_reason() is None
-    if kernels and (few_rows(max_num_seqs) or (dtype == torch.float32 and cpu.selected_isa() == "avx512")):
+    if kernels and (few_rows(max_num_seqs) or (dtype == torch.float32 and cpu.avx512_selected())):
         return KernelLinear()
     return OneDNNLinear() if torch.backends.mkldnn.is_available() else DenseLinear()
 

@@ -22,8 +22,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.models.gguf_quants import GGUFBlocks
+from pagedllm.models.gguf_quants import KEPT_TYPES, GGUFBlocks
 from pagedllm.models.linear import Linear, MergedLinear
+from pagedllm.ops import cpu
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,10 @@ class VocabParallelEmbedding(nn.Module):
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.qtype is None:
             return F.embedding(ids, self.weight)
+        if self.qtype in KEPT_TYPES and cpu.unavailable_reason() is None:  # the C++ kernel's row reader
+            layout = torch.tensor([[self.blocks.shape[0], int(self.qtype)]])
+            flat = self.blocks.view(-1)
+            return cpu.dequantize_rows(flat, layout, None, 0, ids, self.dtype, cols=self.hidden)
         return GGUFBlocks(self.blocks[ids].numpy(), self.qtype).dequantize().to(self.dtype)
 
     def keep_quantized(self, table: GGUFBlocks) -> None:
@@ -240,7 +245,7 @@ class VocabParallelEmbedding(nn.Module):
         self.dtype = self.weight.dtype
         del self.weight
         self.register_buffer("blocks", torch.from_numpy(np.array(table.raw)), persistent=False)
-        self.qtype = table.qtype
+        self.qtype, self.hidden = table.qtype, table.shape[1]
 
     def checkpoint_part(self, pname: str, shard: str | None) -> Part:
         return self.part

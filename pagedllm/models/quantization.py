@@ -4,9 +4,9 @@ per-group scales, multiplied by pagedllm's C++ kernel (ops/csrc/linear.cpp) with
   int8   symmetric, one scale per output row (gpt-fast's int8 weight-only form): W = s_n * q, q in -127..127
   int4   asymmetric groups of 32 columns (Q4_1's form): W = s * q + m, q in 0..15, s and m float16;
          the LM head (and so a tied embedding) int8
-  gguf   a GGUF file's own blocks (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K), repacked exactly into the
-         int4 form (4-bit types) or the int8 form with group scales and mins (the others, and a fused
-         projection mixing types); the values multiplied are the file's, bit for bit
+  gguf   a GGUF file's own blocks (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K), kept as the file stores them
+         (the kernel unpacks them in registers: ops/csrc/quants.h); a fused projection's shards, which may
+         differ in type, one after another in one buffer; the values multiplied are the file's, bit for bit
 
 Why not torch's own weight-only ops: on this machine's CPU, `_weight_int8pack_mm` and
 `_weight_int4pack_mm_for_cpu` run 1-2 GFLOP/s with float32 activations (unvectorised) and at one row
@@ -16,12 +16,10 @@ quantizes the activations too. `pagedllm bench linear` measures them all side by
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
-from pagedllm.models.gguf_quants import GGUFBlocks, Unpacked
+from pagedllm.models.gguf_quants import KEPT_TYPES, GGUFBlocks
 from pagedllm.models.linear import (
     KernelLinear,
     Linear,
@@ -85,8 +83,8 @@ class Int4Linear(KernelLinear):
 
 class GGUFLinear(KernelLinear):
     """A GGUF file's quantized blocks, kept: each checkpoint shard is held as loaded (mapped from the file,
-    not yet read), and when the layer is processed its shards (q, k, v of a fused projection may differ
-    in type) are unpacked exactly and repacked into one storage, one layer at a time."""
+    not yet read), and when the layer is processed its shards' bytes are read once into one buffer, in
+    row order, as the kernel reads them."""
 
     name = "gguf"
 
@@ -104,32 +102,21 @@ class GGUFLinear(KernelLinear):
         if not all(isinstance(s, GGUFBlocks) for s in shards):  # a float shard: the layer stays float, exact
             dense = [s.dequantize() if isinstance(s, GGUFBlocks) else s for s in shards]
             return StoredWeight(torch.cat(dense).to(layer.params_dtype))
-        # each shard's map of the file is let go once it is read
-        return repack([shards.pop(0).unpack() for _ in range(len(shards))])
+        return blocks_storage(shards)
 
 
-def repack(shards: list[Unpacked]) -> StoredWeight:
-    """Row-stacked unpacked shards as one StoredWeight: int4 if every shard is 4-bit with one group size,
-    else int8; scales repeated to the smallest group; float16 scales where every one is exact in float16.
-    A lone shard's arrays are used as they are (no copy: the LM head's are the largest of a load)."""
-    group = math.gcd(*(s.group for s in shards))
-    int4 = all(s.bits == 4 for s in shards) and all(s.group == group for s in shards)
-    with_mins = int4 or any(s.mins is not None for s in shards)
-    stack = lambda arrays: arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-    widen = lambda a, s: a if s.group == group else np.repeat(a, s.group // group, axis=1)
-    q = stack([s.q.astype(np.uint8 if int4 else np.int8, copy=False) for s in shards])
-    scales = stack([widen(s.scales, s) for s in shards])
-    mins = None
-    if with_mins:
-        mins = stack([widen(s.mins if s.mins is not None else np.zeros_like(s.scales), s) for s in shards])
-    exact_in_half = all(
-        np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in (scales, mins) if a is not None
-    )
-    dtype = torch.float16 if exact_in_half else torch.float32
-    as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
-    q = torch.from_numpy(np.ascontiguousarray(q))
-    data = pack_int4(q) if int4 else q
-    return StoredWeight(data, as_tensor(scales), None if mins is None else as_tensor(mins), group)
+def blocks_storage(shards: list[GGUFBlocks]) -> StoredWeight:
+    """Row-stacked GGUF shards as the kernel's storage: their bytes one after another (uint8 [bytes], the
+    file's size exactly) and an int64 [shards, 2] table of (rows, ggml type) in place of scales."""
+    for shard in shards:
+        if shard.qtype not in KEPT_TYPES:
+            raise ValueError(
+                f"GGUF type {shard.qtype.name} is not kept quantized (kept: "
+                f"{', '.join(sorted(t.name for t in KEPT_TYPES))}); load with quantization=None"
+            )
+    data = np.concatenate([s.raw.reshape(-1) for s in shards])  # a copy: each shard's map is let go
+    layout = torch.tensor([[s.raw.shape[0], int(s.qtype)] for s in shards], dtype=torch.int64)
+    return StoredWeight(torch.from_numpy(data), layout)
 
 
 _METHODS: dict[str, type[LinearMethod]] = {"int8": Int8Linear, "int4": Int4Linear, "gguf": GGUFLinear}

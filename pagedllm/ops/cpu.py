@@ -1,11 +1,14 @@
 """`cpu` backend: the C++ kernels in csrc/, built on first use for the CPU's instruction set, cached on disk.
 
 The same sources are compiled once per instruction set (`avx512`: AVX-512 F/BW/VL/DQ, 16 float lanes;
-`avx2`: AVX2 + FMA, 8 lanes), each build registering its ops under its own namespace
+`avx2`: AVX2 + FMA, 8 lanes; `avx512_vnni` / `avx2_vnni` the same plus the VNNI byte dot product that
+GGUF blocks' integer matmuls use), each build registering its ops under its own namespace
 (torch.ops.pagedllm_avx512, ...), so that a binary never runs on a CPU that lacks its instructions and
-tests can load both builds side by side. The best build the CPU can run is chosen at run time (torch's
-CPU capability, which honours ATEN_CPU_CAPABILITY; PAGEDLLM_CPU_ISA names one explicitly). The build goes
-through torch.utils.cpp_extension (cache under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions).
+tests can load the builds side by side. The best build the CPU can run is chosen at run time (torch's
+CPU capability, which honours ATEN_CPU_CAPABILITY, and for VNNI the kernel's CPU flags in /proc/cpuinfo,
+which torch does not report; PAGEDLLM_CPU_ISA names one explicitly); if it fails to build, the next one
+is used, with one warning. The build goes through torch.utils.cpp_extension (cache under
+TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions).
 """
 
 from __future__ import annotations
@@ -13,16 +16,22 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import warnings
 from pathlib import Path
 
 import torch
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["attention.cpp", "decoder.cpp", "elementwise.cpp", "linear.cpp", "register.cpp", "sampling.cpp"]
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DPAGEDLLM_AVX512"]
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 ISA_FLAGS = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DPAGEDLLM_AVX512"],
-    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512_vnni": [*_AVX512, "-mavx512vnni", "-DPAGEDLLM_VNNI"],
+    "avx512": _AVX512,
+    "avx2_vnni": [*_AVX2, "-mavxvnni", "-DPAGEDLLM_VNNI"],
+    "avx2": _AVX2,
 }
+_VNNI_FLAG = {"avx512_vnni": "avx512_vnni", "avx2_vnni": "avx_vnni"}  # /proc/cpuinfo's name for each
 # -fopenmp must also reach the linker, or at::parallel_for runs on one thread. No FMA contraction: an
 # a * b + c written as two ops rounds twice, as PyTorch's ops do.
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
@@ -31,15 +40,36 @@ ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 ONEDNN_PACKED = -1  # decoder_layer's group size for a oneDNN-packed weight (csrc/decoder.cpp kOneDNNPacked)
 
 
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """The flags the kernel reports for the first CPU (empty where there is no /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def supported_isas() -> list[str]:
     """The instruction sets of ISA_FLAGS this CPU runs, best first."""
     capability = torch.backends.cpu.get_cpu_capability()
-    return {"AVX512": ["avx512", "avx2"], "AVX2": ["avx2"]}.get(capability, [])
+    base = {"AVX512": ["avx512", "avx2"], "AVX2": ["avx2"]}.get(capability, [])
+    isas = []
+    for isa in base:
+        vnni = f"{isa}_vnni"
+        if _VNNI_FLAG[vnni] in _cpu_flags():
+            isas.append(vnni)
+        isas.append(isa)
+    return isas
 
 
 @functools.cache
 def selected_isa() -> str | None:
-    """The build to use: $PAGEDLLM_CPU_ISA if set (it must be supported), else the best supported."""
+    """The build to use: $PAGEDLLM_CPU_ISA if set (it must be supported), else the best supported that
+    builds (a better one that fails to build is named in one warning)."""
     supported = supported_isas()
     requested = os.environ.get(ISA_ENV_VAR, "").strip().lower()
     if requested:
@@ -50,7 +80,18 @@ def selected_isa() -> str | None:
                 f"{ISA_ENV_VAR}={requested!r}, but this CPU supports only {supported or 'neither'}"
             )
         return requested
-    return supported[0] if supported else None
+    for isa in supported:
+        if build_error(isa) is None:
+            if isa != supported[0]:
+                warnings.warn(f"using the {isa} kernels: {build_error(supported[0])}", stacklevel=2)
+            return isa
+    return supported[0] if supported else None  # none builds: unavailable_reason says why
+
+
+def avx512_selected() -> bool:
+    """Whether the build in use is one of the AVX-512 ones (16 float lanes)."""
+    isa = selected_isa()
+    return isa is not None and isa.startswith("avx512")
 
 
 @functools.cache
@@ -204,7 +245,8 @@ def linear(
 ) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) (+ residual) for W stored row by row (see csrc/linear.cpp): float32 or
     bf16 [N, K]; int8 [N, K]; or int4 pairs in uint8 [N, K/2], with [N, K/group_size] scales (and mins);
-    or float32 in panels (pack_panels), with group_size = N."""
+    or float32 in panels (pack_panels), with group_size = N; or GGUF blocks, uint8 [bytes] with `scales`
+    an int64 [shards, 2] table of (rows, ggml type)."""
     return kernels().linear(x, weight, scales, mins, group_size, bias, residual)
 
 
@@ -286,9 +328,12 @@ def dequantize_rows(
     group_size: int,
     ids: torch.Tensor,
     dtype: torch.dtype,
+    cols: int | None = None,
 ) -> torch.Tensor:
-    """Rows `ids` of W (stored as for linear) as a [len(ids), K] tensor of `dtype` (an embedding lookup)."""
-    cols = weight.shape[1] * (2 if weight.dtype == torch.uint8 else 1)
+    """Rows `ids` of W (stored as for linear) as a [len(ids), K] tensor of `dtype` (an embedding lookup);
+    `cols` (K) is needed for GGUF blocks only."""
+    if cols is None:
+        cols = weight.shape[1] * (2 if weight.dtype == torch.uint8 else 1)
     out = torch.empty(ids.shape[0], cols, dtype=dtype)
     kernels().dequantize_rows(out, weight, scales, mins, group_size, ids.to(torch.int64).contiguous())
     return out

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "quants.h"
 #include "simd.h"
 
 namespace pagedllm {
@@ -475,6 +476,23 @@ void panel_tile(const float* panel, const float* x, int64_t ld_x, int64_t cols, 
 // L3 or memory again for each of the panels).
 constexpr int64_t kPanelChunkBytes = 256 << 10;
 
+// out[m_begin .. m_end, n .. n + valid] = x rows . the panel at output column n (+ bias) (+ residual).
+void panel_rows(const float* panel, int64_t n, int valid, int64_t n_rows, int64_t cols, const float* x,
+                int64_t m_begin, int64_t m_end, float* out, const float* bias, const float* residual,
+                int64_t ld_residual) {
+  const float* b = bias != nullptr ? bias + n : nullptr;
+  for (int64_t m = m_begin; m < m_end; m += kPanelTileRows) {
+    const float* xm = x + m * cols;
+    float* om = out + m * n_rows + n;
+    const float* rm = residual != nullptr ? residual + m * ld_residual + n : nullptr;
+    with_count<kPanelTileRows>(m_end - m, [&](auto rows) {
+      constexpr int MR = decltype(rows)::value;
+      constexpr int KU = std::max(1, 12 / (MR * kPanelVectors));  // ~12 sums in flight, within the registers
+      panel_tile<MR, KU>(panel, xm, cols, cols, om, n_rows, b, rm, ld_residual, valid);
+    });
+  }
+}
+
 // out[M, N] = x[M, K] W^T (+ bias) (+ residual) on a panel-packed float32 W. Work items are (chunk of
 // x's rows, panel), chunk after chunk: a thread's run of items takes every panel over one chunk in turn.
 void panel_matmul(const float* packed, int64_t n_rows, int64_t cols, const float* x, int64_t m_rows, float* out,
@@ -489,18 +507,249 @@ void panel_matmul(const float* packed, int64_t n_rows, int64_t cols, const float
       const int64_t p = i % panels, n = p * kPanelCols;
       const int64_t m_begin = i / panels * chunk_rows, m_end = std::min(m_rows, m_begin + chunk_rows);
       const int valid = static_cast<int>(std::min(kPanelCols, n_rows - n));
-      const float* panel = packed + p * cols * kPanelCols;
-      const float* b = bias != nullptr ? bias + n : nullptr;
-      for (int64_t m = m_begin; m < m_end; m += kPanelTileRows) {
-        const float* xm = x + m * cols;
-        float* om = out + m * n_rows + n;
-        const float* rm = residual != nullptr ? residual + m * ld_residual + n : nullptr;
-        with_count<kPanelTileRows>(m_end - m, [&](auto rows) {
-          constexpr int MR = decltype(rows)::value;
-          constexpr int KU = std::max(1, 12 / (MR * kPanelVectors));  // ~12 sums in flight, within the registers
-          panel_tile<MR, KU>(panel, xm, cols, cols, om, n_rows, b, rm, ld_residual, valid);
+      panel_rows(packed + p * cols * kPanelCols, n, valid, n_rows, cols, x, m_begin, m_end, out, bias, residual,
+                 ld_residual);
+    }
+  });
+}
+
+// GGUF's blocks as the file stores them (quants.h): weight uint8 [bytes], the rows of one or more
+// shards one after another (q, k and v of a fused projection may differ in type), with `scales` an
+// int64 [shards, 2] tensor of each shard's (rows, ggml type). Few rows of x (up to kStreamRows) are
+// rounded to int16 blocks of 32 once a call, as for int8 / int4 codes above, shared by every shard, and
+// meet the codes, unpacked in registers, in integer multiply-adds; per 16-value group g,
+//   x . w = sum_g d_x(g) (s_w(g) sum_i u_i q_i + c_w(g) sum_i q_i)
+// (quants.h's s, c). More rows: each thread dequantizes a panel of weight rows once into a float32
+// buffer in cache (exactly the file's values) and runs the float path's register tiles over it.
+struct BlockShard {
+  int64_t type, rows, first_row, row_bytes;
+  const uint8_t* data;
+};
+
+std::vector<BlockShard> block_shards(const at::Tensor& weight, const c10::optional<at::Tensor>& layout, int64_t cols) {
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous(), "GGUF blocks must be a contiguous uint8 tensor");
+  TORCH_CHECK(layout.has_value() && layout->scalar_type() == at::kLong && layout->dim() == 2 && layout->size(1) == 2 &&
+                  layout->is_contiguous(),
+              "GGUF blocks need `scales` as a contiguous int64 [shards, 2] tensor of (rows, ggml type)");
+  TORCH_CHECK(cols % 32 == 0, "GGUF blocks need x's columns (", cols, ") to be a multiple of 32");
+  const int64_t* entry = layout->data_ptr<int64_t>();
+  std::vector<BlockShard> shards;
+  int64_t row = 0, offset = 0;
+  for (int64_t i = 0; i < layout->size(0); ++i) {
+    const int64_t rows = entry[2 * i], type = entry[2 * i + 1];
+    int64_t bytes = -1;
+    quants::with_type(type, [&](auto t) {
+      using T = decltype(t);
+      TORCH_CHECK(cols % T::kBlockValues == 0, "ggml type ", type, " needs columns in multiples of ",
+                  T::kBlockValues, ", x has ", cols);
+      bytes = quants::row_bytes<T>(cols);
+    });
+    TORCH_CHECK(bytes >= 0, "ggml type ", type, " (shard ", i, ") is not one the kernel reads");
+    TORCH_CHECK(rows >= 0, "shard ", i, " has ", rows, " rows");
+    shards.push_back({type, rows, row, bytes, weight.data_ptr<uint8_t>() + offset});
+    row += rows;
+    offset += rows * bytes;
+  }
+  TORCH_CHECK(offset == weight.numel(), "the shards' rows take ", offset, " bytes, the weight has ", weight.numel());
+  return shards;
+}
+
+int64_t total_rows(const std::vector<BlockShard>& shards) {
+  int64_t rows = 0;
+  for (const BlockShard& s : shards) rows += s.rows;
+  return rows;
+}
+
+// Rows of x as int16 blocks of 32 (scale max |x| / 32767), zero-padded to whole chunks of 256, each unit
+// in quants::dot's order, with each 16-value group's scale and scale * (sum of its codes).
+struct ActivationBlocks {
+  int64_t cols, chunks, padded;
+  std::vector<int16_t> q;               // [rows, padded]
+  std::vector<float> scale, code_sum;   // [rows, padded / 16]
+
+  ActivationBlocks(const float* x, int64_t rows, int64_t cols_)
+      : cols(cols_),
+        chunks((cols_ + quants::kChunkValues - 1) / quants::kChunkValues),
+        padded(chunks * quants::kChunkValues),
+        q(rows * padded, 0),
+        scale(rows * padded / quants::kGroupValues, 0.f),
+        code_sum(rows * padded / quants::kGroupValues, 0.f) {
+    constexpr int kVectors = 32 / VecF::kWidth, kPerGroup = quants::kGroupValues / VecF::kWidth;
+    constexpr int kUnit = quants::kUnitValues;
+    alignas(64) int16_t codes[32];
+    for (int64_t m = 0; m < rows; ++m) {
+      for (int64_t b = 0; b < cols / 32; ++b) {
+        const float* src = x + m * cols + b * 32;
+        VecF v[kVectors], amax = VecF::zero();
+        for (int j = 0; j < kVectors; ++j) {
+          v[j] = VecF::load(src + j * VecF::kWidth);
+          amax = max(amax, max(v[j], VecF::zero() - v[j]));
+        }
+        const float d = reduce_max(amax) / 32767.f;
+        const VecF inverse = VecF::set1(d > 0.f ? 1.f / d : 0.f);
+        float sums[2] = {0.f, 0.f};
+        for (int j = 0; j < kVectors; ++j) {
+          const VecF r = round_nearest(v[j] * inverse);
+          store_int16(r, codes + j * VecF::kWidth);
+          sums[j / kPerGroup] += reduce_add(r);
+        }
+        // value i of the block: unit position (i % kUnit) in dot's order
+        int16_t* row = q.data() + m * padded;
+        for (int i = 0; i < 32; ++i) {
+          const int64_t v_index = b * 32 + i, in_unit = v_index % kUnit;
+          const int64_t lane = in_unit / 16, half = in_unit % 16 / 8;
+          row[v_index - in_unit + half * (kUnit / 2) + lane * 8 + in_unit % 8] = codes[i];
+        }
+        for (int g = 0; g < 2; ++g) {
+          scale[(m * padded + b * 32) / quants::kGroupValues + g] = d;
+          code_sum[(m * padded + b * 32) / quants::kGroupValues + g] = d * sums[g];
+        }
+      }
+    }
+  }
+  int blocks_in(int64_t k) const { return static_cast<int>(std::min<int64_t>(8, (cols - k * quants::kChunkValues) / 32)); }
+  const int16_t* unit(int64_t m, int64_t k, int u) const {
+    return q.data() + m * padded + k * quants::kChunkValues + u * quants::kUnitValues;
+  }
+  VecF scales(int64_t m, int64_t k, int j) const {
+    return VecF::load(scale.data() + (m * padded + k * quants::kChunkValues) / quants::kGroupValues + j * VecF::kWidth);
+  }
+  VecF sums(int64_t m, int64_t k, int j) const {
+    return VecF::load(code_sum.data() + (m * padded + k * quants::kChunkValues) / quants::kGroupValues + j * VecF::kWidth);
+  }
+};
+
+// out[0 .. MR, n] for one weight row of type T. Each x row sums its units in kChains chains of
+// multiply-adds (a unit's work is shorter than one multiply-add's latency).
+template <typename T, int MR>
+void blocks_row(const uint8_t* row, const ActivationBlocks& x, int64_t n, const Epilogue& out) {
+  using namespace quants;
+  constexpr int kUnits = kChunkValues / kUnitValues, kChains = std::max(1, 4 / MR);
+  VecF acc[MR][kChains], offsets[MR];
+  for (int i = 0; i < MR; ++i) {
+    offsets[i] = VecF::zero();
+    for (int j = 0; j < kChains; ++j) acc[i][j] = VecF::zero();
+  }
+  for (int64_t k = 0; k < x.chunks; ++k) {
+    const uint8_t* p = row + k * chunk_bytes<T>();
+    const int blocks = x.blocks_in(k);
+    VecF s[kGroupVectors], c[kGroupVectors], scale[MR][kGroupVectors];
+    T::scales(p, blocks, s, c);
+    for (int j = 0; j < kGroupVectors; ++j) {
+      for (int i = 0; i < MR; ++i) {
+        scale[i][j] = s[j] * x.scales(i, k, j);
+        offsets[i] = fmadd(c[j], x.sums(i, k, j), offsets[i]);
+      }
+    }
+    // unrolled (u a constant: unit_scales' indices fold, the chains stay in registers); a K super-block
+    // has all kUnits
+    const int units = T::kBlockValues == kChunkValues ? kUnits : (blocks * 32 + kUnitValues - 1) / kUnitValues;
+    for (int u = 0; u < kUnits; ++u) {
+      if (u >= units) break;
+      const VecB codes = T::codes(p, u, blocks);
+      for (int i = 0; i < MR; ++i) {
+        const VecI dots = dot<T::kSigned>(codes, x.unit(i, k, u));
+        acc[i][u % kChains] = fmadd(VecF::from_int(dots), unit_scales(scale[i], u), acc[i][u % kChains]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    VecF sum = offsets[i];
+    for (int j = 0; j < kChains; ++j) sum = sum + acc[i][j];
+    out.store(i, n, reduce_add(sum));
+  }
+}
+
+// Work items of at most `size` rows, none crossing a shard: (shard, first row, end row) in it.
+struct ShardPanel {
+  int64_t shard, n0, n1;
+};
+std::vector<ShardPanel> shard_panels(const std::vector<BlockShard>& shards, int64_t size) {
+  std::vector<ShardPanel> panels;
+  for (int64_t s = 0; s < static_cast<int64_t>(shards.size()); ++s)
+    for (int64_t n = 0; n < shards[s].rows; n += size) panels.push_back({s, n, std::min(n + size, shards[s].rows)});
+  return panels;
+}
+
+// A panel's rows of a shard dequantized into pack_panels' layout ([cols, kPanelCols], zeros past its
+// rows), through `row` (cols floats).
+template <typename T>
+void dequantize_panel(const BlockShard& shard, const ShardPanel& p, int64_t cols, float* panel, float* row) {
+  for (int r = 0; r < kPanelCols; ++r) {
+    const bool real = p.n0 + r < p.n1;
+    if (real) quants::dequantize_row<T>(shard.data + (p.n0 + r) * shard.row_bytes, cols, row);
+    for (int64_t k = 0; k < cols; ++k) panel[k * kPanelCols + r] = real ? row[k] : 0.f;
+  }
+}
+
+void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const float* x, int64_t m_rows,
+                   const Epilogue& out) {
+  if (m_rows <= kStreamRows) {
+    const std::vector<ShardPanel> panels = shard_panels(shards, kPanelRows);
+    const auto items = static_cast<int64_t>(panels.size());
+    const ActivationBlocks qx(x, m_rows, cols);
+    const int64_t grain = std::max<int64_t>(1, kTaskWork / (kPanelRows * cols * m_rows));
+    at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const ShardPanel& panel = panels[item];
+        const BlockShard& shard = shards[panel.shard];
+        quants::with_type(shard.type, [&](auto t) {
+          using T = decltype(t);
+          for (int64_t n = panel.n0; n < panel.n1; ++n) {
+            const uint8_t* row = shard.data + n * shard.row_bytes;
+            with_count<static_cast<int>(kStreamRows)>(m_rows, [&](auto rows) {
+              blocks_row<T, decltype(rows)::value>(row, qx, shard.first_row + n, out);
+            });
+          }
         });
       }
+    });
+    return;
+  }
+  if (!out.bf16) {
+    // float32 out: panels of 48 dequantized once for each run of kChunkRows rows of x, under panel_matmul's
+    // register tiles; items panel after panel over one run of x
+    const std::vector<ShardPanel> panels = shard_panels(shards, kPanelCols);
+    const auto items = static_cast<int64_t>(panels.size());
+    const int64_t chunks = (m_rows + kChunkRows - 1) / kChunkRows;
+    const int64_t grain = std::max<int64_t>(1, kTaskWork / (kPanelCols * cols * std::min(kChunkRows, m_rows)));
+    const int64_t n_rows = total_rows(shards);
+    at::parallel_for(0, items * chunks, grain, [&](int64_t begin, int64_t end) {
+      static thread_local std::vector<float> panel, row;
+      panel.resize(kPanelCols * cols);
+      row.resize(cols);
+      for (int64_t item = begin; item < end; ++item) {
+        const ShardPanel& p = panels[item % items];
+        const BlockShard& shard = shards[p.shard];
+        const int64_t m0 = item / items * kChunkRows, m1 = std::min(m0 + kChunkRows, m_rows);
+        quants::with_type(shard.type, [&](auto t) { dequantize_panel<decltype(t)>(shard, p, cols, panel.data(), row.data()); });
+        panel_rows(panel.data(), shard.first_row + p.n0, static_cast<int>(p.n1 - p.n0), n_rows, cols, x, m0, m1,
+                   static_cast<float*>(out.out), static_cast<const float*>(out.bias),
+                   static_cast<const float*>(out.residual), out.ld_residual);
+      }
+    });
+    return;
+  }
+  const std::vector<ShardPanel> panels = shard_panels(shards, kPanelRows);
+  const auto items = static_cast<int64_t>(panels.size());
+  const int64_t chunks = (m_rows + kChunkRows - 1) / kChunkRows;
+  const int64_t grain = std::max<int64_t>(1, kTaskWork / (kPanelRows * cols * std::min(kChunkRows, m_rows)));
+  at::parallel_for(0, items * chunks, grain, [&](int64_t begin, int64_t end) {
+    static thread_local std::vector<float> buffer;
+    buffer.resize(kPanelRows * cols);
+    for (int64_t item = begin; item < end; ++item) {
+      const ShardPanel& panel = panels[item / chunks];
+      const BlockShard& shard = shards[panel.shard];
+      const int64_t m0 = (item % chunks) * kChunkRows, m1 = std::min(m0 + kChunkRows, m_rows);
+      // consecutive items of a thread share a panel: converted once for all its chunks of x
+      if (item == begin || item % chunks == 0) {
+        quants::with_type(shard.type, [&](auto t) {
+          for (int64_t n = panel.n0; n < panel.n1; ++n)
+            quants::dequantize_row<decltype(t)>(shard.data + n * shard.row_bytes, cols, buffer.data() + (n - panel.n0) * cols);
+        });
+      }
+      const DenseRows<float, 1> rows{buffer.data(), cols, cols};
+      block(rows, 0, panel.n1 - panel.n0, x, cols, m0, m1, out, shard.first_row + panel.n0, false);
     }
   });
 }
@@ -579,8 +828,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                   const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && is_float_or_bf16(x), "x must be a 2-D float32 or bfloat16 tensor, got ", x.sizes(),
               " ", x.scalar_type());
-  const bool packed = weight.dim() == 3;
-  const int64_t m_rows = x.size(0), cols = x.size(1), n_rows = packed ? group_size : weight.size(0);
+  const bool packed = weight.dim() == 3, blocks = weight.dim() == 1;
+  const int64_t m_rows = x.size(0), cols = x.size(1);
+  const std::vector<BlockShard> shards = blocks ? block_shards(weight, scales, cols) : std::vector<BlockShard>{};
+  const int64_t n_rows = packed ? group_size : blocks ? total_rows(shards) : weight.size(0);
   if (packed) {
     TORCH_CHECK(weight.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat && weight.is_contiguous() &&
                     weight.size(2) == kPanelCols && weight.size(1) == cols &&
@@ -611,6 +862,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                           residual.has_value() ? residual->stride(0) : 0,
                           x.scalar_type() == at::kBFloat16};
   if (m_rows == 0 || n_rows == 0) return out;
+  if (blocks) {
+    blocks_matmul(shards, cols, xf.data_ptr<float>(), m_rows, epilogue);
+    return out;
+  }
   if (packed) {
     panel_matmul(weight.data_ptr<float>(), n_rows, cols, xf.data_ptr<float>(), m_rows, out.data_ptr<float>(),
                  bias.has_value() ? bias->data_ptr<float>() : nullptr,
@@ -632,12 +887,34 @@ void dequantize_rows(at::Tensor out, const at::Tensor& weight, const c10::option
               "ids must be a contiguous 1-D int64 tensor");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == ids.size(0) && out.is_contiguous() && is_float_or_bf16(out),
               "out must be a contiguous float32 or bfloat16 [len(ids), K] tensor");
-  const int64_t cols = out.size(1), n_rows = weight.size(0), count = ids.size(0);
+  const int64_t cols = out.size(1), count = ids.size(0);
+  const std::vector<BlockShard> shards = weight.dim() == 1 ? block_shards(weight, scales, cols) : std::vector<BlockShard>{};
+  const int64_t n_rows = weight.dim() == 1 ? total_rows(shards) : weight.size(0);
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < count; ++i) {
     TORCH_CHECK(id[i] >= 0 && id[i] < n_rows, "row id ", id[i], " is out of range [0, ", n_rows, ")");
   }
   const bool bf16 = out.scalar_type() == at::kBFloat16;
+  if (!shards.empty()) {
+    at::parallel_for(0, count, std::max<int64_t>(1, kTaskWork / (4 * cols)), [&](int64_t begin, int64_t end) {
+      std::vector<float> row(bf16 ? cols : 0);
+      for (int64_t i = begin; i < end; ++i) {
+        const auto shard = std::find_if(shards.begin(), shards.end(), [&](const BlockShard& s) {
+          return id[i] < s.first_row + s.rows;
+        });
+        float* dst = bf16 ? row.data() : out.data_ptr<float>() + i * cols;
+        quants::with_type(shard->type, [&](auto t) {
+          quants::dequantize_row<decltype(t)>(shard->data + (id[i] - shard->first_row) * shard->row_bytes, cols, dst);
+        });
+        if (bf16) {
+          for_each_chunk(cols, [&](int64_t k, int n) {
+            store(load(row.data() + k, n), out.data_ptr<c10::BFloat16>() + i * cols + k, n);
+          });
+        }
+      }
+    });
+    return;
+  }
   with_source<false>(weight, scales, mins, group_size, cols, [&](const auto& src) {
     using Source = std::decay_t<decltype(src)>;
     at::parallel_for(0, count, std::max<int64_t>(1, kTaskWork / (4 * cols)), [&](int64_t begin, int64_t end) {

@@ -1,0 +1,409 @@
+// GGUF's quantized blocks as the file stores them, read in registers: each block type's codes for one
+// SIMD vector of bytes, and its scales, with nothing repacked (the weight in memory is the file's bytes).
+//
+// Every type is read as unsigned codes u with a float scale s and offset c for each group of 16 values,
+// W = s * u + c (exact in float32: s * u is, and the sum's one rounding is the reference's), except Q8_0,
+// whose codes are signed (W = s * q):
+//
+//   type  block  bytes  u                                  s           c
+//   Q4_0  32     18     4 bits                             d           -8 d
+//   Q4_1  32     20     4 bits                             d           m
+//   Q5_0  32     22     4 bits + a high bit                d           -16 d
+//   Q5_1  32     24     4 bits + a high bit                d           m
+//   Q8_0  32     34     int8 q (signed)                    d           0
+//   Q4_K  256    144    4 bits, 8 sub-blocks of 32         d * sc_j    -dmin * m_j   (6-bit sc_j, m_j)
+//   Q5_K  256    176    4 bits + a high bit                d * sc_j    -dmin * m_j
+//   Q6_K  256    210    4 bits + 2 high bits, 16 of 16     d * sc_g    -32 d * sc_g  (int8 sc_g)
+//
+// A row is read in chunks of 256 values (a K super-block, or eight 32-blocks; a row's last chunk of
+// 32-blocks may hold fewer), each chunk in units of one vector of byte codes (64 on AVX-512, 32 on AVX2)
+// in the values' order. A unit meets activations as int16 values (ActivationBlocks in linear.cpp) in
+// multiply-adds of 16-bit pairs (VNNI's vpdpwssd, else pmaddwd): the codes widened by byte interleaving
+// (unpacklo / unpackhi within each 128-bit lane of 16 values; the activations are stored in that
+// order) and both halves summed into one vector whose 128-bit lane k holds the unit's group k: 32-bit
+// lanes 4g .. 4g + 3 of a chunk's 256 values belong to its group g.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "simd.h"
+
+namespace pagedllm {
+namespace quants {
+
+constexpr int kChunkValues = 256;
+constexpr int kGroupValues = 16;
+constexpr int kGroups = kChunkValues / kGroupValues;
+constexpr int kGroupVectors = kGroups / VecF::kWidth;  // vectors of one float per group of a chunk
+
+inline float half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+inline uint32_t bits32(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  return bits;
+}
+
+#if defined(PAGEDLLM_AVX512)
+
+using VecB = __m512i;
+constexpr int kUnitValues = 64;
+using VecI = __m512i;
+
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m512i mask_bytes(VecB v, int value) { return _mm512_and_si512(v, _mm512_set1_epi8(static_cast<char>(value))); }
+// 32 bytes at p -> 64 codes: their low nibbles, then their high nibbles (the bytes broadcast to both
+// halves by the load, each half shifted by its own count: no shuffle).
+inline VecB split_nibbles(const uint8_t* p) {
+  const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  return mask_bytes(_mm512_srlv_epi16(_mm512_broadcast_i64x4(load32(p)), shifts), 15);
+}
+// Two 32-value blocks of nibbles (16 bytes each: value i in byte i's low nibble, i + 16 in its high) ->
+// their 64 codes in order: a, a >> 4, b, b >> 4 in the four 128-bit lanes.
+inline VecB two_nibble_blocks(const uint8_t* a, const uint8_t* b) {
+  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(load16(a))),
+                                          _mm256_broadcastsi128_si256(load16(b)), 1);
+  const __m512i shifts = _mm512_setr_epi64(0, 0, 0x0004000400040004, 0x0004000400040004, 0, 0,
+                                           0x0004000400040004, 0x0004000400040004);
+  return mask_bytes(_mm512_srlv_epi16(both, shifts), 15);
+}
+// `value` in each byte whose bit is set in `bits` (bit i for byte i), else 0.
+inline VecB bit_bytes(uint64_t bits, int value) {
+  return _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(static_cast<char>(value)));
+}
+
+// Lanes of sum w_i x_i over 4 values each: a unit's codes (signed or not) against its activations
+// (int16, in dot's order: each 128-bit lane's first 8 values, then each one's last 8).
+template <bool kSigned>
+inline VecI dot(VecB codes, const int16_t* x) {
+  const __m512i high = kSigned ? _mm512_movm_epi8(_mm512_movepi8_mask(codes)) : _mm512_setzero_si512();
+  const __m512i first = _mm512_unpacklo_epi8(codes, high), second = _mm512_unpackhi_epi8(codes, high);
+  const __m512i xa = _mm512_loadu_si512(x), xb = _mm512_loadu_si512(x + 32);
+#if defined(PAGEDLLM_VNNI)
+  return _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), first, xa), second, xb);
+#else
+  return _mm512_add_epi32(_mm512_madd_epi16(first, xa), _mm512_madd_epi16(second, xb));
+#endif
+}
+// 16 bytes (signed or not) as kGroupVectors vectors of floats.
+template <bool kSigned>
+inline void bytes_as_floats(__m128i b, VecF* out) {
+  out[0] = _mm512_cvtepi32_ps(kSigned ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+}
+// The group scales of unit u's lanes (lane l: group 4u + l / 4).
+inline VecF unit_scales(const VecF* groups, int u) {
+  const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(4 * u),
+                                         _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2));
+  return _mm512_permutexvar_ps(index, groups[0].v);
+}
+// The 32-bit words at the start of each of a chunk's first `blocks` 32-value blocks (kBytes apart), zero
+// past them: one gather, where a scalar loop's stores stalled the vector load that followed them.
+template <int kBytes>
+inline __m256i block_words(const uint8_t* p, int blocks) {
+  const __m256i index = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(kBytes));
+  return _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), static_cast<__mmask8>((1u << blocks) - 1), index,
+                                      p, 1);
+}
+// The words' low (shift 0) or high (16) float16 halves as floats, once per group.
+inline void word_halves(__m256i words, int shift, VecF* out) {
+  const __m256 values = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(words, shift)));
+  const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  out[0] = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(values));
+}
+// Vector j (of kUnitValues / kWidth) of a unit's codes as floats.
+template <bool kSigned>
+inline VecF code_floats(VecB codes, int j) {
+  alignas(64) uint8_t bytes[64];
+  _mm512_store_si512(bytes, codes);
+  const __m128i part = load16(bytes + 16 * j);
+  return _mm512_cvtepi32_ps(kSigned ? _mm512_cvtepi8_epi32(part) : _mm512_cvtepu8_epi32(part));
+}
+// Which group vector j of unit u lies in.
+inline int vector_group(int u, int j) { return 4 * u + j; }
+
+#else  // AVX2
+
+using VecB = __m256i;
+constexpr int kUnitValues = 32;
+using VecI = __m256i;
+
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline VecB mask_bytes(VecB v, int value) { return _mm256_and_si256(v, _mm256_set1_epi8(static_cast<char>(value))); }
+// A 32-value block of nibbles (value i in byte i's low nibble, i + 16 in its high) -> its codes in order.
+inline VecB nibble_block(const uint8_t* q) {
+  const __m128i b = load16(q);
+  return mask_bytes(_mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1), 15);
+}
+inline VecB bit_bytes(uint32_t bits, int value) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  return mask_bytes(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), value);
+}
+template <bool kSigned>
+inline VecI dot(VecB codes, const int16_t* x) {
+  const __m256i high = kSigned ? _mm256_cmpgt_epi8(_mm256_setzero_si256(), codes) : _mm256_setzero_si256();
+  const __m256i first = _mm256_unpacklo_epi8(codes, high), second = _mm256_unpackhi_epi8(codes, high);
+  const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+#if defined(PAGEDLLM_VNNI)
+  return _mm256_dpwssd_avx_epi32(_mm256_dpwssd_avx_epi32(_mm256_setzero_si256(), first, xa), second, xb);
+#else
+  return _mm256_add_epi32(_mm256_madd_epi16(first, xa), _mm256_madd_epi16(second, xb));
+#endif
+}
+template <bool kSigned>
+inline void bytes_as_floats(__m128i b, VecF* out) {
+  out[0] = _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+  const __m128i rest = _mm_srli_si128(b, 8);
+  out[1] = _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(rest) : _mm256_cvtepu8_epi32(rest));
+}
+// The group scales of unit u's lanes (lane l: group 2u + l / 4).
+inline VecF unit_scales(const VecF* groups, int u) {
+  const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(2 * (u % 4)), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  return _mm256_permutevar8x32_ps(groups[u / 4].v, index);
+}
+template <int kBytes>
+inline __m256i block_words(const uint8_t* p, int blocks) {
+  const __m256i index = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(kBytes));
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(blocks), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(p), index, mask, 1);
+}
+inline void word_halves(__m256i words, int shift, VecF* out) {
+  const __m256i low = _mm256_and_si256(_mm256_srli_epi32(words, shift), _mm256_set1_epi32(0xffff));
+  const __m256 values =
+      _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1)));
+  out[0] = _mm256_permutevar8x32_ps(values, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+  out[1] = _mm256_permutevar8x32_ps(values, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+}
+template <bool kSigned>
+inline VecF code_floats(VecB codes, int j) {
+  alignas(32) uint8_t bytes[32];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), codes);
+  const __m128i part = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * j));
+  return _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part));
+}
+inline int vector_group(int u, int j) { return 2 * u + j / 2; }
+
+#endif
+
+// The types. Each has kType (ggml's number), kBlockValues, kBlockBytes, kSigned, and for a chunk p of a
+// row holding `blocks` 32-value blocks:
+//   scales(p, blocks, s, c)  the chunk's kGroups scales and offsets as kGroupVectors vectors each (zero
+//                            past its blocks)
+//   codes(p, u, blocks)      unit u's codes (a unit past the blocks reads bytes of the chunk's first
+//                            block: the activations there are zeros)
+
+// The 32-value types: a chunk is 8 blocks, each starting with d (float16); byte offsets of m (-1: none,
+// c = -kImplicitOffset d; else right after d), of the high bits (-1: none) and of the nibbles.
+template <int kTypeNumber, int kBytes, int kMinOffset, int kHighOffset, int kCodeOffset, int kImplicitOffset>
+struct SmallBlocks {
+  static constexpr int kType = kTypeNumber, kBlockValues = 32, kBlockBytes = kBytes;
+  static constexpr bool kSigned = false;
+
+  static_assert(kMinOffset < 0 || kMinOffset == 2, "m follows d");
+
+  static void scales(const uint8_t* p, int blocks, VecF* s, VecF* c) {
+    const __m256i words = block_words<kBytes>(p, blocks);
+    word_halves(words, 0, s);
+    if constexpr (kMinOffset >= 0) {
+      word_halves(words, 16, c);
+    } else {
+      for (int j = 0; j < kGroupVectors; ++j) c[j] = s[j] * VecF::set1(-static_cast<float>(kImplicitOffset));
+    }
+  }
+
+  static VecB codes(const uint8_t* p, int u, int blocks) {
+    constexpr int kPer = kUnitValues / 32;  // blocks a unit
+    const uint8_t* a = p + u * kPer * kBytes;
+#if defined(PAGEDLLM_AVX512)
+    const uint8_t* b = u * kPer + 1 < blocks ? a + kBytes : a;
+    VecB q = two_nibble_blocks(a + kCodeOffset, b + kCodeOffset);
+    if constexpr (kHighOffset >= 0) {
+      q = _mm512_or_si512(q, bit_bytes(bits32(a + kHighOffset) | uint64_t{bits32(b + kHighOffset)} << 32, 16));
+    }
+#else
+    (void)blocks;
+    VecB q = nibble_block(a + kCodeOffset);
+    if constexpr (kHighOffset >= 0) q = _mm256_or_si256(q, bit_bytes(bits32(a + kHighOffset), 16));
+#endif
+    return q;
+  }
+};
+
+using Q4_0 = SmallBlocks<2, 18, -1, -1, 2, 8>;
+using Q4_1 = SmallBlocks<3, 20, 2, -1, 4, 0>;
+using Q5_0 = SmallBlocks<6, 22, -1, 2, 6, 16>;
+using Q5_1 = SmallBlocks<7, 24, 2, 4, 8, 0>;
+
+struct Q8_0 {
+  static constexpr int kType = 8, kBlockValues = 32, kBlockBytes = 34;
+  static constexpr bool kSigned = true;
+
+  static void scales(const uint8_t* p, int blocks, VecF* s, VecF* c) {
+    word_halves(block_words<kBlockBytes>(p, blocks), 0, s);
+    for (int j = 0; j < kGroupVectors; ++j) c[j] = VecF::zero();
+  }
+  static VecB codes(const uint8_t* p, int u, int blocks) {
+#if defined(PAGEDLLM_AVX512)
+    const uint8_t* a = p + 2 * u * kBlockBytes + 2;
+    const uint8_t* b = 2 * u + 1 < blocks ? a + kBlockBytes : a;
+    return _mm512_inserti64x4(_mm512_castsi256_si512(load32(a)), load32(b), 1);
+#else
+    (void)blocks;
+    return load32(p + u * kBlockBytes + 2);
+#endif
+  }
+};
+
+// Q4_K / Q5_K's eight 6-bit (scale, min) pairs, unpacked as llama.cpp's get_scale_min_k4 reads them
+// (four at a time in 32-bit words), each once per group.
+inline void k_scales(const uint8_t* p, VecF* s, VecF* c) {
+  uint32_t q[3];
+  std::memcpy(q, p + 4, 12);
+  constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+  const uint64_t sc = (q[0] & kLow6) | uint64_t{(q[2] & kLow4) | (((q[0] >> 6) & kLow2) << 4)} << 32;
+  const uint64_t m = (q[1] & kLow6) | uint64_t{((q[2] >> 4) & kLow4) | (((q[1] >> 6) & kLow2) << 4)} << 32;
+  const auto twice = [](uint64_t bytes) {  // from a register: a vector load of just-stored words would stall
+    const __m128i b = _mm_cvtsi64_si128(static_cast<int64_t>(bytes));
+    return _mm_unpacklo_epi8(b, b);
+  };
+  bytes_as_floats<false>(twice(sc), s);
+  bytes_as_floats<false>(twice(m), c);
+  const VecF d = VecF::set1(half(p)), minus_dmin = VecF::set1(-half(p + 2));
+  for (int j = 0; j < kGroupVectors; ++j) {
+    s[j] = s[j] * d;
+    c[j] = c[j] * minus_dmin;
+  }
+}
+
+// Q4_K / Q5_K's nibbles: in each 32-byte run, the low nibbles are one sub-block, the high the next.
+inline VecB k_nibbles(const uint8_t* qs, int u) {
+#if defined(PAGEDLLM_AVX512)
+  return split_nibbles(qs + 32 * u);
+#else
+  const __m256i b = load32(qs + 32 * (u / 2));
+  return mask_bytes(u % 2 ? _mm256_srli_epi16(b, 4) : b, 15);
+#endif
+}
+
+struct Q4_K {
+  static constexpr int kType = 12, kBlockValues = 256, kBlockBytes = 144;
+  static constexpr bool kSigned = false;
+  static void scales(const uint8_t* p, int, VecF* s, VecF* c) { k_scales(p, s, c); }
+  static VecB codes(const uint8_t* p, int u, int) { return k_nibbles(p + 16, u); }
+};
+
+struct Q5_K {
+  static constexpr int kType = 13, kBlockValues = 256, kBlockBytes = 176;
+  static constexpr bool kSigned = false;
+  static void scales(const uint8_t* p, int, VecF* s, VecF* c) { k_scales(p, s, c); }
+  // The high bit of sub-block j's value l is bit j of qh[l].
+  static VecB codes(const uint8_t* p, int u, int) {
+    const __m256i qh = load32(p + 16);
+#if defined(PAGEDLLM_AVX512)
+    const uint64_t low = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * u))));
+    const uint64_t high = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * u + 1))));
+    return _mm512_or_si512(k_nibbles(p + 48, u), bit_bytes(low | high << 32, 16));
+#else
+    const __m256i bit = mask_bytes(_mm256_srli_epi16(qh, u), 1);
+    return _mm256_or_si256(k_nibbles(p + 48, u), _mm256_slli_epi16(bit, 4));
+#endif
+  }
+};
+
+// Q6_K: two halves of 128 values, each 64 bytes of nibbles ql and 32 of 2-bit pairs qh: value l (< 32)
+// of the half's four runs of 32 is ql[l] low, ql[l + 32] low, ql[l] high, ql[l + 32] high, with
+// bits 0-1, 2-3, 4-5, 6-7 of qh[l] on top; scales int8 at byte 192, d at 208.
+struct Q6_K {
+  static constexpr int kType = 14, kBlockValues = 256, kBlockBytes = 210;
+  static constexpr bool kSigned = false;
+  static void scales(const uint8_t* p, int, VecF* s, VecF* c) {
+    bytes_as_floats<true>(load16(p + 192), s);
+    const VecF d = VecF::set1(half(p + 208));
+    for (int j = 0; j < kGroupVectors; ++j) {
+      s[j] = s[j] * d;
+      c[j] = s[j] * VecF::set1(-32.f);
+    }
+  }
+  static VecB codes(const uint8_t* p, int u, int) {
+#if defined(PAGEDLLM_AVX512)
+    const int half = u / 2, high_nibbles = u % 2;
+    const __m512i ql = _mm512_loadu_si512(p + 64 * half);
+    const __m512i low = mask_bytes(high_nibbles ? _mm512_srli_epi16(ql, 4) : ql, 15);
+    const __m512i qh = _mm512_broadcast_i64x4(load32(p + 128 + 32 * half));
+    const __m512i shifts = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<short>(4 * high_nibbles)),
+                                              _mm256_set1_epi16(static_cast<short>(4 * high_nibbles + 2)), 1);
+    return _mm512_or_si512(low, _mm512_slli_epi16(mask_bytes(_mm512_srlv_epi16(qh, shifts), 3), 4));
+#else
+    const int half = u / 4, run = u % 4;
+    const __m256i ql = load32(p + 64 * half + 32 * (run % 2));
+    const __m256i low = mask_bytes(run / 2 ? _mm256_srli_epi16(ql, 4) : ql, 15);
+    const __m256i qh = load32(p + 128 + 32 * half);
+    return _mm256_or_si256(low, _mm256_slli_epi16(mask_bytes(_mm256_srli_epi16(qh, 2 * run), 3), 4));
+#endif
+  }
+};
+
+// Calls fn(T{}) for ggml type number `type`; false if it is not one of these.
+template <typename Fn>
+bool with_type(int64_t type, const Fn& fn) {
+  switch (type) {
+    case Q4_0::kType: fn(Q4_0{}); return true;
+    case Q4_1::kType: fn(Q4_1{}); return true;
+    case Q5_0::kType: fn(Q5_0{}); return true;
+    case Q5_1::kType: fn(Q5_1{}); return true;
+    case Q8_0::kType: fn(Q8_0{}); return true;
+    case Q4_K::kType: fn(Q4_K{}); return true;
+    case Q5_K::kType: fn(Q5_K{}); return true;
+    case Q6_K::kType: fn(Q6_K{}); return true;
+    default: return false;
+  }
+}
+
+// Bytes of a row of `cols` values of type T (cols a multiple of its block).
+template <typename T>
+int64_t row_bytes(int64_t cols) {
+  return cols / T::kBlockValues * T::kBlockBytes;
+}
+// Bytes of one chunk of 256 values.
+template <typename T>
+constexpr int64_t chunk_bytes() {
+  return kChunkValues / T::kBlockValues * T::kBlockBytes;
+}
+
+// A row of `cols` values as float32 (the values the reference dequantizer gives, bit for bit).
+template <typename T>
+void dequantize_row(const uint8_t* row, int64_t cols, float* out) {
+  alignas(64) float s[kGroups], c[kGroups];
+  for (int64_t k = 0; k * kChunkValues < cols; ++k) {
+    const uint8_t* p = row + k * chunk_bytes<T>();
+    const int blocks = static_cast<int>(std::min<int64_t>(8, (cols - k * kChunkValues) / 32));
+    VecF sv[kGroupVectors], cv[kGroupVectors];
+    T::scales(p, blocks, sv, cv);
+    for (int j = 0; j < kGroupVectors; ++j) {
+      sv[j].store(s + j * VecF::kWidth);
+      cv[j].store(c + j * VecF::kWidth);
+    }
+    for (int u = 0; u * kUnitValues < blocks * 32; ++u) {
+      const VecB codes = T::codes(p, u, blocks);
+      for (int j = 0; j < kUnitValues / VecF::kWidth; ++j) {
+        const int64_t v = k * kChunkValues + u * kUnitValues + j * VecF::kWidth;
+        if (v >= cols) break;
+        const int g = vector_group(u, j);
+        fmadd(code_floats<T::kSigned>(codes, j), VecF::set1(s[g]), VecF::set1(c[g])).store(out + v);
+      }
+    }
+  }
+}
+
+}  // namespace quants
+}  // namespace pagedllm

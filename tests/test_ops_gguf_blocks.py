@@ -1,0 +1,148 @@
+"""The C++ linear kernel on GGUF blocks as the file stores them (ops/csrc/quants.h), every block type on
+every instruction-set build this CPU runs, against the `gguf` package's dequantizer and float64 matmuls.
+
+Up to 4 rows of x are rounded to int16 blocks of 32 (scale max |x| / 32767) and meet the codes in integer
+arithmetic: there the reference rounds x the same way, written here independently. More rows multiply
+the dequantized values in float32.
+"""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from models_helpers import GGUF_TYPES, random_blocks
+
+from pagedllm.ops import cpu
+
+ISAS = cpu.supported_isas()
+pytestmark = pytest.mark.skipif(not ISAS, reason="the CPU kernels need AVX2")
+
+
+@pytest.fixture(params=ISAS)
+def kernels(request, monkeypatch):
+    monkeypatch.setattr(cpu, "selected_isa", lambda: request.param)
+    return cpu
+
+
+def storage(parts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(bytes, layout, the float64 W they stand for) of row-stacked GGUFBlocks."""
+    data = torch.from_numpy(np.concatenate([p.raw.reshape(-1) for p in parts]))
+    layout = torch.tensor([[p.raw.shape[0], int(p.qtype)] for p in parts])
+    w = torch.cat([torch.from_numpy(dequantize(p.raw, p.qtype)).double() for p in parts])
+    return data, layout, w
+
+
+def int16_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as int16 blocks of 32 columns, scale max |x| / 32767 each (float32 arithmetic)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 32767
+    inverse = torch.where(d > 0, 1 / d, 0)
+    return (torch.round(blocks * inverse) * d).reshape(x.shape)
+
+
+def expected(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (int16_blocks(x) if x.shape[0] <= 4 else x).double() @ w.T
+
+
+def tolerance(x: torch.Tensor, w: torch.Tensor) -> float:
+    """float32 rounding of sums of |x| |w| products."""
+    return 2e-6 * (x.abs().double() @ w.abs().T).max().item() + 1e-6
+
+
+# columns: K types a multiple of 256 (768: three super-blocks); 32-value types also 896 (a last chunk of
+# 4 blocks, Qwen2.5-0.5B's width) and 96 (3 blocks: an AVX-512 unit with one block)
+SHAPES = {"K": [768], "small": [896, 96]}
+
+
+def _cases():
+    for name in GGUF_TYPES:
+        for cols in SHAPES["K" if name.endswith("_K") else "small"]:
+            yield name, cols
+
+
+@pytest.mark.parametrize("name,cols", list(_cases()))
+@pytest.mark.parametrize("rows", [1, 3, 4, 17, 64])
+def test_each_block_type_matches_the_reference(kernels, name, cols, rows):
+    data, layout, w = storage([random_blocks(GGMLQuantizationType[name], 37, cols, seed=rows)])
+    x = torch.randn(rows, cols) * torch.logspace(-2, 2, cols)[torch.randperm(cols)]  # blocks of mixed size
+    out = kernels.linear(x, data, layout)
+    assert out.shape == (rows, 37) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected(x, w), atol=tolerance(x, w), rtol=0)
+
+
+@pytest.mark.parametrize("types", [("Q5_0", "Q5_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K")], ids="-".join)
+@pytest.mark.parametrize("rows", [1, 17])
+def test_mixed_shards_of_a_fused_projection_with_bias_and_residual(kernels, types, rows):
+    """Qwen2.5-Coder's q/k/v: 0.5B Q5_0 / Q5_0 / Q8_0 (896 wide), 1.5B Q4_K / Q4_K / Q6_K."""
+    cols = 896 if types[0] == "Q5_0" else 512
+    rows_each = (40, 8, 8)
+    parts = [random_blocks(GGMLQuantizationType[t], rows_each[i], cols, seed=i) for i, t in enumerate(types)]
+    data, layout, w = storage(parts)
+    x, bias, residual = torch.randn(rows, cols), torch.randn(56), torch.randn(rows, 56)
+    out = kernels.linear(x, data, layout, None, 0, bias, residual)
+    want = expected(x, w) + bias.double() + residual.double()
+    torch.testing.assert_close(out.double(), want, atol=tolerance(x, w), rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_bf16_activations_in_and_out(kernels, rows):
+    data, layout, w = storage([random_blocks(GGMLQuantizationType.Q4_K, 24, 256)])
+    x = torch.randn(rows, 256).bfloat16()
+    out = kernels.linear(x, data, layout)
+    assert out.dtype == torch.bfloat16
+    scale = (x.double().abs() @ w.abs().T).max().item()
+    torch.testing.assert_close(out.double(), expected(x, w), atol=1e-2 * scale, rtol=1e-2)
+
+
+@pytest.mark.parametrize("name", GGUF_TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_rows_gives_the_files_values(kernels, name, dtype):
+    parts = [random_blocks(GGMLQuantizationType[name], 5, 512, seed=1)]
+    parts.append(random_blocks(GGMLQuantizationType.Q8_0, 3, 512))
+    data, layout, w = storage(parts)
+    ids = torch.tensor([7, 0, 4, 5, 4])
+    rows = kernels.dequantize_rows(data, layout, None, 0, ids, dtype, cols=512)
+    assert torch.equal(rows, w[ids].to(dtype))
+
+
+def test_bad_blocks_are_named(kernels):
+    data, layout, _ = storage([random_blocks(GGMLQuantizationType.Q4_0, 4, 64)])
+    x = torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="ggml type 10 .* is not one the kernel reads"):
+        kernels.linear(x, data, torch.tensor([[4, 10]]))
+    with pytest.raises(RuntimeError, match="take 108 bytes, the weight has 144"):
+        kernels.linear(x, data, torch.tensor([[3, int(GGMLQuantizationType.Q4_0)]]))
+    with pytest.raises(RuntimeError, match="needs columns in multiples of 256"):
+        kernels.linear(torch.randn(1, 64), data, torch.tensor([[1, int(GGMLQuantizationType.Q4_K)]]))
+
+
+@pytest.mark.parametrize(
+    ("capability", "flags", "isas"),
+    [
+        ("AVX512", {"avx512_vnni", "avx_vnni"}, ["avx512_vnni", "avx512", "avx2_vnni", "avx2"]),
+        ("AVX512", set(), ["avx512", "avx2"]),
+        ("AVX2", {"avx_vnni"}, ["avx2_vnni", "avx2"]),
+        ("AVX2", set(), ["avx2"]),  # an AVX2-only CPU never gets a VNNI build
+        ("DEFAULT", {"avx512_vnni"}, []),
+    ],
+)
+def test_the_vnni_builds_follow_the_cpus_flags(monkeypatch, capability, flags, isas):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: frozenset(flags))
+    assert cpu.supported_isas() == isas
+
+
+def test_a_build_that_fails_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setattr(cpu, "supported_isas", lambda: ["avx512_vnni", "avx512", "avx2"])
+    monkeypatch.delenv(cpu.ISA_ENV_VAR, raising=False)
+    failing = {"avx512_vnni": "no VNNI in this compiler"}
+    monkeypatch.setattr(cpu, "build_error", failing.get)
+    cpu.selected_isa.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="using the avx512 kernels: no VNNI in this compiler") as record:
+            assert cpu.selected_isa() == "avx512"
+            assert cpu.selected_isa() == "avx512"
+        assert len(record) == 1
+    finally:
+        cpu.selected_isa.cache_clear()
