@@ -10,6 +10,7 @@ import torch
 
 from pagedllm import ops
 from pagedllm.engine.scheduler import SchedulerOutput
+from pagedllm.kv import KVGroups, kv_groups
 from pagedllm.models.attention import AttentionMetadata
 
 
@@ -22,8 +23,8 @@ class StepInputs:
 
     input_ids: np.ndarray  # [num_tokens] int64
     positions: np.ndarray  # [num_tokens] int64
-    slot_mapping: np.ndarray  # [num_tokens] int64
-    block_tables: np.ndarray  # [num_seqs, max_blocks] int32
+    slot_mapping: np.ndarray  # [num_groups, num_tokens] int64
+    block_tables: np.ndarray  # [num_groups, num_seqs, max_blocks] int32
     context_lens: np.ndarray  # [num_seqs] int32
     query_start_loc: np.ndarray  # [num_seqs + 1] int32
     max_query_len: int
@@ -42,6 +43,8 @@ class ModelRunner:
     The cache is one K and one V view per layer, [num_blocks, block_size, num_kv_heads, head_dim]
     (ops.allocate_kv_caches picks the memory order for the device); the contiguous layout uses the same
     memory as [num_slots, 1, num_kv_heads, head_dim]. A host pool of the same shape holds swapped blocks.
+    With KV groups (kv/groups.py) there is one buffer per layer of a group, each shared by one layer of
+    every group: block b of a buffer belongs to whichever group holds block b.
     """
 
     def __init__(
@@ -53,36 +56,38 @@ class ModelRunner:
         device: torch.device | str,
         num_host_blocks: int = 0,
         prefault_kv_cache: bool = True,
+        groups: KVGroups | None = None,
     ):
         self.model = model
         self.device = torch.device(device)
         self.num_blocks, self.block_size, self.num_host_blocks = num_blocks, block_size, num_host_blocks
         self.kv_dtype, self.prefault_kv_cache = dtype, prefault_kv_cache
         cfg = model.config
+        self.groups = groups or kv_groups([None] * cfg.num_layers, hybrid=False)
         geometry = (block_size, model.num_kv_heads, cfg.head_dim, dtype)  # this rank's KV heads
-        self.kv_caches = ops.allocate_kv_caches(
-            cfg.num_layers, num_blocks, *geometry, self.device, touch=prefault_kv_cache
+        buffers = self.groups.layers_per_group
+        self.kv_buffers = ops.allocate_kv_caches(
+            buffers, num_blocks, *geometry, self.device, touch=prefault_kv_cache
         )
-        self.host_kv_caches = (
-            ops.allocate_kv_caches(
-                cfg.num_layers, num_host_blocks, *geometry, "cpu", self.device.type == "cuda"
-            )
+        self.host_kv_buffers = (
+            ops.allocate_kv_caches(buffers, num_host_blocks, *geometry, "cpu", self.device.type == "cuda")
             if num_host_blocks
             else []
         )
+        self.kv_caches = [self.kv_buffers[slot] for slot in self.groups.layer_slot]  # per layer
 
     def move_blocks(self, step: StepInputs) -> None:
         """Swap-outs first (their device blocks may be reused this step), then copies (forks and copy on
         write, decided after the previous step: a source block freed since, by an abort, may be a swap-in's
         destination), then swap-ins."""
         swap_out, swap_in, copies = (pairs.tolist() for pairs in (step.swap_out, step.swap_in, step.copies))
-        for layer, (k, v) in enumerate(self.kv_caches):
+        for buffer, (k, v) in enumerate(self.kv_buffers):
             if swap_out:
-                ops.swap_blocks(k, v, *self.host_kv_caches[layer], swap_out)
+                ops.swap_blocks(k, v, *self.host_kv_buffers[buffer], swap_out)
             if copies:
                 ops.copy_blocks(k, v, copies)
             if swap_in:
-                ops.swap_blocks(*self.host_kv_caches[layer], k, v, swap_in)
+                ops.swap_blocks(*self.host_kv_buffers[buffer], k, v, swap_in)
 
     @torch.inference_mode()
     def execute_step(self, step: StepInputs) -> torch.Tensor | None:
@@ -96,14 +101,16 @@ class ModelRunner:
             query_start_loc=self._tensor(step.query_start_loc),
             max_query_len=step.max_query_len,
             kv_caches=self.kv_caches,
+            layer_groups=self.groups.layer_group,
         )
         hidden = self.model(self._tensor(step.input_ids), self._tensor(step.positions), meta)
         if step.max_query_len > 1:  # some sequence computed several rows: keep each one's last
             hidden = hidden[self._tensor(step.query_start_loc[1:].astype(np.int64) - 1)]
         return self.model.compute_logits(hidden)
 
-    def prepare_inputs(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepInputs:
-        """The step's arrays for the scheduled sequences, whose KV blocks are given by `block_tables`.
+    def prepare_inputs(self, out: SchedulerOutput, block_tables: list[list[list[int]]]) -> StepInputs:
+        """The step's arrays for the scheduled sequences, whose KV blocks are given by `block_tables` (per
+        sequence, one table per KV group; a window group's NO_BLOCK entries become block 0, never read).
 
         Sequence s computes its last out.num_new_tokens[s] tokens up to its num_cached_tokens (which the
         scheduler already counts them in): the rest of its tokens, or one chunk of a long prompt. Index
@@ -116,9 +123,12 @@ class ModelRunner:
         query_start_loc = np.zeros(len(seqs) + 1, np.int32)
         np.cumsum(counts, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
-        tables = np.zeros((len(seqs), max(len(t) for t in block_tables)), np.int32)
-        for row, table in zip(tables, block_tables, strict=True):
-            row[: len(table)] = table
+        width = max(len(table) for group_tables in block_tables for table in group_tables)
+        tables = np.zeros((self.groups.num_groups, len(seqs), width), np.int32)
+        for s, group_tables in enumerate(block_tables):
+            for g, table in enumerate(group_tables):
+                tables[g, s, : len(table)] = table
+        np.maximum(tables, 0, out=tables)  # the kernels never read below a sliding layer's window
         if num_tokens == len(seqs) and all(
             seq.num_tokens == end for seq, end in zip(seqs, ends, strict=True)
         ):
@@ -136,7 +146,7 @@ class ModelRunner:
             owner = np.repeat(np.arange(len(seqs)), counts)  # which sequence each token belongs to
             positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], counts) + starts[owner]
         bs = self.block_size
-        slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
+        slots = tables[:, owner, positions // bs].astype(np.int64) * bs + positions % bs
         return StepInputs(
             input_ids=input_ids,
             positions=positions,
