@@ -43,6 +43,8 @@ from pagedllm.engine.config import KV_CACHE_DTYPES, EngineConfig
 LAYOUTS = {  # name -> LLM settings
     "paged": dict(kv_layout="paged"),
     "paged-no-prefix-cache": dict(kv_layout="paged", enable_prefix_caching=False),
+    # every layer keeps every token: on a model with sliding-window layers, the hybrid KV cache's baseline
+    "paged-full-history": dict(kv_layout="paged", disable_hybrid_kv_cache_manager=True),
     "contiguous-max": dict(kv_layout="contiguous", contiguous_reserve="max"),
     "contiguous-pow2": dict(kv_layout="contiguous", contiguous_reserve="pow2"),
 }
