@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 from helpers import assert_all_blocks_free
+from test_models_families import randomize
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
 
@@ -39,11 +40,7 @@ def tiny_gemma3(tmp_path_factory):
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            param.add_(noise * 0.1) if "norm" in name else param.copy_(noise * 0.15)
+    randomize(model)
     folder = tmp_path_factory.mktemp("tiny-gemma3")
     model.save_pretrained(folder)
     return str(folder)

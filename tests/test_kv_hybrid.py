@@ -15,15 +15,16 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import invariant, precondition, rule
 from kv_helpers import free_order, group_slots
-from test_kv_properties import KVMachine, prompts
+from test_kv_properties import PagedMachine, prompts
 
 from pagedllm.kv import NO_BLOCK, PagedAllocator, kv_groups
 
 WINDOW, BS, CHUNK = 3, 2, 3  # tokens
 
 
-class HybridMachine(KVMachine):
-    """Groups: full, window 3, window 3 (block size 2, prompts computed 3 tokens a step at most)."""
+class HybridMachine(PagedMachine):
+    """Groups: full, window 3, window 3 (block size 2, prompts computed 3 tokens a step at most); swap_in
+    is PagedMachine's."""
 
     def make_allocator(self):
         self.computed: dict[int, int] = {}  # sequence -> its tokens computed (the next step's start)
@@ -124,19 +125,6 @@ class HybridMachine(KVMachine):
         self.unwritten.setdefault(seq_id, len(self.tokens[seq_id]))
         self.tokens[seq_id].append(token)
 
-    @precondition(lambda self: self.swapped)
-    @rule(data=st.data())
-    def swap_in(self, data):
-        seq_id = data.draw(st.sampled_from(sorted(self.swapped)))
-        copies = self.refused(self.kv.can_swap_in(seq_id), self.snapshot(), self.kv.swap_in, seq_id)
-        if copies is None:
-            return
-        self.copy_blocks(copies, self.host, self.device)
-        self.swapped.discard(seq_id)
-        del self.host_blocks[seq_id]
-        if seq_id in self.unwritten:
-            self.write(seq_id, self.unwritten.pop(seq_id))
-
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def free(self, data):
@@ -169,7 +157,8 @@ class HybridMachine(KVMachine):
             assert self.kv.num_tokens(seq_id) == len(toks)
 
     @invariant()
-    def no_block_is_both_free_and_in_a_table(self):
+    def ref_counts_match_block_tables(self):
+        """No block is both free and in a table (PagedMachine's check, over every group's tables)."""
         pool = self.kv.pool
         holders = [0] * len(pool.blocks)
         for seq_id in self.resident():
