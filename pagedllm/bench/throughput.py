@@ -89,7 +89,7 @@ def run_engine(
     # one process keeps the scheduling (and so the work) the same.
     settings = LAYOUTS[layout]
     hybrid = settings["kv_layout"] == "paged" and not settings.get("disable_hybrid_kv_cache_manager")
-    num_kv_blocks = None if tp == 1 else args.num_kv_blocks[kv, hybrid]
+    num_kv_blocks = None if tp == 1 else args.num_kv_blocks[kv][hybrid]
     llm = LLM(
         args.model,
         **LAYOUTS[layout],
@@ -443,18 +443,20 @@ def main(argv: list[str] | None = None) -> int:
     # Every split over ranks gets one process's KV block count (unless a memory budget sizes each run).
     # A block of a hybrid KV cache holds one KV group's layers (model_kv_groups), else every layer's.
     args.num_kv_blocks = {
-        (kv, hybrid): None
-        if args.memory_budget
-        else parse_bytes(args.kv_cache_memory)
-        // kv_block_bytes(
-            model_config,
-            model_config.num_kv_heads,
-            c.kv_torch_dtype,
-            args.block_size,
-            model_kv_groups(model_config, hybrid).layers_per_group,
-        )
+        kv: {
+            hybrid: None
+            if args.memory_budget
+            else parse_bytes(args.kv_cache_memory)
+            // kv_block_bytes(
+                model_config,
+                model_config.num_kv_heads,
+                c.kv_torch_dtype,
+                args.block_size,
+                model_kv_groups(model_config, hybrid).layers_per_group,
+            )
+            for hybrid in (False, True)
+        }
         for kv, c in configs.items()
-        for hybrid in (False, True)
     }
     vocab = model_config.vocab_size
     prompts = make_prompts([(lo, hi)] * args.num_prompts, vocab, args.seed, args.shared_prefix_len)
