@@ -37,7 +37,7 @@ class Geometry:
     block_size: int = 16
     max_num_batched_tokens: int = 2048
 
-    def allocator(self, hybrid: bool, budget: int) -> PagedAllocator:
+    def kv_pool(self, hybrid: bool, budget: int) -> PagedAllocator:
         groups = model_kv_groups(self.config, hybrid)
         return PagedAllocator(
             budget // self.block_bytes(hybrid),
@@ -73,7 +73,7 @@ def _step(scheduler: Scheduler) -> None:
 def request_bytes(geometry: Geometry, hybrid: bool, context_len: int) -> tuple[int, int]:
     """(bytes while it decodes, most bytes during its prefill) of one request of `context_len` tokens."""
     budget = 2 * -(-context_len // geometry.block_size) * geometry.block_bytes(False)  # room to spare
-    allocator = geometry.allocator(hybrid, budget)
+    allocator = geometry.kv_pool(hybrid, budget)
     scheduler = Scheduler(allocator, context_len + 3, max_num_batched_tokens=geometry.max_num_batched_tokens)
     seq = Sequence("r", "r", 0, [1] * context_len, SamplingParams(max_tokens=3, ignore_eos=True))
     scheduler.add(seq)
@@ -93,7 +93,7 @@ def serve_at_once(
     geometry: Geometry, hybrid: bool, budget: int, num_requests: int, prompt_len: int, output_len: int
 ) -> Served:
     """`num_requests` requests of `prompt_len` + `output_len` tokens sent at once, on `budget` bytes of KV."""
-    allocator = geometry.allocator(hybrid, budget)
+    allocator = geometry.kv_pool(hybrid, budget)
     max_len = prompt_len + output_len
     scheduler = Scheduler(allocator, max_len, max_num_batched_tokens=geometry.max_num_batched_tokens)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
