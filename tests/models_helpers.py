@@ -83,8 +83,8 @@ def forward_chunks(
     tables = [cache.tables[seq] for seq, _, _ in chunks]
     width = max(len(t) for t in tables)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=torch.tensor([slot_mapping], dtype=torch.int64),  # one KV group
+        block_tables=torch.tensor([[t + [0] * (width - len(t)) for t in tables]], dtype=torch.int32),
         context_lens=torch.tensor(context_lens, dtype=torch.int32),
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         max_query_len=max(len(tokens) for _, tokens, _ in chunks),

@@ -55,6 +55,10 @@ def test_engine_flags_spelled_as_vllm():
     # serve leaves it to the server (vLLM's CPU server default), generate takes EngineConfig's
     assert cli._engine_kwargs(parse(["serve"]))["max_num_batched_tokens"] is None
     assert cli._engine_kwargs(parse(["generate", "x"]))["max_num_batched_tokens"] == 8192
+    for command in (["generate", "x"], ["serve"]):
+        assert cli._engine_kwargs(parse(command))["disable_hybrid_kv_cache_manager"] is False
+        flag = "--disable-hybrid-kv-cache-manager"
+        assert cli._engine_kwargs(parse([*command, flag]))["disable_hybrid_kv_cache_manager"] is True
 
 
 def test_every_kv_cache_dtype_is_a_choice_and_reaches_the_engine(capsys, caplog):

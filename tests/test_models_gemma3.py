@@ -86,3 +86,69 @@ def test_llm_generate_adds_bos_and_matches_hf(hf_gemma3, prompt_ids):
     assert out.outputs[0].token_ids == hf_greedy(hf_gemma3, prompt_ids[:1], 8)[0]
     assert "France" in out.outputs[0].text
     assert_all_blocks_free(llm)
+
+
+def _readme_prompts(tokenizer, lengths: tuple[int, ...]) -> list[list[int]]:
+    """Prompts of these lengths (BOS first) cut from different places of the README: varied English and
+    code, so the sliding layers' window matters (a repeated text could be continued from any window)."""
+    from pathlib import Path
+
+    ids = tokenizer.encode((Path(__file__).parents[1] / "README.md").read_text())
+    assert len(ids) > sum(lengths), "the README is too short for these prompts"
+    prompts, start = [], 1
+    for n in lengths:
+        prompts.append(ids[:1] + ids[start : start + n - 1])
+        start += n
+    return prompts
+
+
+def _engine_greedy(prompts: list[list[int]], hybrid: bool, max_tokens: int) -> tuple[list[list[int]], int]:
+    """Greedy tokens of the float32 engine, prompts prefilled in 512-token chunks (so later chunks and
+    every decode read tables whose early sliding-window entries were given back), and the most KV bytes
+    a decode step found in use."""
+    from helpers import assert_all_blocks_free
+
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(
+        "gemma3-270m",
+        quantization=None,
+        kv_cache_memory="256MiB",
+        max_model_len=4200,
+        max_num_batched_tokens=512,
+        disable_hybrid_kv_cache_manager=not hybrid,
+    )
+    assert llm.engine.kv_groups.num_groups == (6 if hybrid else 1)
+    engine, used = llm.engine, [0]
+
+    def measure(trace) -> None:  # decode steps only: each holds more than the last
+        if trace.prefill_tokens == 0:
+            used.append(engine.num_kv_blocks - engine.stats().kv_usage.free_slots // engine.config.block_size)
+
+    engine.add_step_observer(measure)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert_all_blocks_free(llm)
+    used_bytes = max(used) * engine.kv_cache_bytes // engine.num_kv_blocks
+    return [out.outputs[0].token_ids for out in outs], used_bytes
+
+
+def _check_hybrid_equals_hf_and_full_history(hf_gemma3, lengths: tuple[int, ...]) -> None:
+    prompts = _readme_prompts(load_model("gemma3-270m").tokenizer, lengths)
+    hybrid, hybrid_bytes = _engine_greedy(prompts, hybrid=True, max_tokens=64)
+    full, full_bytes = _engine_greedy(prompts, hybrid=False, max_tokens=64)
+    assert hybrid == full
+    assert hybrid == [hf_greedy(hf_gemma3, [p], 64)[0] for p in prompts]
+    # While decoding, the 15 sliding layers hold only their window: here about half of the KV bytes.
+    assert hybrid_bytes < 0.55 * full_bytes
+
+
+def test_hybrid_kv_cache_greedy_equals_hf_and_full_history_beyond_the_window(hf_gemma3):
+    """Sliding layers that hold only their window give the same 64 greedy tokens as transformers and as
+    the engine keeping every layer's full history, for prompts of 600 and 1,900 tokens (window 512)."""
+    _check_hybrid_equals_hf_and_full_history(hf_gemma3, (600, 1900))
+
+
+@pytest.mark.manual
+def test_hybrid_kv_cache_greedy_equals_hf_and_full_history_on_long_prompts(hf_gemma3):
+    _check_hybrid_equals_hf_and_full_history(hf_gemma3, (1000, 2600, 4000))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from oracles import dense_batch_attention
 
 from pagedllm.ops import BACKENDS, cpu, reference
 from pagedllm.ops.kv_cache import allocate_kv_caches, is_quantized, key_smoothing, kv_blocks, kv_scales
@@ -174,6 +175,47 @@ def test_prefill_matches_reference(backend, case):
     expected = reference.paged_prefill_attention(*args)
     assert out.dtype == case.dtype and out.shape == b.q.shape
     torch.testing.assert_close(out, expected, **_tolerance(case.dtype))
+
+
+def _release_before_windows(b, window: int) -> None:
+    """Point every table entry wholly before the window of a sequence's first query row at a spare,
+    NaN-filled block, as a sliding-window KV group's given-back entries are: a read of one shows as NaN."""
+    block_size = b.k_cache.shape[1]
+    spare = sorted(set(range(b.k_cache.shape[0])) - set(b.block_tables.flatten().tolist()))[0]
+    starts, lens = b.query_start_loc.tolist(), b.context_lens.tolist()
+    for s, context_len in enumerate(lens):
+        first_pos = context_len - (starts[s + 1] - starts[s])
+        b.block_tables[s, : max(0, first_pos + 1 - window) // block_size] = spare
+
+
+@pytest.mark.parametrize(
+    ("block_size", "context_lens", "query_lens", "window"),
+    [
+        (4, (40, 70, 9), (1, 1, 1), 8),
+        (16, (300, 97), (1, 1), 64),
+        (4, (40, 33), (20, 1), 8),
+        (16, (600,), (200,), 128),
+    ],
+)
+def test_a_sliding_window_never_reads_table_entries_before_its_window(
+    backend, block_size, context_lens, query_lens, window
+):
+    """The hybrid KV cache gives back a sliding layer's blocks once they leave its window: every backend
+    (and the reference) must match dense attention on a table whose early entries are such blocks."""
+    b = random_paged_batch(list(context_lens), list(query_lens), 4, 1, 64, block_size, seed=7)
+    _release_before_windows(b, window)
+    scale = 0.125
+    expected = dense_batch_attention(b, scale, window)
+    for attend in (backend.paged_prefill_attention, reference.paged_prefill_attention):
+        out = attend(
+            b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.context_lens, scale, window
+        )
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    if all(n == 1 for n in query_lens):
+        out = backend.paged_decode_attention(
+            b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale, window
+        )
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_contiguous_layout_is_block_size_one(backend):

@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pagedllm.bench import kv_groups
 from pagedllm.bench.table import aligned
 from pagedllm.bench.trace import WORKLOADS, Request, make_trace
 from pagedllm.kv import ContiguousAllocator, KVAllocator, KVUsage, NoFreeBlocks, PagedAllocator, SlotState
@@ -306,12 +307,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print JSON {config, rows} instead of a table")
     parser.add_argument("--profile", action="store_true", help="time every allocator call: ops per second")
     parser.add_argument("--plot", type=Path, metavar="FILE.png", help="also draw each layout's KV memory map")
+    kv_groups.add_arguments(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.hybrid:
+        try:
+            from pagedllm.models.loader import read_config, resolve_checkpoint
+
+            print(kv_groups.run(args, read_config(resolve_checkpoint(args.model))))
+        except (ImportError, ValueError) as error:
+            parser.exit(2, f"pagedllm bench memory: error: {error}\n")
+        return 0
     try:
         if args.plot:
             require_matplotlib()  # before the replay, not after it

@@ -83,8 +83,8 @@ def perplexity(
                 mine.copy_(theirs)
     count = len(ids)
     meta = AttentionMetadata(
-        slot_mapping=torch.arange(count),
-        block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+        slot_mapping=torch.arange(count)[None],  # one KV group
+        block_tables=torch.arange(blocks, dtype=torch.int32)[None, None],
         context_lens=torch.tensor([count], dtype=torch.int32),
         query_start_loc=torch.tensor([0, count], dtype=torch.int32),
         max_query_len=count,

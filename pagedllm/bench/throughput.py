@@ -43,6 +43,8 @@ from pagedllm.engine.config import KV_CACHE_DTYPES, EngineConfig
 LAYOUTS = {  # name -> LLM settings
     "paged": dict(kv_layout="paged"),
     "paged-no-prefix-cache": dict(kv_layout="paged", enable_prefix_caching=False),
+    # every layer keeps every token: on a model with sliding-window layers, the hybrid KV cache's baseline
+    "paged-full-history": dict(kv_layout="paged", disable_hybrid_kv_cache_manager=True),
     "contiguous-max": dict(kv_layout="contiguous", contiguous_reserve="max"),
     "contiguous-pow2": dict(kv_layout="contiguous", contiguous_reserve="pow2"),
 }
@@ -85,7 +87,9 @@ def run_engine(
 
     # Split over ranks, each rank's KV memory holds its share of the heads: the same number of blocks as
     # one process keeps the scheduling (and so the work) the same.
-    num_kv_blocks = None if tp == 1 else args.num_kv_blocks[kv]
+    settings = LAYOUTS[layout]
+    hybrid = settings["kv_layout"] == "paged" and not settings.get("disable_hybrid_kv_cache_manager")
+    num_kv_blocks = None if tp == 1 else args.num_kv_blocks[kv][hybrid]
     llm = LLM(
         args.model,
         **LAYOUTS[layout],
@@ -429,18 +433,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from pagedllm.engine.config import parse_bytes
-    from pagedllm.engine.llm_engine import kv_block_bytes, load_shared_model
+    from pagedllm.engine.kv_sizing import kv_block_bytes, model_kv_groups
+    from pagedllm.engine.llm_engine import load_shared_model
 
     configs = {kv: EngineConfig(dtype=args.dtype, kv_cache_dtype=kv) for kv in args.kv_cache_dtype}
     config = configs[args.kv_cache_dtype[0]]
     held = [load_shared_model(args.model, config.torch_dtype, "cpu", q) for q in args.quantization]
     model_config = held[0].config  # the loaded models are held for the whole run
     # Every split over ranks gets one process's KV block count (unless a memory budget sizes each run).
+    # A block of a hybrid KV cache holds one KV group's layers (model_kv_groups), else every layer's.
     args.num_kv_blocks = {
-        kv: None
-        if args.memory_budget
-        else parse_bytes(args.kv_cache_memory)
-        // kv_block_bytes(model_config, model_config.num_kv_heads, c.kv_torch_dtype, args.block_size)
+        kv: {
+            hybrid: None
+            if args.memory_budget
+            else parse_bytes(args.kv_cache_memory)
+            // kv_block_bytes(
+                model_config,
+                model_config.num_kv_heads,
+                c.kv_torch_dtype,
+                args.block_size,
+                model_kv_groups(model_config, hybrid).layers_per_group,
+            )
+            for hybrid in (False, True)
+        }
         for kv, c in configs.items()
     }
     vocab = model_config.vocab_size

@@ -70,6 +70,9 @@ class EngineConfig:
     contiguous_reserve: Literal["max", "pow2"] = "max"
     enable_prefix_caching: bool = True  # as vLLM v1; the contiguous layout has no cache and ignores it
     enable_chunked_prefill: bool = True  # as vLLM v1: long prompts are prefilled over several steps
+    # vLLM's name. False: a sliding-window layer's blocks go back to the pool once they leave its window
+    # (KV groups, kv/groups.py; the paged layout only). True: every layer keeps every token's K/V.
+    disable_hybrid_kv_cache_manager: bool = False
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     watermark: float = 0.01  # share of KV blocks an admission must leave free (vLLM's 1%)
     generation_config: str = "auto"  # sampling defaults: auto (the model folder's), vllm (none) or a folder

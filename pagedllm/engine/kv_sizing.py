@@ -8,13 +8,23 @@ import torch
 
 from pagedllm import ops
 from pagedllm.engine.config import EngineConfig, parse_bytes
+from pagedllm.kv import KVGroups, kv_groups
 from pagedllm.models import ModelConfig
 
 
-def kv_block_bytes(config: ModelConfig, num_kv_heads: int, dtype: torch.dtype, block_size: int) -> int:
-    """Bytes of a KV block of `block_size` tokens for `num_kv_heads` heads of every layer (K and V; a
-    quantized cache's scales included)."""
-    return 2 * config.num_layers * ops.kv_block_bytes(block_size, num_kv_heads, config.head_dim, dtype)
+def model_kv_groups(config: ModelConfig, hybrid: bool) -> KVGroups:
+    """The model's layers in KV groups by sliding window (hybrid), or one group holding every token."""
+    return kv_groups([config.layer_sliding_window(i) for i in range(config.num_layers)], hybrid)
+
+
+def kv_block_bytes(
+    config: ModelConfig, num_kv_heads: int, dtype: torch.dtype, block_size: int, num_layers: int | None = None
+) -> int:
+    """Bytes of a KV block of `block_size` tokens for `num_kv_heads` heads of `num_layers` layers (default
+    every layer; a KV group's block holds its group's: KVGroups.layers_per_group), K and V, a quantized
+    cache's scales included."""
+    layers = config.num_layers if num_layers is None else num_layers
+    return 2 * layers * ops.kv_block_bytes(block_size, num_kv_heads, config.head_dim, dtype)
 
 
 def num_kv_blocks(config: EngineConfig, block_bytes: int, weight_bytes: int) -> int:

@@ -30,6 +30,8 @@ class KVSnapshots:
             "max_model_len": engine.max_model_len,
             "max_num_seqs": config.max_num_seqs,
             "prefix_caching": allocator.enable_prefix_caching,
+            # Per KV group its sliding window (None: full attention); one group keeps every layer's tokens.
+            "kv_groups": list(getattr(allocator, "windows", (None,))),
         }
 
     def take(self) -> dict:
@@ -63,6 +65,7 @@ class KVSnapshots:
                 "ref": blocks.ref_counts,
                 "tokens": blocks.num_tokens,
                 "cached": [int(cached) for cached in blocks.cached],
+                "group": blocks.groups,  # KV group of a held or cached block (-1: plain free)
             }
         seqs = []
         for status, queue in (("running", scheduler.running), ("swapped", scheduler.swapped)):
@@ -77,7 +80,9 @@ class KVSnapshots:
                 if self.contiguous:
                     entry["slab"] = slabs[seq.seq_id]
                 else:
-                    entry["table"] = allocator.block_table(seq.seq_id) if status == "running" else []
+                    # Every group's table (-1: a window group gave that block back); "table" is the first's.
+                    tables = allocator.block_tables(seq.seq_id) if status == "running" else [[]]
+                    entry["table"], entry["tables"] = tables[0], tables
                 seqs.append(entry)
         snapshot["seqs"] = seqs
         return snapshot

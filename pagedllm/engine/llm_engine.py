@@ -18,7 +18,7 @@ from pagedllm.engine.beam_search import BeamSearchDriver, beam_sampling_params, 
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.generation_config import sampling_defaults
 from pagedllm.engine.guided import GrammarCompiler
-from pagedllm.engine.kv_sizing import check_max_model_len, kv_block_bytes, num_kv_blocks
+from pagedllm.engine.kv_sizing import check_max_model_len, kv_block_bytes, model_kv_groups, num_kv_blocks
 from pagedllm.engine.model_cache import load_shared_model
 from pagedllm.engine.model_runner import ModelRunner, StepInputs, calibration_ids
 from pagedllm.engine.parallel.executor import Executor
@@ -63,9 +63,14 @@ class LLMEngine:
         self.max_model_len = check_max_model_len(config.max_model_len, model_cfg.max_position_embeddings)
         self.default_sampling = sampling_defaults(config.generation_config, loaded.path)
         self.grammars = GrammarCompiler(loaded.path, model_cfg.vocab_size, sorted(self.eos_token_ids))
+        self.kv_groups = model_kv_groups(model_cfg, self.hybrid_kv_cache)
         # Rank 0 holds the most KV heads of any rank: its blocks are the largest.
         block_bytes = kv_block_bytes(
-            model_cfg, self.model.num_kv_heads, config.kv_torch_dtype, config.block_size
+            model_cfg,
+            self.model.num_kv_heads,
+            config.kv_torch_dtype,
+            config.block_size,
+            self.kv_groups.layers_per_group,
         )
         self.num_kv_blocks = num_kv_blocks(config, block_bytes, self.weight_bytes)
         self.kv_cache_bytes = self.num_kv_blocks * block_bytes
@@ -88,11 +93,13 @@ class LLMEngine:
             config.device,
         )
         num_host_blocks = cache[0] if config.preemption_mode == "swap" else 0
-        prefault = config.prefault_kv_cache
+        prefault, groups = config.prefault_kv_cache, self.kv_groups
         if self.executor:
-            self.runner = ParallelModelRunner(self.executor, self.model, *cache, num_host_blocks, prefault)
+            self.runner = ParallelModelRunner(
+                self.executor, self.model, *cache, num_host_blocks, prefault, groups
+            )
         else:
-            self.runner = ModelRunner(self.model, *cache, num_host_blocks, prefault)
+            self.runner = ModelRunner(self.model, *cache, num_host_blocks, prefault, groups)
         self.runner.calibrate_key_smoothing(calibration_ids(model_cfg.vocab_size, self.max_model_len))
         self.scheduler = Scheduler(
             self.allocator,
@@ -109,11 +116,21 @@ class LLMEngine:
         self._observers: list[StepObserver] = []
         self._snapshots = None  # the dashboard's KVSnapshots, made on first use
 
+    @property
+    def hybrid_kv_cache(self) -> bool:
+        """Whether sliding-window layers hold only their window (KV groups): paged, and not disabled."""
+        return self.config.kv_layout == "paged" and not self.config.disable_hybrid_kv_cache_manager
+
     def _make_allocator(self) -> KVAllocator:
         config = self.config
         if config.kv_layout == "paged":
             return PagedAllocator(
-                self.num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+                self.num_kv_blocks,
+                config.block_size,
+                enable_prefix_caching=config.enable_prefix_caching,
+                windows=self.kv_groups.windows,
+                # The most prompt tokens a step computes: a window group's prefill holds its window and that.
+                max_prefill_tokens=config.max_num_batched_tokens if config.enable_chunked_prefill else None,
             )
         num_slots = self.num_kv_blocks * config.block_size
         return ContiguousAllocator(num_slots, self.max_model_len, reserve=config.contiguous_reserve)
@@ -210,7 +227,7 @@ class LLMEngine:
         return outputs
 
     def _run(self, out: SchedulerOutput, clock: _PhaseClock) -> torch.Tensor:
-        block_tables = [self.allocator.block_table(seq.seq_id) for seq in out.scheduled]
+        block_tables = [self.allocator.block_tables(seq.seq_id) for seq in out.scheduled]
         clock.lap("rest")
         inputs = self.runner.prepare_inputs(out, block_tables)
         clock.lap("inputs")

@@ -11,6 +11,7 @@ import torch
 from pagedllm import ops
 from pagedllm.engine import prompt_logprobs
 from pagedllm.engine.scheduler import SchedulerOutput
+from pagedllm.kv import KVGroups, kv_groups
 from pagedllm.models.attention import AttentionMetadata
 from pagedllm.ops import reference
 from pagedllm.ops.kv_cache import is_quantized, key_smoothing
@@ -35,8 +36,8 @@ class StepInputs:
 
     input_ids: np.ndarray  # [num_tokens] int64
     positions: np.ndarray  # [num_tokens] int64
-    slot_mapping: np.ndarray  # [num_tokens] int64
-    block_tables: np.ndarray  # [num_seqs, max_blocks] int32
+    slot_mapping: np.ndarray  # [num_groups, num_tokens] int64
+    block_tables: np.ndarray  # [num_groups, num_seqs, max_blocks] int32
     context_lens: np.ndarray  # [num_seqs] int32
     query_start_loc: np.ndarray  # [num_seqs + 1] int32
     max_query_len: int
@@ -64,6 +65,8 @@ class ModelRunner:
     The cache is one K and one V view per layer, [num_blocks, block_size, num_kv_heads, head_dim]
     (ops.allocate_kv_caches picks the memory order for the device); the contiguous layout uses the same
     memory as [num_slots, 1, num_kv_heads, head_dim]. A host pool of the same shape holds swapped blocks.
+    With KV groups (kv/groups.py) there is one buffer per layer of a group, each shared by one layer of
+    every group: block b of a buffer belongs to whichever group holds block b.
     """
 
     def __init__(
@@ -75,29 +78,32 @@ class ModelRunner:
         device: torch.device | str,
         num_host_blocks: int = 0,
         prefault_kv_cache: bool = True,
+        groups: KVGroups | None = None,
     ):
         self.model = model
         self.device = torch.device(device)
         self.num_blocks, self.block_size, self.num_host_blocks = num_blocks, block_size, num_host_blocks
         self.kv_dtype, self.prefault_kv_cache = dtype, prefault_kv_cache
         cfg = model.config
+        self.groups = groups or kv_groups([None] * cfg.num_layers, hybrid=False)
         geometry = (block_size, model.num_kv_heads, cfg.head_dim, dtype)  # this rank's KV heads
-        self.kv_caches = ops.allocate_kv_caches(
-            cfg.num_layers, num_blocks, *geometry, self.device, touch=prefault_kv_cache
+        buffers = self.groups.layers_per_group
+        self.kv_buffers = ops.allocate_kv_caches(
+            buffers, num_blocks, *geometry, self.device, touch=prefault_kv_cache
         )
-        self.host_kv_caches = (
-            ops.allocate_kv_caches(
-                cfg.num_layers, num_host_blocks, *geometry, "cpu", self.device.type == "cuda"
-            )
+        self.host_kv_buffers = (
+            ops.allocate_kv_caches(buffers, num_host_blocks, *geometry, "cpu", self.device.type == "cuda")
             if num_host_blocks
             else []
         )
+        self.kv_caches = [self.kv_buffers[slot] for slot in self.groups.layer_slot]  # per layer
 
     @torch.inference_mode()
     def calibrate_key_smoothing(self, input_ids: np.ndarray) -> None:
-        """Set each layer's key smoothing (ops/kv_cache.py) to the one fitted to the keys of a forward pass
-        over input_ids (reference.fit_key_smoothing), held in a float32 scratch cache; a no-op unless the
-        cache is quantized."""
+        """Set each K buffer's key smoothing (ops/kv_cache.py) to the one fitted to the keys of a forward
+        pass over input_ids (reference.fit_key_smoothing), held in a float32 scratch cache: a layer's own,
+        or, where KV groups share a buffer between layers, fitted to those layers' keys together (the
+        kernels read one smoothing a buffer). A no-op unless the cache is quantized."""
         if not is_quantized(self.kv_dtype):
             return
         cfg, count, block_size = self.model.config, len(input_ids), 16
@@ -106,18 +112,19 @@ class ModelRunner:
             cfg.num_layers, num_blocks, block_size, self.model.num_kv_heads, cfg.head_dim, torch.float32,
             self.device,
         )  # fmt: skip
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(count, device=self.device),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
+        meta = AttentionMetadata(  # one group: every layer its own scratch cache, all its tokens
+            slot_mapping=torch.arange(count, device=self.device)[None],
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None, None],
             context_lens=torch.tensor([count], dtype=torch.int32, device=self.device),
             query_start_loc=torch.tensor([0, count], dtype=torch.int32, device=self.device),
             max_query_len=count,
             kv_caches=scratch,
         )
         self.model(self._tensor(input_ids), torch.arange(count, device=self.device), meta)
-        for (keys, _), (k_cache, _) in zip(scratch, self.kv_caches, strict=True):
-            fitted = reference.fit_key_smoothing(keys.flatten(0, 1)[:count])
-            for held, value in zip(key_smoothing(k_cache), fitted, strict=True):
+        for buffer, (k_cache, _) in enumerate(self.kv_buffers):
+            layers = [layer for layer, slot in enumerate(self.groups.layer_slot) if slot == buffer]
+            keys = torch.cat([scratch[layer][0].flatten(0, 1)[:count] for layer in layers])
+            for held, value in zip(key_smoothing(k_cache), reference.fit_key_smoothing(keys), strict=True):
                 held.copy_(value)
 
     def move_blocks(self, step: StepInputs) -> None:
@@ -125,13 +132,13 @@ class ModelRunner:
         write, decided after the previous step: a source block freed since, by an abort, may be a swap-in's
         destination), then swap-ins."""
         swap_out, swap_in, copies = (pairs.tolist() for pairs in (step.swap_out, step.swap_in, step.copies))
-        for layer, (k, v) in enumerate(self.kv_caches):
+        for buffer, (k, v) in enumerate(self.kv_buffers):
             if swap_out:
-                ops.swap_blocks(k, v, *self.host_kv_caches[layer], swap_out)
+                ops.swap_blocks(k, v, *self.host_kv_buffers[buffer], swap_out)
             if copies:
                 ops.copy_blocks(k, v, copies)
             if swap_in:
-                ops.swap_blocks(*self.host_kv_caches[layer], k, v, swap_in)
+                ops.swap_blocks(*self.host_kv_buffers[buffer], k, v, swap_in)
 
     @torch.inference_mode()
     def execute_step(self, step: StepInputs) -> torch.Tensor | None:
@@ -145,14 +152,16 @@ class ModelRunner:
             query_start_loc=self._tensor(step.query_start_loc),
             max_query_len=step.max_query_len,
             kv_caches=self.kv_caches,
+            layer_groups=self.groups.layer_group,
         )
         hidden = self.model(self._tensor(step.input_ids), self._tensor(step.positions), meta)
         if int(step.num_logits.sum()) < len(hidden):  # some rows need no logits: keep the others
             hidden = hidden[self._tensor(logits_rows(step.query_start_loc, step.num_logits))]
         return self.model.compute_logits(hidden)
 
-    def prepare_inputs(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepInputs:
-        """The step's arrays for the scheduled sequences, whose KV blocks are given by `block_tables`.
+    def prepare_inputs(self, out: SchedulerOutput, block_tables: list[list[list[int]]]) -> StepInputs:
+        """The step's arrays for the scheduled sequences, whose KV blocks are given by `block_tables` (per
+        sequence, one table per KV group; a window group's NO_BLOCK entries become block 0, never read).
 
         Sequence s computes its last out.num_new_tokens[s] tokens up to its num_cached_tokens (which the
         scheduler already counts them in): the rest of its tokens, or one chunk of a long prompt. Index
@@ -165,9 +174,12 @@ class ModelRunner:
         query_start_loc = np.zeros(len(seqs) + 1, np.int32)
         np.cumsum(counts, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
-        tables = np.zeros((len(seqs), max(len(t) for t in block_tables)), np.int32)
-        for row, table in zip(tables, block_tables, strict=True):
-            row[: len(table)] = table
+        width = max(len(table) for group_tables in block_tables for table in group_tables)
+        tables = np.zeros((self.groups.num_groups, len(seqs), width), np.int32)
+        for s, group_tables in enumerate(block_tables):
+            for g, table in enumerate(group_tables):
+                tables[g, s, : len(table)] = table
+        np.maximum(tables, 0, out=tables)  # the kernels never read below a sliding layer's window
         if num_tokens == len(seqs) and all(
             seq.num_tokens == end for seq, end in zip(seqs, ends, strict=True)
         ):
@@ -190,7 +202,7 @@ class ModelRunner:
                 if seq.prompt_logprobs is not None:
                     num_logits[s] = prompt_logprobs.num_logits(seq, int(starts[s]), int(ends[s]))
         bs = self.block_size
-        slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
+        slots = tables[:, owner, positions // bs].astype(np.int64) * bs + positions % bs
         return StepInputs(
             input_ids=input_ids,
             positions=positions,

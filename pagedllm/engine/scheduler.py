@@ -176,7 +176,8 @@ class Scheduler:
         return others
 
     def _decode(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.allocator.cache_blocks(seq.seq_id, seq.num_tokens)  # a block it fills is computed this step
+        # A block it fills is computed this step; its window groups keep what the step's query reads.
+        self.allocator.cache_blocks(seq.seq_id, seq.num_tokens, start=seq.num_cached_tokens)
         out.add(out.decodes, seq, 1)
 
     def _schedule_swap_ins(self, out: SchedulerOutput) -> None:
@@ -198,7 +199,8 @@ class Scheduler:
         for seq in seqs:
             num_new = min(seq.num_tokens - seq.num_cached_tokens, budget)
             if num_new > 0:
-                self.allocator.cache_blocks(seq.seq_id, seq.num_cached_tokens + num_new)
+                start = seq.num_cached_tokens
+                self.allocator.cache_blocks(seq.seq_id, start + num_new, start=start)
                 out.add(out.prefills, seq, num_new)
                 budget -= num_new
         return budget
@@ -235,7 +237,7 @@ class Scheduler:
             num_new = seq.num_tokens - cached
             if self.enable_chunked_prefill:
                 num_new = min(num_new, budget)
-            self.allocator.cache_blocks(seq.seq_id, cached + num_new)
+            self.allocator.cache_blocks(seq.seq_id, cached + num_new, start=cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.add(out.prefills, seq, num_new)
@@ -255,7 +257,7 @@ class Scheduler:
 
     def _leaves_headroom(self, seq: Sequence) -> bool:
         """Admitting seq keeps a watermark of blocks free for the running sequences to grow into."""
-        needed = -(-seq.num_tokens // self.allocator.block_size)
+        needed = self.allocator.num_blocks_needed(seq.token_ids)
         return self.allocator.num_free_blocks - needed >= self.watermark * self.allocator.num_total_blocks
 
     # -- after the forward pass ---------------------------------------------------------------------

@@ -138,6 +138,7 @@ ENGINE_ARGS = (
     "max_num_batched_tokens",
     "enable_prefix_caching",
     "enable_chunked_prefill",
+    "disable_hybrid_kv_cache_manager",
     "quantization",
     "memory_budget",
     *PARALLEL_ARGS,
@@ -187,6 +188,12 @@ def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
         action=argparse.BooleanOptionalAction,
         default=defaults["enable_chunked_prefill"],
         help="prefill long prompts in chunks alongside the running decodes",
+    )
+    parser.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        action="store_true",
+        help="keep every layer's K/V for every token (by default a sliding-window layer's blocks go back "
+        "to the pool once they leave its window: Gemma 3's 15 local layers of 18)",
     )
     parser.add_argument(
         "--quantization",

@@ -7,17 +7,30 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from pagedllm.kv.interface import NoFreeBlocks
 
+CacheKey = tuple[int, bytes]  # a cached block's KV group and hash: each group's blocks are cached apart
+
 
 class Block:
     """One physical block of `block_size` token slots."""
 
-    __slots__ = ("block_id", "ref_cnt", "num_tokens", "block_hash", "room", "freed_at", "prev", "next")
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "num_tokens",
+        "block_hash",
+        "group",
+        "room",
+        "freed_at",
+        "prev",
+        "next",
+    )
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0  # block tables holding this block
         self.num_tokens = 0  # slots written
-        self.block_hash: bytes | None = None  # set while the block is findable in the prefix cache
+        self.block_hash: CacheKey | None = None  # set while the block is findable in the prefix cache
+        self.group = -1  # the KV group whose table took it last
         self.room = False  # free and set aside for the growth of the sequence just before it
         self.freed_at = 0  # BlockPool.clock when last released cached (its place in the release order)
         self.prev: Block | None = None  # neighbours in the free queue
@@ -94,7 +107,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.room_queue = FreeBlockQueue([])  # free blocks set aside for a run's growth, oldest first
         self.room = room
-        self.cached: dict[bytes, Block] = {}
+        self.cached: dict[CacheKey, Block] = {}
         self.live_slots = 0
         self.clock = 0  # cached blocks released so far
 
@@ -177,7 +190,7 @@ class BlockPool:
         block.num_tokens += num_tokens
         self.live_slots += num_tokens
 
-    def cache(self, block: Block, block_hash: bytes) -> None:
+    def cache(self, block: Block, block_hash: CacheKey) -> None:
         """Make a full block findable by its hash (an equal block already cached keeps its place)."""
         if block_hash not in self.cached:
             self.cached[block_hash] = block

@@ -52,6 +52,7 @@ class ContiguousAllocator:
     """First-fit slabs over `num_slots` slots; `gaps` is the sorted list of free (start, size) runs."""
 
     block_size = 1
+    num_groups = 1  # every layer keeps every token (the baseline the hybrid KV groups are measured against)
     enable_prefix_caching = False  # slabs are never shared
     supports_swap = False  # slabs never move to a host pool: a preempted sequence is recomputed
 
@@ -144,8 +145,12 @@ class ContiguousAllocator:
         self._refused = 0
         return 0
 
-    def cache_blocks(self, seq_id: Hashable, num_tokens: int) -> None:
-        """No prefix cache: nothing to do."""
+    def num_blocks_needed(self, prompt_token_ids: Sequence[int]) -> int:
+        """Slots of the prompt (a slab may reserve more)."""
+        return len(prompt_token_ids)
+
+    def cache_blocks(self, seq_id: Hashable, num_tokens: int, *, start: int | None = None) -> None:
+        """No prefix cache and every layer's slab: nothing to do."""
         self._slab(seq_id)
 
     def can_append(self, seq_id: Hashable) -> bool:
@@ -228,6 +233,10 @@ class ContiguousAllocator:
         """The slot of every token: each slot is a block of one token."""
         slab = self._slab(seq_id)
         return list(range(slab.start, slab.start + slab.num_tokens))
+
+    def block_tables(self, seq_id: Hashable) -> list[list[int]]:
+        """One group: every layer's slab holds every token."""
+        return [self.block_table(seq_id)]
 
     def usage(self) -> KVUsage:
         free = self.num_slots - self._reserved

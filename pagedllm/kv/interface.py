@@ -62,12 +62,15 @@ class KVAllocator(Protocol):
 
     The cache is viewed as [num_total_blocks, block_size, ...]; token t of a sequence lives in slot
     `block_table[t // block_size] * block_size + t % block_size` (the contiguous layout has
-    block_size 1, so its block table is the list of its tokens' slots). Every method that needs
+    block_size 1, so its block table is the list of its tokens' slots). With several KV groups a sequence
+    has one table per group (`block_tables`), a sliding-window group's with NO_BLOCK where it gave a block
+    back. Every method that needs
     memory raises NoFreeBlocks, changing nothing, when there is not enough. A swapped-out sequence may
     still be appended to: its new tokens get their slots when swap_in brings it back.
     """
 
     block_size: int
+    num_groups: int  # KV groups (kv/groups.py): block tables per sequence, all mapping the same tokens
     enable_prefix_caching: bool
     supports_swap: bool  # swap_out / can_swap_in / swap_in work (False: they raise ValueError)
 
@@ -101,7 +104,9 @@ class KVAllocator(Protocol):
         read_prefix_cache: bool = True,
     ) -> int: ...
 
-    def cache_blocks(self, seq_id: Hashable, num_tokens: int) -> None: ...
+    def num_blocks_needed(self, prompt_token_ids: Sequence[int]) -> int: ...
+
+    def cache_blocks(self, seq_id: Hashable, num_tokens: int, *, start: int | None = None) -> None: ...
 
     def can_append(self, seq_id: Hashable) -> bool: ...
 
@@ -120,6 +125,8 @@ class KVAllocator(Protocol):
     def num_tokens(self, seq_id: Hashable) -> int: ...
 
     def block_table(self, seq_id: Hashable) -> list[int]: ...
+
+    def block_tables(self, seq_id: Hashable) -> list[list[int]]: ...
 
     def usage(self) -> KVUsage: ...
 

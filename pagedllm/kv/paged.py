@@ -6,6 +6,15 @@ back the instant a sequence is freed. `fork` shares blocks (copy-on-write on the
 append), prefix caching reuses full blocks keyed by a hash chain (a block becomes findable once its K/V is
 computed: `cache_blocks`), and `swap_out` / `swap_in` move a sequence to a host pool and back (it may
 be appended to while there: its new tokens get their blocks when it comes back).
+
+KV groups (kv/groups.py): with `windows` of several groups, a sequence has one block table per group,
+all mapping the same token positions and drawing on one pool. A sliding-window group of window w gives
+a block back (to the pool, or to the prefix cache's least recently used end) once no query of the
+sequence reads it: when every token in it is at least w before the first token a step computes. Its
+table keeps the position (None; NO_BLOCK in the views), so the kernels, which clamp a sliding layer's
+reads to its window, never see it. A window group also takes a long prompt's blocks chunk by chunk as
+`cache_blocks` says each chunk is computed, not all at admission; the blocks its prefill may still take
+(at most the window plus `max_prefill_tokens`) are promised at admission, so a chunk never fails.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from pagedllm.kv.interface import (
 )
 
 GROWTH_ROOM_TOKENS = 128  # free slots after a sequence's newest block set aside for it (BlockPool.room)
+NO_BLOCK = -1  # a block_tables entry a window group has given back: no query reads that position again
 
 
 @dataclass(frozen=True)
@@ -34,21 +44,30 @@ class BlockStates:
     ref_counts: list[int]  # block tables holding the block (0: free; > 1: shared)
     num_tokens: list[int]  # tokens written in a held block (0 for a free one)
     cached: list[bool]  # findable in the prefix cache (a free cached block can be taken back)
+    groups: list[int]  # KV group of a held or cached block (-1: a plain free block)
 
 
 @dataclass
 class _Seq:
-    """One sequence: its tokens, its block table, and the hash of each of its full blocks."""
+    """One sequence: its tokens, a block table per KV group, and the hash of each of its full blocks."""
 
     token_ids: list[int]
-    blocks: list[Block]  # empty while swapped out
+    tables: list[list[Block | None]]  # per group; None: given back (out of the window); [] while swapped
     block_hashes: list[bytes] = field(default_factory=list)  # only with prefix caching
     num_cached_blocks: int = 0  # leading blocks computed and findable in the prefix cache
-    host_blocks: list[int] | None = None  # set while swapped out
+    host_blocks: list[list[int | None]] | None = None  # per group, set while swapped out
+    window_blocks: int = 0  # logical blocks the window groups cover (fewer while a prompt is prefilled)
+    released: list[int] = field(default_factory=list)  # per group: leading entries given back
+    promise: int = 0  # free blocks set aside for the window groups' growth until the prefill ends
 
 
 class PagedAllocator:
-    """Block tables over a pool of `num_blocks` blocks, plus a host pool of `num_host_blocks` for swap."""
+    """Block tables over a pool of `num_blocks` blocks, plus a host pool of `num_host_blocks` for swap.
+
+    `windows` has one entry per KV group: None for full attention (the default: one group), or the
+    group's sliding window in tokens. `max_prefill_tokens` is the most tokens one step computes of a
+    prompt (the scheduler's token budget with chunked prefill; None: a whole prompt at once).
+    """
 
     supports_swap = True
 
@@ -58,22 +77,39 @@ class PagedAllocator:
         block_size: int = 16,
         enable_prefix_caching: bool = False,
         num_host_blocks: int | None = None,
+        windows: Sequence[int | None] = (None,),
+        max_prefill_tokens: int | None = None,
     ):
         num_host_blocks = num_blocks if num_host_blocks is None else num_host_blocks
         check_positive("num_blocks", num_blocks)
         check_positive("block_size", block_size)
         if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be a non-negative integer, got {num_host_blocks!r}")
+        if not windows:
+            raise ValueError("windows needs one entry per KV group, got none")
+        for window in windows:
+            if window is not None:
+                check_positive("a KV group's sliding window", window)
+        if max_prefill_tokens is not None:
+            check_positive("max_prefill_tokens", max_prefill_tokens)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_host_blocks = num_host_blocks
+        self.windows = tuple(windows)
+        self.max_prefill_tokens = max_prefill_tokens
+        self._window_groups = [g for g, window in enumerate(self.windows) if window is not None]
         self.pool = BlockPool(num_blocks, room=-(-GROWTH_ROOM_TOKENS // block_size))
         self._free_host_blocks = list(range(num_host_blocks - 1, -1, -1))  # a stack, lowest id on top
         self._seqs: dict[Hashable, _Seq] = {}
-        self._resident_tokens = 0  # tokens of sequences on the device
+        self._resident_slots = 0  # slots the tables of sequences on the device cover (shared: per table)
+        self._promised = 0  # free blocks set aside for prefills in progress (the sum of their promises)
         self._hashed: tuple[tuple[int, ...], list[bytes]] = ((), [])  # the last prompt and its block hashes
 
     # -- capacity --------------------------------------------------------------------------------------
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
 
     @property
     def num_total_blocks(self) -> int:
@@ -81,8 +117,9 @@ class PagedAllocator:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks no sequence holds (cached-but-unreferenced blocks count as free)."""
-        return self.pool.num_free
+        """Blocks a new allocation may take: those no sequence holds (cached-but-unreferenced blocks count
+        as free), less those promised to prefills in progress."""
+        return self.pool.num_free - self._promised
 
     @property
     def num_free_host_blocks(self) -> int:
@@ -97,7 +134,29 @@ class PagedAllocator:
             not self._seqs
             and self.pool.num_free == self.num_total_blocks
             and self.num_free_host_blocks == self.num_host_blocks
+            and self._promised == 0
         )
+
+    def num_blocks_needed(self, prompt_token_ids: Sequence[int]) -> int:
+        """Blocks a prompt of this length takes from admission to the end of its prefill, prefix hits
+        not counted (what a scheduler keeps a watermark above)."""
+        n = len(prompt_token_ids)
+        return sum(self._peak(window, n) for window in self.windows)
+
+    def _peak(self, window: int | None, num_tokens: int) -> int:
+        """The most blocks a group's table holds while a prompt of `num_tokens` is prefilled: all of them,
+        or for a window group the blocks any step's keys and new tokens span (the window before its first
+        token, and at most max_prefill_tokens)."""
+        bs, blocks = self.block_size, -(-num_tokens // self.block_size)
+        if window is None or self.max_prefill_tokens is None:
+            return blocks
+        span = window - 1 + self.max_prefill_tokens  # consecutive positions: at most ceil((span-1)/bs) + 1
+        return min(blocks, -(-(span - 1) // bs) + 1)
+
+    def _first_needed(self, group: int, start: int) -> int:
+        """The first logical block group `group` reads for queries from position `start` on."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, start + 1 - window) // self.block_size
 
     # -- allocate --------------------------------------------------------------------------------------
 
@@ -127,11 +186,11 @@ class PagedAllocator:
     ) -> int:
         """Give the prompt its blocks; returns how many leading prompt tokens were already cached.
 
-        The hit is whole blocks only and never the whole prompt (its last token is always computed).
-        `max_new_tokens` is only checked and `true_output_len` ignored: paged memory grows on demand.
-        With prefix caching, the full blocks within the first `num_computed` prompt tokens (default:
-        all) become findable at once: their K/V is written this step. A prompt prefilled in chunks
-        passes its first chunk's end here and each later chunk's end to `cache_blocks`.
+        The hit is whole blocks only and never the whole prompt (its last token is always computed); each
+        window group needs only the hit's last window cached. `max_new_tokens` is only checked and
+        `true_output_len` ignored: paged memory grows on demand. The first `num_computed` prompt tokens
+        (default: all) are computed this step: their full blocks become findable at once, and the window
+        groups take blocks up to there (the rest as `cache_blocks` says later chunks are computed).
         `read_prefix_cache=False` takes no cached block (every token is computed) but still caches the
         prompt's own blocks.
         """
@@ -142,42 +201,169 @@ class PagedAllocator:
         if not self._fits(hits, num_new):
             raise NoFreeBlocks(
                 f"sequence {seq_id!r} needs {num_new} new blocks for {len(prompt_token_ids)} prompt "
-                f"tokens, {self.pool.num_free} free"
+                f"tokens, {self.num_free_blocks} free"
             )
-        for block in hits:
-            self.pool.touch(block)
-        seq = _Seq(list(prompt_token_ids), self._take_blocks(hits + [None] * num_new))
-        seq.block_hashes = hashes
-        seq.num_cached_blocks = len(hits)
-        for i in range(len(hits), len(seq.blocks)):
-            self._fill(seq, i)
+        n, bs = len(prompt_token_ids), self.block_size
+        first_step = (n if num_computed is None else num_computed) - len(hits[0]) * bs
+        if (
+            self._window_groups
+            and self.max_prefill_tokens is not None
+            and first_step > self.max_prefill_tokens
+        ):
+            raise ValueError(
+                f"sequence {seq_id!r} computes {first_step} prompt tokens in one step, more than "
+                f"max_prefill_tokens={self.max_prefill_tokens}: pass num_computed"
+            )
+        seq = _Seq(list(prompt_token_ids), [], hashes, released=[0] * self.num_groups)
+        num_hit = len(hits[0])
+        seq.num_cached_blocks = num_hit
+        self._touch(hits)  # every group's hits first: taking a block must not evict another group's hit
+        for g, group_hits in enumerate(hits):
+            num_new = -(-n // bs) - num_hit if self.windows[g] is None else 0  # windows: chunk by chunk
+            seq.tables.append(self._take_blocks(g, group_hits + [None] * num_new, first=len(group_hits)))
+            seq.released[g] = self._first_needed(g, num_hit * bs)
+            for i in range(num_hit, len(seq.tables[g])):
+                self._fill(seq, g, i)
+        seq.window_blocks = num_hit
+        self._resident_slots += self._slots_held(seq)
         self._seqs[seq_id] = seq
-        self._resident_tokens += len(seq.token_ids)
-        self.cache_blocks(seq_id, len(seq.token_ids) if num_computed is None else num_computed)
-        return len(hits) * self.block_size
+        self._set_promise(seq)
+        self._refresh_promises()
+        self.cache_blocks(seq_id, max(n if num_computed is None else num_computed, num_hit * bs))
+        return num_hit * bs
 
-    def cache_blocks(self, seq_id: Hashable, num_tokens: int) -> None:
-        """The first `num_tokens` tokens of the sequence are computed (or are by the end of this step):
-        make their full blocks findable by other prompts. Does nothing without prefix caching."""
+    def cache_blocks(self, seq_id: Hashable, num_tokens: int, *, start: int | None = None) -> None:
+        """The sequence's tokens before `num_tokens` are computed (or are by the end of this step), the
+        step's first at `start` (if given): full blocks become findable by other prompts (with prefix
+        caching), the window groups take blocks up to `num_tokens` and give back those no query from
+        `start` on reads. A step of a prompt beyond max_prefill_tokens may raise NoFreeBlocks."""
         seq = self._resident(seq_id)
+        if start is not None:
+            self._release_behind(seq, start)
+        self._extend_windows(seq_id, seq, -(-min(num_tokens, len(seq.token_ids)) // self.block_size))
         end = min(num_tokens // self.block_size, len(seq.block_hashes))
         for i in range(seq.num_cached_blocks, end):
-            self.pool.cache(seq.blocks[i], seq.block_hashes[i])
+            for g, table in enumerate(seq.tables):
+                if i < len(table) and table[i] is not None:
+                    self.pool.cache(table[i], (g, seq.block_hashes[i]))
         seq.num_cached_blocks = max(seq.num_cached_blocks, end)
 
-    def _plan(self, prompt: Sequence[int], read_cache: bool = True) -> tuple[list[bytes], list[Block], int]:
-        """Hashes of the prompt's full blocks, the cached blocks to reuse, and the count of new blocks."""
-        bs = self.block_size
+    def _release_behind(self, seq: _Seq, start: int) -> None:
+        """Give back each window group's blocks that no query from position `start` on reads."""
+        for g in self._window_groups:
+            table, first = seq.tables[g], min(self._first_needed(g, start), len(seq.tables[g]) - 1)
+            behind = [table[i] for i in range(seq.released[g], first) if table[i] is not None]
+            self.pool.release(behind)  # oldest first: the older content is evicted first
+            self._resident_slots -= sum(block.num_tokens for block in behind)
+            table[seq.released[g] : max(first, seq.released[g])] = [None] * max(0, first - seq.released[g])
+            seq.released[g] = max(seq.released[g], first)
+        self._set_promise(seq)
+
+    def _extend_windows(self, seq_id: Hashable, seq: _Seq, num_blocks: int) -> None:
+        """The window groups' tables cover the first `num_blocks` logical blocks (taken from the promise)."""
+        if not self._window_groups:  # one full group: every token has its slots from admission on
+            seq.window_blocks = -(-len(seq.token_ids) // self.block_size)
+            return
+        if num_blocks <= seq.window_blocks:
+            return
+        needed = sum(num_blocks - len(seq.tables[g]) for g in self._window_groups)
+        if needed > self.num_free_blocks + seq.promise:
+            raise NoFreeBlocks(
+                f"sequence {seq_id!r} needs {needed} blocks for its window groups, "
+                f"{self.num_free_blocks + seq.promise} free"
+            )
+        for g in self._window_groups:
+            table = seq.tables[g]
+            first = len(table)
+            table[first:] = self._take_blocks(g, table + [None] * (num_blocks - first), first)[first:]
+            for i in range(first, num_blocks):
+                self._fill(seq, g, i)
+                self._resident_slots += table[i].num_tokens
+        seq.window_blocks = num_blocks
+        self._set_promise(seq)
+
+    def _set_promise(self, seq: _Seq) -> None:
+        """Set aside what the window groups of a prompt being prefilled may still take from the pool."""
+        promise = 0
+        if seq.host_blocks is None:
+            owned = [self._owned(seq.tables[g][seq.released[g] :]) for g in self._window_groups]
+            promise = self._promise(seq, owned)
+        self._promised += promise - seq.promise
+        seq.promise = promise
+
+    def _promise(self, seq: _Seq, owned: list[int]) -> int:
+        """The most a prompt's window groups may still draw from the pool while it is prefilled, given the
+        blocks each holds alone (`owned`, in window-group order): each holds at most its peak at once, and
+        a block it gives back returns to the pool only if no other table holds it."""
+        if seq.window_blocks >= -(-len(seq.token_ids) // self.block_size):
+            return 0
+        peaks = [self._peak(self.windows[g], len(seq.token_ids)) for g in self._window_groups]
+        return sum(max(0, peak - n) for peak, n in zip(peaks, owned, strict=True))
+
+    def _refresh_promises(self) -> None:
+        """After blocks were shared: a prefill whose own block another table now holds may draw one more
+        (the admission that shared it paid for that: `_plan`)."""
+        for seq in self._seqs.values() if self._window_groups else ():
+            if seq.window_blocks < -(-len(seq.token_ids) // self.block_size):
+                self._set_promise(seq)
+
+    @staticmethod
+    def _owned(table: Sequence[Block | None]) -> int:
+        return sum(block is not None and block.ref_cnt == 1 for block in table)
+
+    @staticmethod
+    def _shared_by(hits: Sequence[Block | None]) -> int:
+        """Hits one table holds alone: reusing them may cost a prefill holding them one more block."""
+        return sum(block is not None and block.ref_cnt == 1 for block in hits)
+
+    def _plan(
+        self, prompt: Sequence[int], read_cache: bool = True
+    ) -> tuple[list[bytes], list[list[Block | None]], int]:
+        """Hashes of the prompt's full blocks, per group the cached blocks to reuse (None before a window
+        group's window), and the count of blocks to take now and promise (window groups' prefill)."""
+        bs, n = self.block_size, len(prompt)
         hashes: list[bytes] = []
-        hits: list[Block] = []
+        num_hit = 0
         if self.enable_prefix_caching:
             hashes = self._prompt_hashes(prompt)
-            for block_hash in hashes[: (len(prompt) - 1) // bs if read_cache else 0]:
-                block = self.pool.cached.get(block_hash)
-                if block is None:
-                    break
-                hits.append(block)
-        return hashes, hits, -(-len(prompt) // bs) - len(hits)
+            num_hit = self._num_hit_blocks(hashes[: (n - 1) // bs if read_cache else 0])
+        hits: list[list[Block | None]] = []
+        num_new = 0
+        for g, window in enumerate(self.windows):
+            first = self._first_needed(g, num_hit * bs)
+            hits.append([None] * first + [self.pool.cached[(g, h)] for h in hashes[first:num_hit]])
+            if window is None:
+                num_new += -(-n // bs) - num_hit
+            else:  # the prefill's blocks beyond the hit are promised
+                cold = sum(block.ref_cnt == 0 for block in hits[-1][first:])  # this table's alone
+                num_new += max(0, self._peak(window, n) - cold) + self._shared_by(hits[-1])
+        return hashes, hits, num_new
+
+    def _num_hit_blocks(self, hashes: list[bytes]) -> int:
+        """The longest prefix of blocks every group can serve: a full group all of them, a window group
+        the last window's (vLLM's rule); found by shrinking the hit until every group agrees."""
+        cached = self.pool.cached
+        num_hit = len(hashes)
+        for g, window in enumerate(self.windows):
+            if window is None:
+                num_hit = next((i for i, h in enumerate(hashes[:num_hit]) if (g, h) not in cached), num_hit)
+        while True:
+            agreed = num_hit
+            for g in self._window_groups:
+                run = [0]  # run[m]: cached blocks just before block m
+                for h in hashes[:agreed]:
+                    run.append(run[-1] + 1 if (g, h) in cached else 0)
+                agreed = next(
+                    (
+                        m
+                        for m in range(agreed, 0, -1)
+                        if run[m] >= m - self._first_needed(g, m * self.block_size)
+                    ),
+                    0,
+                )
+            if agreed == num_hit:
+                return num_hit
+            num_hit = agreed
 
     def _prompt_hashes(self, prompt: Sequence[int]) -> list[bytes]:
         """The hash chain of the prompt's full blocks (a new list). The last prompt's is kept: a scheduler
@@ -190,33 +376,49 @@ class PagedAllocator:
             self._hashed = (key, hashes)
         return list(self._hashed[1])
 
-    def _take_blocks(self, blocks: list[Block | None]) -> list[Block]:
-        """`blocks` with each None replaced by a newly taken block, placed right after the one before it
-        where that one is free (one run of memory per sequence where the pool allows)."""
-        taken: list[Block] = []
-        for block in blocks:
-            taken.append(self.pool.allocate(after=taken[-1] if taken else None) if block is None else block)
-        new = [i for i, block in enumerate(blocks) if block is None]
+    def _take_blocks(self, group: int, blocks: list[Block | None], first: int = 0) -> list[Block | None]:
+        """`blocks` with each None from index `first` on replaced by a newly taken block of the group,
+        placed right after the one before it where that one is free (one run of memory per table where the
+        pool allows); the entries before `first` stay as they are (None: given back)."""
+        taken, new = list(blocks[:first]), []
+        for i in range(first, len(blocks)):
+            block = blocks[i]
+            if block is None:
+                block = self.pool.allocate(after=taken[-1] if taken else None)
+                block.group = group
+                new.append(i)
+            taken.append(block)
         for i, block in zip(new, sorted((taken[i] for i in new), key=lambda b: b.block_id), strict=True):
             taken[i] = block  # ascending: blocks evicted tail first come back as a forward run
         return taken
 
-    def _fits(self, reused: list[Block], num_new: int) -> bool:
-        """Reused cached blocks that no one holds leave the free queue too."""
-        return num_new + sum(block.ref_cnt == 0 for block in reused) <= self.pool.num_free
+    def _touch(self, tables: list[list[Block | None]]) -> None:
+        for table in tables:
+            for block in table:
+                if block is not None:
+                    self.pool.touch(block)
 
-    def _fill(self, seq: _Seq, i: int) -> None:
-        """Count the tokens of a freshly taken block i as written; cache it if its K/V was computed."""
-        bs = self.block_size
-        self.pool.write(seq.blocks[i], min(bs, len(seq.token_ids) - i * bs))
+    def _fits(self, reused: list[list[Block | None]], num_new: int) -> bool:
+        """Reused cached blocks that no one holds leave the free queue too."""
+        unheld = sum(block is not None and block.ref_cnt == 0 for group in reused for block in group)
+        return num_new + unheld <= self.num_free_blocks
+
+    def _fill(self, seq: _Seq, group: int, i: int) -> None:
+        """Count the tokens of a freshly taken block i of a group as written; cache it if its K/V was
+        computed."""
+        bs, block = self.block_size, seq.tables[group][i]
+        self.pool.write(block, min(bs, len(seq.token_ids) - i * bs))
         if i < seq.num_cached_blocks:
-            self.pool.cache(seq.blocks[i], seq.block_hashes[i])
+            self.pool.cache(block, (group, seq.block_hashes[i]))
+
+    def _slots_held(self, seq: _Seq) -> int:
+        return sum(block.num_tokens for table in seq.tables for block in table if block is not None)
 
     # -- decode ----------------------------------------------------------------------------------------
 
     def can_append(self, seq_id: Hashable) -> bool:
         seq = self._known(seq_id)
-        return seq.host_blocks is not None or not self._needs_block(seq) or self.pool.num_free > 0
+        return seq.host_blocks is not None or self._blocks_to_grow(seq) <= self.num_free_blocks
 
     def append(self, seq_id: Hashable, token_id: int) -> list[tuple[int, int]]:
         """Give the sequence one more token; returns the (src, dst) block copies to do before writing.
@@ -224,54 +426,69 @@ class PagedAllocator:
         A swapped-out sequence takes no memory for it now: swap_in gives it its slot (its K/V is computed
         once the sequence is back). A block the token fills is keyed for the prefix cache, and findable
         once `cache_blocks` says its K/V is computed (a sampled token's K/V is computed in the next step).
+        A prompt still being prefilled chunk by chunk cannot grow (ValueError).
         """
         seq = self._known(seq_id)
+        if seq.window_blocks < -(-len(seq.token_ids) // self.block_size):
+            raise ValueError(f"sequence {seq_id!r} is still being prefilled: its window groups lack blocks")
         bs, offset = self.block_size, len(seq.token_ids) % self.block_size
         copies = [] if seq.host_blocks is not None else self._grow(seq_id, seq)
         seq.token_ids.append(token_id)
+        seq.window_blocks = -(-len(seq.token_ids) // bs)
         if self.enable_prefix_caching and offset == bs - 1:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             seq.block_hashes.append(hash_block(parent, seq.token_ids[-bs:]))
         return copies
 
     def _grow(self, seq_id: Hashable, seq: _Seq) -> list[tuple[int, int]]:
-        """A device slot for the next token: in the last block, or a new one (a copy of a shared last one)."""
+        """A device slot for the next token in every group: in the last block, or a new one (a copy of a
+        shared last one)."""
         pool, offset = self.pool, len(seq.token_ids) % self.block_size
+        needed = self._blocks_to_grow(seq)
+        if needed > self.num_free_blocks:
+            raise NoFreeBlocks(f"sequence {seq_id!r} needs {needed} blocks for token {len(seq.token_ids)}")
         copies = []
-        if self._needs_block(seq):
-            if pool.num_free == 0:
-                raise NoFreeBlocks(f"sequence {seq_id!r} needs a block for token {len(seq.token_ids)}")
-            block = pool.allocate(after=None if offset else seq.blocks[-1])
-            if offset:  # copy on write: the shared last block is only partly filled
-                shared = seq.blocks.pop()
-                copies.append((shared.block_id, block.block_id))
-                pool.write(block, offset)
-                pool.release([shared])
-            seq.blocks.append(block)
-        pool.write(seq.blocks[-1], 1)
-        self._resident_tokens += 1
+        for g, table in enumerate(seq.tables):
+            if self._needs_block(seq, table):
+                block = pool.allocate(after=None if offset else table[-1])
+                block.group = g
+                if offset:  # copy on write: the shared last block is only partly filled
+                    shared = table.pop()
+                    copies.append((shared.block_id, block.block_id))
+                    pool.write(block, offset)
+                    pool.release([shared])
+                table.append(block)
+            pool.write(table[-1], 1)
+        self._resident_slots += len(seq.tables)
         return copies
 
-    def _needs_block(self, seq: _Seq) -> bool:
-        """The last block is full, or shared (then the append must copy it first)."""
-        return len(seq.token_ids) % self.block_size == 0 or seq.blocks[-1].ref_cnt > 1
+    def _blocks_to_grow(self, seq: _Seq) -> int:
+        return sum(self._needs_block(seq, table) for table in seq.tables)
+
+    def _needs_block(self, seq: _Seq, table: list[Block | None]) -> bool:
+        """The group's last block is full, or shared (then the append must copy it first)."""
+        return len(seq.token_ids) % self.block_size == 0 or table[-1].ref_cnt > 1
 
     # -- fork / free -----------------------------------------------------------------------------------
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> list[tuple[int, int]]:
-        """The child shares every block of the parent; nothing is allocated or copied (returns [])."""
+        """The child shares every block of the parent; nothing is allocated or copied (returns []). A
+        prompt still being prefilled chunk by chunk cannot be forked (ValueError)."""
         parent = self._resident(parent_id)
         if child_id in self._seqs:
             raise duplicate(child_id)
-        for block in parent.blocks:
-            self.pool.touch(block)
+        if parent.window_blocks < -(-len(parent.token_ids) // self.block_size):
+            raise ValueError(f"sequence {parent_id!r} is still being prefilled: finish it before forking")
+        self._touch(parent.tables)
         self._seqs[child_id] = _Seq(
             list(parent.token_ids),
-            list(parent.blocks),
+            [list(table) for table in parent.tables],
             list(parent.block_hashes),
             num_cached_blocks=parent.num_cached_blocks,
+            window_blocks=parent.window_blocks,
+            released=list(parent.released),
         )
-        self._resident_tokens += len(parent.token_ids)
+        self._resident_slots += self._slots_held(parent)
         return []
 
     def free(self, seq_id: Hashable) -> None:
@@ -280,30 +497,54 @@ class PagedAllocator:
         if seq is None:
             raise unknown(seq_id)
         if seq.host_blocks is not None:
-            self._free_host_blocks.extend(reversed(seq.host_blocks))
+            for host in seq.host_blocks:
+                self._free_host_blocks.extend(h for h in reversed(host) if h is not None)
         else:
-            self.pool.release(reversed(seq.blocks))
-            self._resident_tokens -= len(seq.token_ids)
+            self._resident_slots -= self._slots_held(seq)
+            self._release_tables(seq)
+        self._promised -= seq.promise
+
+    def _release_tables(self, seq: _Seq) -> None:
+        """Give back every held block of every group, each table tail first; the tables become empty."""
+        for table in seq.tables:
+            self.pool.release(block for block in reversed(table) if block is not None)
+            table.clear()
 
     # -- swap ------------------------------------------------------------------------------------------
 
     def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """Move the sequence to host blocks; returns the (device block, host block) copies to do."""
         seq = self._resident(seq_id)
-        if len(seq.blocks) > len(self._free_host_blocks):
+        held = sum(block is not None for table in seq.tables for block in table)
+        if held > len(self._free_host_blocks):
             raise NoFreeBlocks(
-                f"sequence {seq_id!r} needs {len(seq.blocks)} host blocks, {len(self._free_host_blocks)} free"
+                f"sequence {seq_id!r} needs {held} host blocks, {len(self._free_host_blocks)} free"
             )
-        seq.host_blocks = [self._free_host_blocks.pop() for _ in seq.blocks]
-        copies = [(block.block_id, host) for block, host in zip(seq.blocks, seq.host_blocks, strict=True)]
-        self.pool.release(reversed(seq.blocks))
-        seq.blocks = []
-        self._resident_tokens -= len(seq.token_ids)
+        host = seq.host_blocks = []
+        copies = []
+        for table in seq.tables:
+            host.append([None if block is None else self._free_host_blocks.pop() for block in table])
+            copies += [(b.block_id, h) for b, h in zip(table, host[-1], strict=True) if b is not None]
+        self._resident_slots -= self._slots_held(seq)
+        self._release_tables(seq)
+        self._set_promise(seq)
         return copies
 
     def can_swap_in(self, seq_id: Hashable) -> bool:
-        hits = self._swap_in_hits(self._swapped(seq_id))
-        return self._fits([b for b in hits if b is not None], hits.count(None))
+        seq = self._swapped(seq_id)
+        hits = self._swap_in_hits(seq)
+        return self._fits(hits, self._swap_in_blocks(seq, hits))
+
+    def _swap_in_blocks(self, seq: _Seq, hits: list[list[Block | None]]) -> int:
+        """Blocks swap_in takes (besides reused cached ones), a prefill's promise included."""
+        total, owned = 0, []
+        for g, group in enumerate(hits):
+            new = sum(block is None for block in group[seq.released[g] :])
+            total += new
+            if self.windows[g] is not None:
+                total += self._shared_by(group)
+                owned.append(new + sum(block is not None and block.ref_cnt == 0 for block in group))
+        return total + self._promise(seq, owned)
 
     def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """Bring the sequence back to device blocks; returns the (host block, device block) copies to do.
@@ -313,29 +554,38 @@ class PagedAllocator:
         """
         seq = self._swapped(seq_id)
         hits = self._swap_in_hits(seq)
-        if not self._fits([b for b in hits if b is not None], hits.count(None)):
-            raise NoFreeBlocks(f"sequence {seq_id!r} needs {hits.count(None)} blocks to swap in")
-        for block in hits:
-            if block is not None:
-                self.pool.touch(block)
-        seq.blocks = self._take_blocks(hits)
+        num_new = self._swap_in_blocks(seq, hits)
+        if not self._fits(hits, num_new):
+            raise NoFreeBlocks(f"sequence {seq_id!r} needs {num_new} blocks to swap in")
+        host_blocks, seq.host_blocks = seq.host_blocks, None
         copies = []
-        for i, hit in enumerate(hits):
-            if hit is None:
-                if i < len(seq.host_blocks):
-                    copies.append((seq.host_blocks[i], seq.blocks[i].block_id))
-                self._fill(seq, i)
-        self._free_host_blocks.extend(reversed(seq.host_blocks))
-        seq.host_blocks = None
-        self._resident_tokens += len(seq.token_ids)
+        self._touch(hits)
+        for g, group_hits in enumerate(hits):
+            first = seq.released[g]
+            seq.tables[g] = self._take_blocks(g, group_hits, first)
+            for i in range(first, len(group_hits)):
+                if group_hits[i] is None:
+                    if i < len(host_blocks[g]):
+                        copies.append((host_blocks[g][i], seq.tables[g][i].block_id))
+                    self._fill(seq, g, i)
+            self._free_host_blocks.extend(h for h in reversed(host_blocks[g]) if h is not None)
+        self._resident_slots += self._slots_held(seq)
+        self._set_promise(seq)
+        self._refresh_promises()
         return copies
 
-    def _swap_in_hits(self, seq: _Seq) -> list[Block | None]:
-        """For each block the swapped sequence's tokens need, the device block still caching its content, if
-        any. Only blocks it computed count: one whose K/V is still to come is never shared (it is written)."""
-        computed = seq.block_hashes[: seq.num_cached_blocks]
-        hits: list[Block | None] = [self.pool.cached.get(h) for h in computed]
-        return hits + [None] * (-(-len(seq.token_ids) // self.block_size) - len(hits))
+    def _swap_in_hits(self, seq: _Seq) -> list[list[Block | None]]:
+        """Per group, for each block the swapped sequence's tokens need, the device block still caching its
+        content, if any (None also before a window group's window). Only blocks it computed count: one whose
+        K/V is still to come is never shared (it is written)."""
+        hits = []
+        for g, window in enumerate(self.windows):
+            num_blocks = -(-len(seq.token_ids) // self.block_size) if window is None else seq.window_blocks
+            first = seq.released[g]
+            computed = seq.block_hashes[first : seq.num_cached_blocks]
+            group_hits = [None] * first + [self.pool.cached.get((g, h)) for h in computed]
+            hits.append(group_hits + [None] * (num_blocks - len(group_hits)))
+        return hits
 
     # -- views -----------------------------------------------------------------------------------------
 
@@ -343,7 +593,15 @@ class PagedAllocator:
         return len(self._known(seq_id).token_ids)
 
     def block_table(self, seq_id: Hashable) -> list[int]:
-        return [block.block_id for block in self._resident(seq_id).blocks]
+        """The first KV group's block table (NO_BLOCK where a window group gave a block back)."""
+        return self.block_tables(seq_id)[0]
+
+    def block_tables(self, seq_id: Hashable) -> list[list[int]]:
+        """Every KV group's block table, in group order (NO_BLOCK where a window group gave a block back)."""
+        return [
+            [NO_BLOCK if block is None else block.block_id for block in table]
+            for table in self._resident(seq_id).tables
+        ]
 
     def usage(self) -> KVUsage:
         bs, free = self.block_size, self.pool.num_free * self.block_size
@@ -357,7 +615,7 @@ class PagedAllocator:
             free_slots=free,
             largest_free_run=free,  # any free block serves any sequence: no contiguity needed
             external_frag_slots=0,
-            shared_saved_slots=self._resident_tokens - live,
+            shared_saved_slots=self._resident_slots - live,
         )
 
     def block_states(self) -> BlockStates:
@@ -366,6 +624,7 @@ class PagedAllocator:
             [block.ref_cnt for block in blocks],
             [block.num_tokens if block.ref_cnt else 0 for block in blocks],
             [block.block_hash is not None for block in blocks],
+            [block.group if block.ref_cnt or block.block_hash is not None else -1 for block in blocks],
         )
 
     def slot_states(self) -> list[SlotState]:

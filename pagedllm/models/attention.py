@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,15 +15,22 @@ class AttentionMetadata:
     """Where each token of a flattened batch reads and writes its K/V (built by the model runner).
 
     Tokens of sequence s occupy rows query_start_loc[s]:query_start_loc[s+1] of the batch; they are the
-    last tokens of its context of context_lens[s] tokens (cached prefix + this step's tokens).
+    last tokens of its context of context_lens[s] tokens (cached prefix + this step's tokens). Each KV
+    group (kv/groups.py) has its own slots and block tables; a layer reads its group's.
     """
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot of each new token (-1: skip)
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    slot_mapping: torch.Tensor  # [num_groups, num_tokens] int64, cache slot of each new token (-1: skip)
+    block_tables: torch.Tensor  # [num_groups, num_seqs, max_blocks] int32
     context_lens: torch.Tensor  # [num_seqs] int32
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     max_query_len: int  # 1 means every sequence decodes one token: the decode kernel is used
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+    layer_groups: Sequence[int] | None = None  # per layer its KV group (None: one group)
+
+    def group_of(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot mapping [T] and block tables [S, B] of the layer's KV group."""
+        group = 0 if self.layer_groups is None else self.layer_groups[layer_idx]
+        return self.slot_mapping[group], self.block_tables[group]
 
 
 class PagedAttention(torch.nn.Module):
@@ -46,13 +54,14 @@ class PagedAttention(torch.nn.Module):
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
         k_cache, v_cache = meta.kv_caches[self.layer_idx]
-        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        slot_mapping, block_tables = meta.group_of(self.layer_idx)
+        ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
         if meta.max_query_len == 1:
             return ops.paged_decode_attention(
                 q,
                 k_cache,
                 v_cache,
-                meta.block_tables,
+                block_tables,
                 meta.context_lens,
                 self.scale,
                 self.sliding_window,
@@ -62,7 +71,7 @@ class PagedAttention(torch.nn.Module):
             q,
             k_cache,
             v_cache,
-            meta.block_tables,
+            block_tables,
             meta.query_start_loc,
             meta.context_lens,
             self.scale,

@@ -44,14 +44,16 @@ class LlamaDecoderLayer(nn.Module):
         self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata
     ) -> torch.Tensor:
         if self.one_call is not None:
-            k_cache, v_cache = meta.kv_caches[self.self_attn.attn.layer_idx]
+            layer_idx = self.self_attn.attn.layer_idx
+            k_cache, v_cache = meta.kv_caches[layer_idx]
+            slot_mapping, block_tables = meta.group_of(layer_idx)
             return cpu.decoder_layer(
                 h,
                 positions,
                 k_cache,
                 v_cache,
-                meta.slot_mapping,
-                meta.block_tables,
+                slot_mapping,
+                block_tables,
                 meta.query_start_loc,
                 meta.context_lens,
                 self.one_call,

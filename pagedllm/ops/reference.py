@@ -92,14 +92,16 @@ def read_blocks(cache: torch.Tensor, ids: torch.Tensor, keys: bool) -> torch.Ten
 
 
 def gather_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, context_len: int
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, context_len: int, start: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's K and V, [context_len, Hkv, D], read through its block table."""
+    """One sequence's K and V from token `start` on, [context_len - start, Hkv, D], read through its block
+    table (entries for blocks wholly before `start` are never read: a sliding window may have freed them)."""
     block_size = k_cache.shape[1]
-    num_blocks = (context_len + block_size - 1) // block_size
-    ids = block_table[:num_blocks].long()
-    k = read_blocks(k_cache, ids, keys=True).reshape(-1, *k_cache.shape[2:])[:context_len]
-    v = read_blocks(v_cache, ids, keys=False).reshape(-1, *v_cache.shape[2:])[:context_len]
+    first, num_blocks = start // block_size, (context_len + block_size - 1) // block_size
+    ids = block_table[first:num_blocks].long()
+    skip, count = start - first * block_size, context_len - start
+    k = read_blocks(k_cache, ids, keys=True).reshape(-1, *k_cache.shape[2:])[skip : skip + count]
+    v = read_blocks(v_cache, ids, keys=False).reshape(-1, *v_cache.shape[2:])[skip : skip + count]
     return k, v
 
 
@@ -111,8 +113,9 @@ def _attend(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    key_start: int = 0,
 ) -> torch.Tensor:
-    """q [Q, H, D] at absolute positions q_positions against k/v [C, Hkv, D] at positions 0..C-1."""
+    """q [Q, H, D] at absolute positions q_positions against k/v [C, Hkv, D] at positions key_start.."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_heads // num_kv_heads
     k = k.float().repeat_interleave(group, dim=1)
@@ -120,7 +123,7 @@ def _attend(
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    k_positions = torch.arange(k.shape[0], device=q.device)
+    k_positions = torch.arange(key_start, key_start + k.shape[0], device=q.device)
     allowed = k_positions[None, :] <= q_positions[:, None]
     if sliding_window is not None:
         allowed &= k_positions[None, :] > q_positions[:, None] - sliding_window
@@ -167,9 +170,11 @@ def paged_prefill_attention(
         lo, hi = starts[s], starts[s + 1]
         if hi == lo:
             continue
-        k, v = gather_kv(k_cache, v_cache, block_tables[s], context_len)
-        pos = torch.arange(context_len - (hi - lo), context_len, device=q.device)
-        out[lo:hi] = _attend(q[lo:hi], k, v, pos, scale, sliding_window, softcap)
+        first_pos = context_len - (hi - lo)
+        key_start = 0 if sliding_window is None else max(0, first_pos + 1 - sliding_window)
+        k, v = gather_kv(k_cache, v_cache, block_tables[s], context_len, key_start)
+        pos = torch.arange(first_pos, context_len, device=q.device)
+        out[lo:hi] = _attend(q[lo:hi], k, v, pos, scale, sliding_window, softcap, key_start)
     return out
 
 

@@ -9,7 +9,7 @@ import os
 import subprocess
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 
 import torch
@@ -26,6 +26,7 @@ from pagedllm.engine.parallel.group import (
     reap,
     spawn_worker,
 )
+from pagedllm.kv import KVGroups
 from pagedllm.models.loader import read_config, resolve_checkpoint
 from pagedllm.models.parallel import CollectiveError, CommStats, TensorParallel, check_split
 
@@ -128,11 +129,18 @@ class Executor:
             raise
 
     def start(
-        self, num_blocks: int, block_size: int, dtype: torch.dtype, num_host_blocks: int, prefault: bool
+        self,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        num_host_blocks: int,
+        prefault: bool,
+        groups: KVGroups,
     ) -> None:
-        """Tell every rank its KV cache's size; return once all have loaded their shard and allocated it."""
+        """Tell every rank its KV cache's size and KV groups; return once all have loaded their shard and
+        allocated it."""
         cache = {"num_blocks": num_blocks, "block_size": block_size, "num_host_blocks": num_host_blocks}
-        cache.update(dtype=str(dtype).removeprefix("torch."), prefault=prefault)
+        cache.update(dtype=str(dtype).removeprefix("torch."), prefault=prefault, groups=asdict(groups))
         self.store.set("cache", json.dumps(cache))
         self._wait_for("ready", "load the model")
         errors = {r: self.store.get(f"ready/{r}").decode() for r in self._workers()}

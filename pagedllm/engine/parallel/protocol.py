@@ -10,17 +10,17 @@ from pagedllm.models.parallel import CommStats, TensorParallel
 
 # run a step; exit; gather each rank's CommStats on rank 0; calibrate the key smoothing on the ids that follow
 STEP, STOP, STATS, CALIBRATE = 1, 2, 3, 4
-HEADER_LEN = 8  # op, num_tokens, num_seqs, max_blocks, max_query_len, swap-outs, swap-ins, copies
+HEADER_LEN = 9  # op, num_tokens, num_seqs, max_blocks, max_query_len, swap-outs, swap-ins, copies, groups
 
 
 def _sizes(header: list[int]) -> dict[str, int]:
     """The payload's arrays, in order, and the length of each."""
-    _, t, s, b, _, swap_out, swap_in, copies = header
+    _, t, s, b, _, swap_out, swap_in, copies, g = header
     return {
         "input_ids": t,
         "positions": t,
-        "slot_mapping": t,
-        "block_tables": s * b,
+        "slot_mapping": g * t,
+        "block_tables": g * s * b,
         "context_lens": s,
         "query_start_loc": s + 1,
         "num_logits": s,
@@ -44,9 +44,9 @@ def gather_stats(tp: TensorParallel) -> list[CommStats] | None:
 
 def pack(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(header, payload) int64 tensors holding the whole step."""
-    num_seqs, max_blocks = step.block_tables.shape
+    num_groups, num_seqs, max_blocks = step.block_tables.shape
     moves = (len(step.swap_out), len(step.swap_in), len(step.copies))
-    header = [STEP, len(step.input_ids), num_seqs, max_blocks, step.max_query_len, *moves]
+    header = [STEP, len(step.input_ids), num_seqs, max_blocks, step.max_query_len, *moves, num_groups]
     arrays = [getattr(step, name).reshape(-1).astype(np.int64) for name in _sizes(header)]
     return torch.tensor(header, dtype=torch.int64), torch.from_numpy(np.concatenate(arrays))
 
@@ -58,7 +58,8 @@ def payload_len(header: torch.Tensor) -> int:
 def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepInputs:
     """The StepInputs `pack` was given."""
     header = header.tolist()
-    s, b, max_query_len = header[2:5]
+    t, s, b, max_query_len = header[1:5]
+    g = header[8]
     flat, arrays, offset = payload.numpy(), {}, 0
     for name, n in _sizes(header).items():
         arrays[name] = flat[offset : offset + n]
@@ -66,8 +67,8 @@ def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepInputs:
     return StepInputs(
         input_ids=arrays["input_ids"],
         positions=arrays["positions"],
-        slot_mapping=arrays["slot_mapping"],
-        block_tables=arrays["block_tables"].reshape(s, b).astype(np.int32),
+        slot_mapping=arrays["slot_mapping"].reshape(g, t),
+        block_tables=arrays["block_tables"].reshape(g, s, b).astype(np.int32),
         context_lens=arrays["context_lens"].astype(np.int32),
         query_start_loc=arrays["query_start_loc"].astype(np.int32),
         max_query_len=max_query_len,

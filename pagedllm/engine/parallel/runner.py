@@ -20,7 +20,12 @@ class ParallelModelRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.executor = executor
         executor.start(
-            self.num_blocks, self.block_size, self.kv_dtype, self.num_host_blocks, self.prefault_kv_cache
+            self.num_blocks,
+            self.block_size,
+            self.kv_dtype,
+            self.num_host_blocks,
+            self.prefault_kv_cache,
+            self.groups,
         )
 
     def calibrate_key_smoothing(self, input_ids: np.ndarray) -> None:

@@ -23,6 +23,7 @@ from pagedllm.engine.config import DTYPES
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.parallel import protocol
 from pagedllm.engine.parallel.group import WORKER_TIMEOUT, connect, form_group, reap, spawn_worker
+from pagedllm.kv import KVGroups
 from pagedllm.models.loader import load_model
 from pagedllm.models.parallel import CollectiveError, TensorParallel
 
@@ -55,6 +56,7 @@ def run_worker(init_method: str, rank: int, world_size: int, local_rank: int) ->
             device,
             cache["num_host_blocks"],
             cache["prefault"],
+            KVGroups(**{name: tuple(value) for name, value in cache["groups"].items()}),
         )
     except Exception as error:
         store.set(f"ready/{rank}", f"{type(error).__name__}: {error}")

@@ -79,12 +79,22 @@ function render(snap) {
 function ownersOf(snap) {
   const owners = new Map(); // block id -> sequence ids
   for (const seq of snap.seqs) {
-    for (const block of seq.table || []) {
+    for (const block of heldBlocks(seq)) {
       if (!owners.has(block)) owners.set(block, []);
       owners.get(block).push(seq.id);
     }
   }
   return owners;
+}
+
+// Every block a sequence holds, in all its KV groups' tables (-1: a window group gave it back).
+function heldBlocks(seq) {
+  return (seq.tables || [seq.table || []]).flat().filter((b) => b >= 0);
+}
+
+function groupName(snap, g) {
+  const window = snap.kv_groups[g];
+  return `group ${g} (${window === null ? "full attention" : `window ${window}`})`;
 }
 
 function fill(tokens, size, empty) {
@@ -136,7 +146,8 @@ function blockTip(id) {
   const { ref, tokens, cached } = snap.blocks;
   if (ref[id] === 0) return `block ${id}: free` + (cached[id] ? " (still holds a cached prefix block)" : "");
   const holders = ownersOf(snap).get(id) || [];
-  return `block ${id}: ${tokens[id]}/${snap.block_size} tokens · ref count ${ref[id]}` +
+  const group = snap.kv_groups && snap.kv_groups.length > 1 ? " · " + groupName(snap, snap.blocks.group[id]) : "";
+  return `block ${id}: ${tokens[id]}/${snap.block_size} tokens · ref count ${ref[id]}` + group +
     (holders.length ? " · " + holders.join(", ") : "");
 }
 
@@ -257,7 +268,7 @@ function select(id, pin) {
   const snap = state.snap;
   const seq = snap && snap.seqs.find((s) => s.id === id);
   for (const tr of $("#seqs tbody").children) tr.classList.toggle("sel", tr.dataset.seq === id);
-  const mine = new Set(seq && seq.table ? seq.table : []);
+  const mine = new Set(seq && seq.table ? heldBlocks(seq) : []);
   for (const cell of state.cells) {
     cell.classList.toggle("sel", seq ? (seq.table ? mine.has(+cell.dataset.block) : cell.dataset.seq === id) : false);
   }
@@ -278,16 +289,21 @@ function select(id, pin) {
     view.innerHTML = `${head}<div>swapped out: its blocks wait in the host pool</div>`;
     return;
   }
-  const entries = seq.table.map((block, logical) => {
-    const tokens = Math.min(snap.block_size, seq.tokens - logical * snap.block_size);
-    const ref = snap.blocks.ref[block];
-    return `<span class="entry${ref > 1 ? " shared" : ""}" data-logical="${logical}" ` +
-      `style="background:${fill(tokens, snap.block_size, COLOR.tail)}" ` +
-      `title="logical block ${logical} → physical block ${block}, ${tokens}/${snap.block_size} tokens, ref count ${ref}">` +
-      `${logical}→${block}${ref > 1 ? " ×" + ref : ""}</span>`;
+  const tables = seq.tables || [seq.table];
+  const rows = tables.map((table, g) => {
+    const entries = table.map((block, logical) => {
+      if (block < 0) return `<span class="entry" title="logical block ${logical}: left the window, given back">${logical}→–</span>`;
+      const tokens = Math.min(snap.block_size, seq.tokens - logical * snap.block_size);
+      const ref = snap.blocks.ref[block];
+      return `<span class="entry${ref > 1 ? " shared" : ""}" data-logical="${logical}" ` +
+        `style="background:${fill(tokens, snap.block_size, COLOR.tail)}" ` +
+        `title="logical block ${logical} → physical block ${block}, ${tokens}/${snap.block_size} tokens, ref count ${ref}">` +
+        `${logical}→${block}${ref > 1 ? " ×" + ref : ""}</span>`;
+    });
+    return (tables.length > 1 ? `<div>${groupName(snap, g)}</div>` : "") + `<div class="entries">${entries.join("")}</div>`;
   });
-  view.innerHTML = `${head} · block table (logical → physical${seq.table.some((b) => snap.blocks.ref[b] > 1)
-    ? ", ×n = shared by n sequences" : ""}):<div class="entries">${entries.join("")}</div>`;
+  view.innerHTML = `${head} · block table (logical → physical${heldBlocks(seq).some((b) => snap.blocks.ref[b] > 1)
+    ? ", ×n = shared by n sequences" : ""}):${rows.join("")}`;
 }
 
 function tip(event, text) {

@@ -1,0 +1,275 @@
+"""KV groups: a full-attention group and sliding-window groups over one block pool (kv/groups.py).
+
+The property machine drives a PagedAllocator with one full and two window groups as the scheduler does:
+a prompt is admitted, computed chunk by chunk (`cache_blocks` with the chunk's start), and grows by one
+token once every token is computed. It writes each token into every slot it is given and checks after
+every step that each group reads back exactly the tokens a query of the sequence may still read, that no
+block is both free and in a table, that a window group holds nothing before its window, and that
+nothing leaks once every sequence is freed.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import invariant, precondition, rule
+from kv_helpers import free_order, group_slots
+from test_kv_properties import PagedMachine, prompts
+
+from pagedllm.kv import NO_BLOCK, PagedAllocator, kv_groups
+
+WINDOW, BS, CHUNK = 3, 2, 3  # tokens
+
+
+class HybridMachine(PagedMachine):
+    """Groups: full, window 3, window 3 (block size 2, prompts computed 3 tokens a step at most); swap_in
+    is PagedMachine's."""
+
+    def make_allocator(self):
+        self.computed: dict[int, int] = {}  # sequence -> its tokens computed (the next step's start)
+        self.started: dict[int, int] = {}  # sequence -> the start of its last step the allocator was told
+        return PagedAllocator(
+            24,
+            block_size=BS,
+            enable_prefix_caching=True,
+            num_host_blocks=16,
+            windows=(None, WINDOW, WINDOW),
+            max_prefill_tokens=CHUNK,
+        )
+
+    def write(self, seq_id: int, start: int) -> None:
+        for g in range(self.kv.num_groups):
+            for t, slot in group_slots(self.kv, seq_id, g, start):
+                if slot is not None:
+                    self.device[slot] = (t, self.tokens[seq_id][t])
+
+    def computable(self) -> list[int]:
+        return [s for s in self.resident() if self.computed[s] < len(self.tokens[s])]
+
+    def grown(self) -> list[int]:
+        return [s for s in self.tokens if self.computed[s] == len(self.tokens[s])]
+
+    @rule(prompt=prompts, whole=st.booleans())
+    def allocate(self, prompt, whole):
+        """Admitted as the scheduler admits (nothing computed yet), or computed whole if that fits a step."""
+        whole = whole and len(prompt) <= CHUNK
+        can, seq_id, before = self.kv.can_allocate(prompt, 4), self.next_id, self.snapshot()
+        num_computed = None if whole else 0
+        cached = self.refused(
+            can, before, lambda: self.kv.allocate(seq_id, prompt, 4, num_computed=num_computed)
+        )
+        if cached is None:
+            return
+        self.next_id += 1
+        assert 0 <= cached < len(prompt) and cached % BS == 0
+        self.tokens[seq_id] = list(prompt)
+        self.computed[seq_id] = len(prompt) if whole else cached
+        self.started[seq_id] = cached
+        self.write(seq_id, cached)
+
+    @precondition(lambda self: self.computable())
+    @rule(data=st.data())
+    def cache_blocks(self, data):
+        """One step of a sequence: a prompt chunk, or the token it grew by; never fails."""
+        seq_id = data.draw(st.sampled_from(self.computable()))
+        start = self.computed[seq_id]
+        end = data.draw(st.integers(start + 1, min(len(self.tokens[seq_id]), start + CHUNK)))
+        self.kv.cache_blocks(seq_id, end, start=start)
+        self.computed[seq_id], self.started[seq_id] = end, start
+        self.write(seq_id, start)
+
+    @precondition(lambda self: [s for s in self.grown() if s not in self.swapped])
+    @rule(data=st.data(), token=st.integers(0, 1))
+    def append(self, data, token):
+        seq_id = data.draw(st.sampled_from([s for s in self.grown() if s not in self.swapped]))
+        can = self.kv.can_append(seq_id)
+        copies = self.refused(can, self.snapshot(), self.kv.append, seq_id, token)
+        if copies is None:
+            return
+        self.copy_blocks(copies, self.device, self.device)
+        self.tokens[seq_id].append(token)
+        self.write(seq_id, len(self.tokens[seq_id]) - 1)
+
+    @precondition(lambda self: [s for s in self.grown() if s not in self.swapped])
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from([s for s in self.grown() if s not in self.swapped]))
+        free_before = self.kv.num_free_blocks
+        assert self.kv.fork(parent, self.next_id) == [] and self.kv.num_free_blocks == free_before
+        self.tokens[self.next_id] = list(self.tokens[parent])
+        self.computed[self.next_id] = self.computed[parent]
+        self.started[self.next_id] = self.started[parent]
+        self.next_id += 1
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data())
+    def swap_out(self, data):
+        seq_id = data.draw(st.sampled_from(self.resident()))
+        held = sum(b != NO_BLOCK for table in self.kv.block_tables(seq_id) for b in table)
+        copies = self.refused(held <= self.kv.num_free_host_blocks, self.snapshot(), self.kv.swap_out, seq_id)
+        if copies is None:
+            return
+        assert len(copies) == held
+        self.copy_blocks(copies, self.device, self.host)
+        self.swapped.add(seq_id)
+        self.host_blocks[seq_id] = held
+
+    @precondition(lambda self: [s for s in self.grown() if s in self.swapped])
+    @rule(data=st.data(), token=st.integers(0, 1))
+    def append_swapped(self, data, token):
+        seq_id = data.draw(st.sampled_from([s for s in self.grown() if s in self.swapped]))
+        before = self.snapshot()
+        assert self.kv.can_append(seq_id) and self.kv.append(seq_id, token) == []
+        assert self.snapshot() == before
+        self.unwritten.setdefault(seq_id, len(self.tokens[seq_id]))
+        self.tokens[seq_id].append(token)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.kv.free(seq_id)
+        for held in (self.tokens, self.computed, self.started, self.host_blocks, self.unwritten):
+            held.pop(seq_id, None)
+        self.swapped.discard(seq_id)
+
+    # -- invariants --------------------------------------------------------------------------------
+
+    @invariant()
+    def every_group_reads_back_what_its_queries_read(self):
+        """Full group: every token. Window group: from the first key the next step's first query reads up
+        to the tokens it has slots for, and nothing before the window of the last step it was told of."""
+        for seq_id in self.resident():
+            start, toks = self.computed[seq_id], self.tokens[seq_id]
+            for g, window in enumerate(self.kv.windows):
+                pairs = group_slots(self.kv, seq_id, g)
+                first, told = 0, 0
+                if window is not None:
+                    first = max(0, start + 1 - window) // BS * BS
+                    told = max(0, self.started[seq_id] + 1 - window) // BS * BS
+                assert all(slot is None for _, slot in pairs[:told]), "held before the window"
+                read = [(t, self.device.get(slot)) for t, slot in pairs[first:]]
+                assert all(got == (t, toks[t]) for t, got in read)
+                covered = len(toks) if window is None or start == len(toks) else start
+                assert len(pairs) >= min(covered, len(toks)) and len(pairs) <= len(toks)
+        for seq_id, toks in self.tokens.items():
+            assert self.kv.num_tokens(seq_id) == len(toks)
+
+    @invariant()
+    def ref_counts_match_block_tables(self):
+        """No block is both free and in a table (PagedMachine's check, over every group's tables)."""
+        pool = self.kv.pool
+        holders = [0] * len(pool.blocks)
+        for seq_id in self.resident():
+            for table in self.kv.block_tables(seq_id):
+                for block_id in table:
+                    if block_id != NO_BLOCK:
+                        holders[block_id] += 1
+        assert [b.ref_cnt for b in pool.blocks] == holders
+        free = free_order(pool)
+        assert set(free) == {i for i, n in enumerate(holders) if n == 0}
+        assert self.kv.num_free_blocks == len(free) - sum(self.kv._seqs[s].promise for s in self.tokens)
+        assert self.kv.num_free_blocks >= 0  # a promise is never more than the free blocks
+        assert all(b.block_hash == key for key, b in pool.cached.items())
+        assert self.kv.num_free_host_blocks + sum(self.host_blocks.values()) == self.kv.num_host_blocks
+
+    @invariant()
+    def usage_adds_up(self):
+        u = self.kv.usage()
+        assert u.live_slots + u.tail_slots + u.free_slots == u.total_slots
+        held = [
+            s
+            for q in self.resident()
+            for g in range(3)
+            for _, s in group_slots(self.kv, q, g)
+            if s is not None
+        ]
+        assert u.live_slots == len(set(held)) and u.shared_saved_slots == len(held) - len(set(held))
+
+
+TestHybrid = HybridMachine.TestCase
+TestHybrid.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_layers_are_grouped_by_window_in_equal_groups_full_attention_first():
+    gemma3 = [None if (i + 1) % 6 == 0 else 512 for i in range(18)]  # 15 sliding layers, 3 full
+    groups = kv_groups(gemma3)
+    assert groups.windows == (None, 512, 512, 512, 512, 512) and groups.layers_per_group == 3
+    assert [i for i, g in enumerate(groups.layer_group) if g == 0] == [5, 11, 17]
+    assert sorted(zip(groups.layer_group, groups.layer_slot, strict=True)) == [
+        (g, j) for g in range(6) for j in range(3)
+    ]
+    assert kv_groups(gemma3, hybrid=False).windows == (None,)  # every token of every layer
+    assert kv_groups([None] * 4).layer_slot == (0, 1, 2, 3) and kv_groups([8] * 4).windows == (8,)
+    assert kv_groups([None, 8, 8, 8, 8, None]).layers_per_group == 2  # gcd: no group padded
+    with pytest.raises(ValueError, match="positive integer or None, got 0"):
+        kv_groups([None, 0])
+
+
+def test_a_window_group_gives_back_blocks_that_left_the_window_and_they_count_as_free():
+    kv = PagedAllocator(40, block_size=4, windows=(None, 8))
+    kv.allocate("s", list(range(10)), 30)  # 3 blocks in each group
+    assert [len(t) for t in kv.block_tables("s")] == [3, 3]
+    for t in range(10, 30):
+        kv.cache_blocks("s", t, start=t - 1)  # the step computes token t - 1: keys from t - 8 on
+        kv.append("s", t)
+    kv.cache_blocks("s", 30, start=29)  # keys 22..29: blocks 5..7 of the window group
+    full, window = kv.block_tables("s")
+    assert len(full) == 8 and window[:5] == [NO_BLOCK] * 5 and NO_BLOCK not in window[5:]
+    u = kv.usage()
+    assert u.live_slots == 30 + 8 + 2 and u.tail_slots == 2 + 2 and u.free_slots == (40 - 11) * 4
+    assert kv.num_free_blocks == 40 - 11
+    kv.free("s")
+    assert kv.all_free()
+
+
+def test_a_prefix_hit_needs_the_whole_prefix_in_full_groups_and_the_last_window_in_window_groups():
+    kv = PagedAllocator(64, block_size=4, enable_prefix_caching=True, windows=(None, 6))
+    prompt = list(range(32))
+    kv.allocate("a", prompt, 4)
+    kv.cache_blocks("a", 32, start=31)  # the window group gives back blocks 0..5, still cached
+    kv.free("a")
+    assert kv.allocate("b", prompt, 4) == 28  # every block but the last: both groups have them
+    full, window = kv.block_tables("b")
+    assert window[:5] == [NO_BLOCK] * 5 and len(full) == len(window) == 8  # keys from 22 on: blocks 5, 6
+    kv.free("b")
+    for h in kv._prompt_hashes(prompt)[5:7]:  # evict the window group's blocks 5 and 6
+        kv.pool.cached.pop((1, h)).block_hash = None
+    assert kv.allocate("c", prompt, 4) == 20  # blocks 3, 4 (keys 15..19) are still cached in both
+    kv.free("c")
+    assert kv.all_free()
+
+
+def test_a_chunked_prefill_takes_window_blocks_chunk_by_chunk_from_a_promise():
+    """Admission sets aside only what a window group's prefill can hold at once (its window and a chunk):
+    three 100-token prompts fit in 105 blocks (whole, they would take 150)."""
+    kv = PagedAllocator(3 * 25 + 3 * 10, block_size=4, windows=(None, 8), max_prefill_tokens=16)
+    for seq_id in "abc":
+        prompt = [ord(seq_id)] * 100
+        assert kv.num_blocks_needed(prompt) == 25 + 7  # window 8 + chunk 16 span at most 7 blocks
+        assert kv.can_allocate(prompt, 4)
+        kv.allocate(seq_id, prompt, 4, num_computed=0)
+        for start in range(0, 100, 16):
+            kv.cache_blocks(seq_id, min(100, start + 16), start=start)
+            assert len([b for b in kv.block_tables(seq_id)[1] if b != NO_BLOCK]) <= 7
+    assert kv.num_free_blocks == 105 - 3 * 25 - 3 * 3 and not kv.can_allocate([1] * 100, 4)
+    for seq_id in "abc":
+        kv.free(seq_id)
+    assert kv.all_free()
+
+
+def test_a_prompt_part_way_through_its_prefill_cannot_grow_or_fork_or_skip_its_chunks():
+    kv = PagedAllocator(64, block_size=4, windows=(None, 8), max_prefill_tokens=16)
+    kv.allocate("s", [1] * 40, 4, num_computed=0)
+    kv.cache_blocks("s", 16, start=0)
+    with pytest.raises(ValueError, match="'s' is still being prefilled"):
+        kv.append("s", 2)
+    with pytest.raises(ValueError, match="'s' is still being prefilled"):
+        kv.fork("s", "t")
+    with pytest.raises(
+        ValueError, match="computes 40 prompt tokens in one step, more than max_prefill_tokens=16"
+    ):
+        kv.allocate("u", [1] * 40, 4)
+    kv.free("s")
+    assert kv.all_free()
