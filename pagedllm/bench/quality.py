@@ -119,7 +119,7 @@ def evaluate(
     engine = llm.engine
     outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     assert engine.stats().kv_all_free, "KV blocks leaked"
-    ppl = perplexity(engine.model, text_ids, engine.config.kv_torch_dtype, engine.runner.kv_caches)
+    ppl = perplexity(engine.model, text_ids, engine.config.kv_torch_dtype, engine.layer_kv_caches())
     token_bytes = engine.kv_cache_bytes // (engine.num_kv_blocks * engine.config.block_size)
     tokens = [o.outputs[0].token_ids for o in outputs]
     weight_mib = engine.weight_bytes / 2**20

@@ -366,6 +366,11 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def layer_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (K, V) cache view on this process, its quantized K cache's key smoothing included
+        (ops/kv_cache.py): what a bench that runs the model outside the engine copies the smoothing from."""
+        return list(self.runner.kv_caches)
+
     def comm_stats(self) -> list | None:
         """Tensor parallelism: each collective's calls and seconds so far (None on one process)."""
         return self.executor.comm_stats() if self.executor is not None else None
