@@ -5,7 +5,11 @@ Token t of a sequence lives in slot `table[t // block_size] * block_size + t % b
 back the instant a sequence is freed. `fork` shares blocks (copy-on-write on the first divergent
 append), prefix caching reuses full blocks keyed by a hash chain (a block becomes findable once its K/V is
 computed: `cache_blocks`), and `swap_out` / `swap_in` move a sequence to a host pool and back (it may
-be appended to while there: its new tokens get their blocks when it comes back).
+be appended to while there: its new tokens get their blocks when it comes back). For speculative
+decoding, `reserve_lookahead` gives a sequence slots past its tokens for the verify pass to write draft
+K/V into; accepted tokens fill them by `append` (only then is a block keyed, by accepted tokens) and
+`release_lookahead` gives back the rest, a block left holding no token returning to the pool (a
+sequence holding lookahead slots is neither forked nor swapped out: both wait for the release).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class _Seq:
     block_hashes: list[bytes] = field(default_factory=list)  # only with prefix caching
     num_cached_blocks: int = 0  # leading blocks computed and findable in the prefix cache
     host_blocks: list[int] | None = None  # set while swapped out
+    num_lookahead: int = 0  # slots held past the last token (speculative decoding's draft tokens)
 
 
 class PagedAllocator:
@@ -230,29 +235,88 @@ class PagedAllocator:
         """A device slot for the next token: in the last block, or a new one (a copy of a shared last one)."""
         pool, offset = self.pool, len(seq.token_ids) % self.block_size
         copies = []
+        if seq.num_lookahead:  # the token takes a slot reserved for it (its K/V may be written already)
+            seq.num_lookahead -= 1
+            pool.write(seq.blocks[len(seq.token_ids) // self.block_size], 1)
+            self._resident_tokens += 1
+            return copies
         if self._needs_block(seq):
             if pool.num_free == 0:
                 raise NoFreeBlocks(f"sequence {seq_id!r} needs a block for token {len(seq.token_ids)}")
-            block = pool.allocate(after=None if offset else seq.blocks[-1])
             if offset:  # copy on write: the shared last block is only partly filled
-                shared = seq.blocks.pop()
-                copies.append((shared.block_id, block.block_id))
-                pool.write(block, offset)
-                pool.release([shared])
-            seq.blocks.append(block)
+                copies.append(self._copy_last_block(seq))
+            else:
+                seq.blocks.append(pool.allocate(after=seq.blocks[-1]))
         pool.write(seq.blocks[-1], 1)
         self._resident_tokens += 1
         return copies
 
+    def _copy_last_block(self, seq: _Seq) -> tuple[int, int]:
+        """Copy on write: replace the shared, partly filled last block by a copy of its own."""
+        shared = seq.blocks.pop()
+        block = self.pool.allocate()
+        self.pool.write(block, len(seq.token_ids) - len(seq.blocks) * self.block_size)
+        self.pool.release([shared])
+        seq.blocks.append(block)
+        return shared.block_id, block.block_id
+
     def _needs_block(self, seq: _Seq) -> bool:
-        """The last block is full, or shared (then the append must copy it first)."""
-        return len(seq.token_ids) % self.block_size == 0 or seq.blocks[-1].ref_cnt > 1
+        """No slot reserved, and the last block is full or shared (then the append must copy it first)."""
+        return not seq.num_lookahead and (
+            len(seq.token_ids) % self.block_size == 0 or seq.blocks[-1].ref_cnt > 1
+        )
+
+    # -- lookahead (speculative decoding) --------------------------------------------------------------
+
+    def can_reserve_lookahead(self, seq_id: Hashable, num_slots: int) -> bool:
+        return self._lookahead_blocks(self._resident(seq_id), num_slots) <= self.pool.num_free
+
+    def reserve_lookahead(self, seq_id: Hashable, num_slots: int) -> list[tuple[int, int]]:
+        """Hold `num_slots` more slots past the sequence's tokens (for draft tokens the verify pass writes);
+        returns the (src, dst) block copies to do first. Nothing is keyed for the prefix cache: the tokens
+        that fill these slots come by `append`, once accepted."""
+        seq = self._resident(seq_id)
+        needed = self._lookahead_blocks(seq, num_slots)
+        if needed > self.pool.num_free:
+            raise NoFreeBlocks(f"sequence {seq_id!r} needs {needed} blocks for {num_slots} lookahead slots")
+        copies = []
+        if num_slots and self._last_block_shared(seq):
+            copies.append(self._copy_last_block(seq))
+        for _ in range(-(-(self._held_slots(seq) + num_slots) // self.block_size) - len(seq.blocks)):
+            seq.blocks.append(self.pool.allocate(after=seq.blocks[-1]))
+        seq.num_lookahead += num_slots
+        return copies
+
+    def release_lookahead(self, seq_id: Hashable) -> None:
+        """Give back the lookahead slots no token took (rejected drafts): a block left holding no token goes
+        back to the pool."""
+        seq = self._resident(seq_id)
+        keep = -(-len(seq.token_ids) // self.block_size)
+        self.pool.release(reversed(seq.blocks[keep:]))
+        del seq.blocks[keep:]
+        seq.num_lookahead = 0
+
+    def _held_slots(self, seq: _Seq) -> int:
+        return len(seq.token_ids) + seq.num_lookahead
+
+    def _last_block_shared(self, seq: _Seq) -> bool:
+        """The last block is partly filled and shared: a write to its free slots must copy it first."""
+        return self._held_slots(seq) % self.block_size != 0 and seq.blocks[-1].ref_cnt > 1
+
+    def _lookahead_blocks(self, seq: _Seq, num_slots: int) -> int:
+        """Free blocks reserve_lookahead(num_slots) takes: new ones, and a copy of a shared last block."""
+        if num_slots < 0:
+            raise ValueError(f"num_slots must be a non-negative integer, got {num_slots!r}")
+        if num_slots == 0:
+            return 0
+        new = -(-(self._held_slots(seq) + num_slots) // self.block_size) - len(seq.blocks)
+        return new + self._last_block_shared(seq)
 
     # -- fork / free -----------------------------------------------------------------------------------
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> list[tuple[int, int]]:
         """The child shares every block of the parent; nothing is allocated or copied (returns [])."""
-        parent = self._resident(parent_id)
+        parent = self._settled(parent_id)
         if child_id in self._seqs:
             raise duplicate(child_id)
         for block in parent.blocks:
@@ -281,7 +345,7 @@ class PagedAllocator:
 
     def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """Move the sequence to host blocks; returns the (device block, host block) copies to do."""
-        seq = self._resident(seq_id)
+        seq = self._settled(seq_id)
         if len(seq.blocks) > len(self._free_host_blocks):
             raise NoFreeBlocks(
                 f"sequence {seq_id!r} needs {len(seq.blocks)} host blocks, {len(self._free_host_blocks)} free"
@@ -380,6 +444,13 @@ class PagedAllocator:
         seq = self._known(seq_id)
         if seq.host_blocks is not None:
             raise ValueError(f"sequence {seq_id!r} is swapped out")
+        return seq
+
+    def _settled(self, seq_id: Hashable) -> _Seq:
+        """Resident and holding no lookahead slots (a fork or swap-out happens between verify passes)."""
+        seq = self._resident(seq_id)
+        if seq.num_lookahead:
+            raise ValueError(f"sequence {seq_id!r} holds lookahead slots: release_lookahead first")
         return seq
 
     def _swapped(self, seq_id: Hashable) -> _Seq:
