@@ -27,6 +27,7 @@ class StepInputs:
     context_lens: np.ndarray  # [num_seqs] int32
     query_start_loc: np.ndarray  # [num_seqs + 1] int32
     max_query_len: int
+    num_logits: np.ndarray  # [num_seqs] int32: logits rows wanted, of each sequence's last tokens
     swap_out: np.ndarray  # [n, 2] int64 (device block, host block)
     swap_in: np.ndarray  # [n, 2] int64 (host block, device block)
     copies: np.ndarray  # [n, 2] int64 copy-on-write (src, dst)
@@ -34,6 +35,14 @@ class StepInputs:
 
 def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
     return np.array(pairs, np.int64).reshape(-1, 2)
+
+
+def logits_rows(query_start_loc: np.ndarray, num_logits: np.ndarray) -> np.ndarray:
+    """The batch rows whose logits are wanted: the last num_logits[s] rows of each sequence s."""
+    counts = num_logits.astype(np.int64)
+    firsts = query_start_loc[1:].astype(np.int64) - counts
+    starts = np.cumsum(counts) - counts
+    return np.repeat(firsts - starts, counts) + np.arange(int(counts.sum()))
 
 
 class ModelRunner:
@@ -86,8 +95,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_step(self, step: StepInputs) -> torch.Tensor | None:
-        """Move blocks, run the forward pass; float32 logits of each sequence's last computed token (None
-        on a tensor-parallel rank other than 0)."""
+        """Move blocks, run the forward pass; float32 logits of each sequence's last computed token, or of
+        its last 1 + k with k draft tokens (None on a tensor-parallel rank other than 0)."""
         self.move_blocks(step)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(step.slot_mapping),
@@ -99,15 +108,16 @@ class ModelRunner:
         )
         hidden = self.model(self._tensor(step.input_ids), self._tensor(step.positions), meta)
         if step.max_query_len > 1:  # some sequence computed several rows: keep each one's last
-            hidden = hidden[self._tensor(step.query_start_loc[1:].astype(np.int64) - 1)]
+            hidden = hidden[self._tensor(logits_rows(step.query_start_loc, step.num_logits))]
         return self.model.compute_logits(hidden)
 
     def prepare_inputs(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepInputs:
         """The step's arrays for the scheduled sequences, whose KV blocks are given by `block_tables`.
 
         Sequence s computes its last out.num_new_tokens[s] tokens up to its num_cached_tokens (which the
-        scheduler already counts them in): the rest of its tokens, or one chunk of a long prompt. Index
-        arithmetic runs in numpy, one array operation per batch rather than one Python operation per token.
+        scheduler already counts them in): the rest of its tokens, or one chunk of a long prompt, or its
+        newest token and its draft tokens. Index arithmetic runs in numpy, one array operation per batch
+        rather than one Python operation per token.
         """
         seqs = out.scheduled
         ends = np.fromiter((seq.num_cached_tokens for seq in seqs), np.int64, len(seqs))
@@ -128,7 +138,8 @@ class ModelRunner:
         else:
             input_ids = np.fromiter(
                 itertools.chain.from_iterable(
-                    seq.token_ids[start:end] for seq, start, end in zip(seqs, starts, ends, strict=True)
+                    seq.token_ids[start:end] + seq.draft_token_ids
+                    for seq, start, end in zip(seqs, starts, ends, strict=True)
                 ),
                 np.int64,
                 num_tokens,
@@ -145,6 +156,7 @@ class ModelRunner:
             context_lens=ends.astype(np.int32),
             query_start_loc=query_start_loc,
             max_query_len=int(counts.max()),
+            num_logits=np.fromiter((1 + len(seq.draft_token_ids) for seq in seqs), np.int32, len(seqs)),
             swap_out=_pairs(out.swap_out),
             swap_in=_pairs(out.swap_in),
             copies=_pairs(out.copies),

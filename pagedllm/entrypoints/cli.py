@@ -20,6 +20,10 @@ BENCHMARKS = {  # name: (module, what it measures)
     "snapshot": ("pagedllm.bench.snapshot", "what the dashboard's GET /v1/kv costs next to an engine step"),
     "serve": ("pagedllm.bench.serve", "load generator and soak test for any OpenAI-compatible server"),
     "latency": ("pagedllm.bench.latency", "one user: time to first token, decode tok/s (vs llama.cpp)"),
+    "speculative": (
+        "pagedllm.bench.speculative",
+        "one user editing code: decode tok/s with and without speculative decoding",
+    ),
     "quality": ("pagedllm.bench.quality", "perplexity and greedy agreement per weight storage"),
     "linear": ("pagedllm.bench.linear", "the matmul kernels and libraries on the model's shapes"),
 }
@@ -140,6 +144,7 @@ ENGINE_ARGS = (
     "enable_chunked_prefill",
     "quantization",
     "memory_budget",
+    "speculative_config",
     *PARALLEL_ARGS,
 )
 
@@ -201,7 +206,27 @@ def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
         help="weights + KV cache, e.g. 1GiB: the KV cache gets what the weights leave (overrides "
         "--kv-cache-memory)",
     )
+    parser.add_argument(
+        "--speculative-config",
+        type=json_object,
+        default=None,
+        help='speculative decoding, as JSON (vLLM\'s): \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4}\'',
+    )
     _add_parallel_args(parser, defaults)
+
+
+def json_object(text: str) -> dict:
+    """A JSON object typed on the command line (argparse names the flag in its error)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 KV_ARGS = ("block_size", "max_num_seqs", "kv_layout", "contiguous_reserve")
