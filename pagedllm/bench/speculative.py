@@ -57,7 +57,9 @@ INSTRUCTION = (
     "Rename the function `compute` to `weighted_mean` everywhere in this file, change nothing else, "
     "and reply with the whole file in one Python code block.\n\n```python\n" + SOURCE + "```"
 )
-DEFAULT_SPEC = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=1)
+# 3 drafts: a verify pass of 4 rows stays in the GGUF matmuls' few-row regime; matches of 2+ tokens
+# propose fewer drafts that fail (docs/JOURNAL.md, "Speculative decoding").
+DEFAULT_SPEC = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=2)
 
 
 def timed_run(engine, request_id: str, prompt: list[int], params) -> tuple[list[int], float]:
