@@ -112,8 +112,8 @@ def _error_line(capsys, argv: list[str]) -> str:
         (["generate", "hi", "  "], "prompt 2 is empty (got '  ')"),
         (["generate", "hi", "--max-tokens", "-3"], "--max-tokens must be an integer >= 1, got -3"),
         (["generate", "hi", "--temperature", "-1"], "--temperature must be >= 0, got -1.0"),
-        (["generate", "hi", "--speculative-config", "{"], "argument --speculative-config: not JSON"),
-        (["serve", "--speculative-config", "[4]"], "--speculative-config: must be a JSON object, got '[4]'"),
+        (["generate", "hi", "--speculative-config", "{"], "--speculative-config is not JSON (Expecting"),
+        (["serve", "--speculative-config", "[4]"], "--speculative-config must be a JSON object, got '[4]'"),
         (
             ["generate", "hi", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
             "num_speculative_tokens must be a positive integer, got 0",

@@ -76,15 +76,13 @@ def timed_run(engine, request_id: str, prompt: list[int], params) -> tuple[list[
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagedllm.entrypoints.cli import json_object
-
     parser = argparse.ArgumentParser(
         prog="pagedllm bench speculative",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", default="qwen2.5-coder-0.5b", help="built-in name, HF folder or .gguf")
-    parser.add_argument("--speculative-config", type=json_object, default=DEFAULT_SPEC)
+    parser.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC), help="JSON, as vLLM's")
     parser.add_argument("--quantization", default="auto", help="weight storage (auto: a GGUF's own blocks)")
     parser.add_argument("--output-len", type=int, default=400, help="greedy tokens at most (EOS ends)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each engine, alternating")
@@ -94,7 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from pagedllm.entrypoints.cli import json_object
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.speculative_config = json_object("--speculative-config", args.speculative_config)
+    except ValueError as error:
+        parser.error(str(error))
     if args.threads:
         torch.set_num_threads(args.threads)
     from pagedllm import LLM, SamplingParams

@@ -150,7 +150,24 @@ ENGINE_ARGS = (
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return {name: getattr(args, name) for name in ENGINE_ARGS}
+    kwargs = {name: getattr(args, name) for name in ENGINE_ARGS}
+    kwargs["speculative_config"] = json_object("--speculative-config", args.speculative_config)
+    return kwargs
+
+
+def json_object(flag: str, text: str | None) -> dict | None:
+    """A JSON object typed on the command line (None: not given); a ValueError naming the flag."""
+    import json
+
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{flag} is not JSON ({error}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {text!r}")
+    return value
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
@@ -208,25 +225,11 @@ def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
     )
     parser.add_argument(
         "--speculative-config",
-        type=json_object,
         default=None,
         help='speculative decoding, as JSON (vLLM\'s): \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4}\'',
     )
     _add_parallel_args(parser, defaults)
-
-
-def json_object(text: str) -> dict:
-    """A JSON object typed on the command line (argparse names the flag in its error)."""
-    import json
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"not JSON ({error}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return value
 
 
 KV_ARGS = ("block_size", "max_num_seqs", "kv_layout", "contiguous_reserve")
