@@ -115,3 +115,18 @@ def test_linear_bench_prints_a_decode_pass_and_gflops(capsys):
         "lm_head",
     ]
     assert len(out[5].split()) == 2 + 5
+
+
+def test_speculative_reports_both_engines_acceptance_and_equal_tokens(capsys):
+    from pagedllm.bench import speculative
+
+    argv = ["--model", "smollm2-135m", "--output-len", "24", "--repeats", "1", "--kv-cache-memory", "32MiB"]
+    assert speculative.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("  ")[0]: line for line in out.splitlines()[2:4]}
+    assert set(rows) == {"no speculation", "speculative"}
+    last = out.splitlines()[-1]
+    assert last.startswith("speed-up ") and "acceptance rate" in last and last.endswith("same tokens: True")
+    with pytest.raises(SystemExit):
+        speculative.main(["--speculative-config", "[3]"])
+    assert "--speculative-config must be a JSON object" in capsys.readouterr().err

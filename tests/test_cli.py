@@ -116,6 +116,12 @@ def _error_line(capsys, argv: list[str]) -> str:
         (["generate", "hi", "  "], "prompt 2 is empty (got '  ')"),
         (["generate", "hi", "--max-tokens", "-3"], "--max-tokens must be an integer >= 1, got -3"),
         (["generate", "hi", "--temperature", "-1"], "--temperature must be >= 0, got -1.0"),
+        (["generate", "hi", "--speculative-config", "{"], "--speculative-config is not JSON (Expecting"),
+        (["serve", "--speculative-config", "[4]"], "--speculative-config must be a JSON object, got '[4]'"),
+        (
+            ["generate", "hi", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
+            "num_speculative_tokens must be a positive integer, got 0",
+        ),
     ],
 )
 def test_bad_input_is_named_before_the_model_loads(capsys, no_model_loads, argv, words):
@@ -165,3 +171,19 @@ def test_pictures_without_matplotlib_say_which_extra(capsys, monkeypatch, tmp_pa
     assert info.value.code == 2
     assert "pip install 'pagedllm[viz]'" in capsys.readouterr().err
     assert not (tmp_path / "map.png").exists()
+
+
+def test_speculative_config_reaches_the_engine_and_keeps_the_greedy_text(capsys, smollm2_llm):
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'
+    parse = cli.build_parser().parse_args
+    assert cli._engine_kwargs(parse(["serve", "--speculative-config", spec]))["speculative_config"] == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 2,
+    }
+    prompt = "one two three, one two three, one two three,"
+    texts = []
+    for extra in ([], ["--speculative-config", spec]):
+        assert cli.main(["generate", prompt, "--max-tokens", "24", *SMALL, *extra]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].startswith(prompt)

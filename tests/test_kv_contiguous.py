@@ -106,3 +106,18 @@ def test_the_contiguous_layout_cannot_swap_and_says_so():
         with pytest.raises(ValueError, match="cannot swap sequence 'a'"):
             op("a")
     assert kv.block_table("a") == list(range(1))
+
+
+def test_lookahead_slots_come_from_the_slab_and_go_back_to_it():
+    kv = ContiguousAllocator(num_slots=16, max_model_len=8)
+    kv.allocate("s", [1, 2, 3], 4)
+    assert kv.can_reserve_lookahead("s", 5) and not kv.can_reserve_lookahead("s", 6)
+    assert kv.reserve_lookahead("s", 3) == [] and kv.block_table("s") == list(range(6))
+    assert kv.usage().live_slots == 3
+    with pytest.raises(ValueError, match="lookahead"):
+        kv.fork("s", "t")
+    kv.append("s", 4)
+    kv.release_lookahead("s")
+    assert kv.block_table("s") == list(range(4)) and kv.usage().reserved_slots == 4
+    with pytest.raises(NoFreeBlocks, match="overflow its slab"):
+        kv.reserve_lookahead("s", 5)

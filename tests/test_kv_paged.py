@@ -374,3 +374,51 @@ def test_can_allocate_then_allocate_hash_the_prompt_once(monkeypatch):
     kv.free("a")
     kv.free("b")
     assert kv.all_free()
+
+
+def test_lookahead_slots_cross_into_a_block_that_the_rejection_gives_back():
+    """Speculative decoding: 4 draft slots past the 5 tokens of blocks of 4 take block 1's last three slots
+    and a new block; accepting one draft and releasing the rest returns that block (ahead of cached ones)."""
+    kv = PagedAllocator(num_blocks=4, block_size=4, enable_prefix_caching=True)
+    kv.allocate("s", [1, 2, 3, 4, 5], 8)
+    assert kv.can_reserve_lookahead("s", 4) and kv.reserve_lookahead("s", 4) == []
+    assert len(kv.block_table("s")) == 3 and kv.num_free_blocks == 1 and kv.num_tokens("s") == 5
+    assert kv.usage().live_slots == 5  # reserved slots hold no accepted token
+    assert not kv.can_reserve_lookahead("s", 8)
+    table = kv.block_table("s")
+    assert kv.append("s", 6) == []  # an accepted draft takes its reserved slot
+    kv.release_lookahead("s")
+    assert kv.block_table("s") == table[:2] and kv.num_free_blocks == 2
+    assert free_order(kv.pool)[0] == table[2]  # an emptied block is plain: reused before cached ones
+    assert kv.append("s", 7) == [] and kv.append("s", 8) == []  # the correction token, then a decode
+    kv.cache_blocks("s", 8)
+    assert kv.allocate("t", [1, 2, 3, 4, 5, 6, 7, 8, 9], 4) == 8  # keyed by the accepted tokens
+
+
+def test_a_rejected_draft_never_keys_a_block():
+    kv = PagedAllocator(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    kv.allocate("s", [1], 8)
+    kv.reserve_lookahead("s", 3)
+    kv.cache_blocks("s", 4)  # even told its slots are computed, nothing past the accepted tokens is keyed
+    kv.release_lookahead("s")
+    assert kv.pool.cached == {} and kv.num_free_blocks == 3
+    kv.append("s", 7)
+    kv.cache_blocks("s", 2)
+    assert kv.allocate("t", [1, 7, 0], 4) == 2 and kv.allocate("u", [1, 2, 0], 4) == 0
+
+
+def test_lookahead_in_a_shared_last_block_copies_it_first():
+    kv = PagedAllocator(num_blocks=4, block_size=4)
+    kv.allocate("p", [1, 2, 3], 4)
+    kv.fork("p", "c")
+    shared = kv.block_table("p")[0]
+    assert not kv.can_reserve_lookahead("p", 10)  # a copy and three new blocks: four, three free
+    copies = kv.reserve_lookahead("p", 2)
+    assert copies == [(shared, kv.block_table("p")[0])] and kv.block_table("c") == [shared]
+    assert kv.usage().live_slots == 6
+    with pytest.raises(ValueError, match="lookahead"):
+        kv.fork("p", "d")
+    with pytest.raises(ValueError, match="lookahead"):
+        kv.swap_out("p")
+    kv.release_lookahead("p")
+    assert kv.fork("p", "d") == []

@@ -4,6 +4,11 @@ The machine keeps a model of what each sequence holds and a simulated cache: it 
 token) into the slots the allocator hands out and performs every copy the allocator reports. After
 each step every resident sequence must read back exactly its own tokens through its slot mapping,
 which fails on a slot owned twice, a missed copy-on-write, a wrong swap copy or a wrong prefix hit.
+Speculative decoding is a pair of rules: `speculate` reserves lookahead slots and writes draft tokens
+there at once (the verify pass), `verify` accepts a prefix of them and releases the rest (forks and
+swaps happen between the two, on other sequences, as the engine's steps interleave them); each
+sequence's block hashes must then be the hash chain of its accepted tokens alone, as a run that never
+speculated makes them.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kv_helpers import free_order, slots
 
 from pagedllm.kv import ContiguousAllocator, NoFreeBlocks, PagedAllocator
+from pagedllm.kv.block_pool import hash_block
 
 SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
 MAX_MODEL_LEN = 24
@@ -36,12 +42,17 @@ class KVMachine(RuleBasedStateMachine):
         self.host_blocks: dict[int, int] = {}  # swapped sequence -> host blocks it holds
         self.device: dict[int, tuple[int, int]] = {}  # slot -> (position, token) written there
         self.host: dict[int, tuple[int, int] | None] = {}
+        self.drafts: dict[int, list[int]] = {}  # sequence -> draft tokens in its lookahead slots
         self.next_id = 0
 
     # -- helpers -----------------------------------------------------------------------------------
 
     def resident(self) -> list[int]:
         return sorted(set(self.tokens) - self.swapped)
+
+    def settled(self) -> list[int]:
+        """Resident sequences holding no lookahead slots: those the engine appends to, swaps or speculates."""
+        return [s for s in self.resident() if s not in self.drafts]
 
     def write(self, seq_id: int, start: int) -> None:
         for t, slot in enumerate(slots(self.kv, seq_id, start), start):
@@ -95,10 +106,10 @@ class KVMachine(RuleBasedStateMachine):
         self.tokens[seq_id] = list(prompt)
         self.write(seq_id, cached)  # the cached prefix must already be in the cache: checked below
 
-    @precondition(lambda self: self.resident())
+    @precondition(lambda self: self.settled())
     @rule(data=st.data(), token=st.integers(0, 1))
     def append(self, data, token):
-        seq_id = data.draw(st.sampled_from(self.resident()))
+        seq_id = data.draw(st.sampled_from(self.settled()))
         can = self.kv.can_append(seq_id)
         copies = self.refused(can, self.snapshot(), self.kv.append, seq_id, token)
         if copies is None:
@@ -111,10 +122,10 @@ class KVMachine(RuleBasedStateMachine):
         self.tokens[seq_id].append(token)
         self.write(seq_id, len(self.tokens[seq_id]) - 1)
 
-    @precondition(lambda self: self.resident())
+    @precondition(lambda self: self.settled())
     @rule(data=st.data())
     def fork(self, data):
-        parent = data.draw(st.sampled_from(self.resident()))
+        parent = data.draw(st.sampled_from(self.settled()))
         free_before = self.kv.num_free_blocks
         can = (
             isinstance(self.kv, PagedAllocator)
@@ -129,6 +140,38 @@ class KVMachine(RuleBasedStateMachine):
         self.tokens[self.next_id] = list(self.tokens[parent])
         self.next_id += 1
 
+    @precondition(lambda self: self.settled())
+    @rule(data=st.data(), drafts=st.lists(st.integers(0, 1), min_size=1, max_size=5))
+    def speculate(self, data, drafts):
+        """Lookahead slots for draft tokens, which the verify pass writes at once (after any copies)."""
+        seq_id = data.draw(st.sampled_from(self.settled()))
+        can = self.kv.can_reserve_lookahead(seq_id, len(drafts))
+        copies = self.refused(can, self.snapshot(), self.kv.reserve_lookahead, seq_id, len(drafts))
+        if copies is None:
+            return
+        self.copy_blocks(copies, self.device, self.device)
+        table, n = self.kv.block_table(seq_id), len(self.tokens[seq_id])
+        assert len(table) == -(-(n + len(drafts)) // self.bs)
+        for t, token in enumerate(drafts, n):
+            self.device[table[t // self.bs] * self.bs + t % self.bs] = (t, token)
+        self.drafts[seq_id] = drafts
+
+    @precondition(lambda self: self.drafts)
+    @rule(data=st.data())
+    def verify(self, data):
+        """Accept a prefix of the drafts (their K/V is already written: no copy) and release the rest."""
+        seq_id = data.draw(st.sampled_from(sorted(self.drafts)))
+        drafts = self.drafts.pop(seq_id)
+        for token in drafts[: data.draw(st.integers(0, len(drafts)))]:
+            assert self.kv.can_append(seq_id) and self.kv.append(seq_id, token) == []
+            self.tokens[seq_id].append(token)
+        free_before, table_before = self.kv.num_free_blocks, self.kv.block_table(seq_id)
+        self.kv.release_lookahead(seq_id)
+        table = self.kv.block_table(seq_id)
+        assert table == table_before[: len(table)] and len(table) == -(-len(self.tokens[seq_id]) // self.bs)
+        if isinstance(self.kv, PagedAllocator):  # the blocks the rejection emptied are free again
+            assert self.kv.num_free_blocks == free_before + len(table_before) - len(table)
+
     @precondition(lambda self: self.resident())
     @rule(data=st.data())
     def cache_blocks(self, data):
@@ -142,6 +185,7 @@ class KVMachine(RuleBasedStateMachine):
         seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
         self.kv.free(seq_id)
         del self.tokens[seq_id]
+        self.drafts.pop(seq_id, None)
         self.swapped.discard(seq_id)
         self.unwritten.pop(seq_id, None)
         self.host_blocks.pop(seq_id, None)
@@ -155,6 +199,17 @@ class KVMachine(RuleBasedStateMachine):
             assert [self.device.get(slot) for slot in slots(self.kv, seq_id)] == expected
         for seq_id, toks in self.tokens.items():
             assert self.kv.num_tokens(seq_id) == len(toks) and seq_id in self.kv
+
+    @invariant()
+    def block_hashes_are_those_of_accepted_tokens(self):
+        """What a run that never speculated holds: the hash chain of each sequence's full blocks."""
+        if not getattr(self.kv, "enable_prefix_caching", False):
+            return
+        for seq_id, toks in self.tokens.items():
+            chain: list[bytes] = []
+            for i in range(len(toks) // self.bs):
+                chain.append(hash_block(chain[-1] if chain else None, toks[i * self.bs : (i + 1) * self.bs]))
+            assert self.kv._seqs[seq_id].block_hashes == chain
 
     @invariant()
     def usage_adds_up(self):
@@ -183,10 +238,10 @@ class PagedMachine(KVMachine):
     def make_allocator(self):
         return PagedAllocator(10, block_size=2, enable_prefix_caching=self.caching, num_host_blocks=6)
 
-    @precondition(lambda self: self.resident())
+    @precondition(lambda self: self.settled())
     @rule(data=st.data())
     def swap_out(self, data):
-        seq_id = data.draw(st.sampled_from(self.resident()))
+        seq_id = data.draw(st.sampled_from(self.settled()))
         can = -(-len(self.tokens[seq_id]) // self.bs) <= self.kv.num_free_host_blocks
         copies = self.refused(can, self.snapshot(), self.kv.swap_out, seq_id)
         if copies is None:
@@ -228,7 +283,8 @@ class PagedMachine(KVMachine):
         holders = [0] * len(pool.blocks)
         for seq_id in self.resident():
             table = self.kv.block_table(seq_id)
-            assert len(table) == -(-len(self.tokens[seq_id]) // self.bs)  # demand allocation
+            held = len(self.tokens[seq_id]) + len(self.drafts.get(seq_id, ()))
+            assert len(table) == -(-held // self.bs)  # demand allocation
             assert len(set(table)) == len(table)
             for block_id in table:
                 holders[block_id] += 1
@@ -260,7 +316,8 @@ class ContiguousMachine(KVMachine):
         assert all(a + n < b for (a, n), (b, _) in zip(kv.gaps, kv.gaps[1:], strict=False))  # merged
         for seq_id, slab in kv.slabs.items():
             assert slab.num_tokens <= slab.size
-            assert kv.block_table(seq_id) == slots(kv, seq_id)
+            lookahead = len(self.drafts.get(seq_id, ()))
+            assert kv.block_table(seq_id) == list(range(slab.start, slab.start + slab.num_tokens + lookahead))
         u = kv.usage()
         assert u.reserved_slots == sum(s.size - s.num_tokens for s in kv.slabs.values())
         assert u.largest_free_run == max((n for _, n in kv.gaps), default=0)

@@ -215,6 +215,27 @@ def test_two_ranks_generate_the_tokens_of_one(folders, name, layout, kv_cache_dt
             assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-3)
 
 
+def test_two_ranks_verify_draft_tokens_as_one_does(folders):
+    """Speculative decoding: every rank computes the verify pass's 1 + k logits rows (num_logits travels
+    in the step's payload), so two ranks accept and reject the drafts one rank does."""
+    settings = dict(num_kv_blocks=64, block_size=8, max_model_len=128, kv_cache_dtype="bfloat16")
+    settings["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    batch = [p * 3 for p in prompts(CONFIGS["smollm2"]().vocab_size, lens=(5, 7))]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    one = LLM(folders["smollm2"], **settings)
+    expected = [o.outputs[0].token_ids for o in one.generate(batch, params)]
+    two = LLM(folders["smollm2"], tensor_parallel_size=2, **settings)
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(batch, params)] == expected
+        one_stats, two_stats = one.engine.stats(), two.engine.stats()
+        assert two_stats.spec_verifies == one_stats.spec_verifies > 0  # (a random model rarely repeats)
+        assert two_stats.spec_accepted_tokens == one_stats.spec_accepted_tokens
+        assert_all_blocks_free(two)
+    finally:
+        two.engine.shutdown()
+    assert workers_gone(two)
+
+
 def test_real_gemma3_270m_on_two_ranks_generates_one_rank_s_tokens():
     """The real model, its single KV head replicated on both ranks (each rank holds 2 of its 4 heads)."""
     batch = ["The capital of France is", "def fib(n):", "Once upon a time, there was"]

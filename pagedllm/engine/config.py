@@ -8,6 +8,8 @@ from typing import Literal
 
 import torch
 
+from pagedllm.engine.speculative import SpeculativeConfig
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPES.update({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16})
 
@@ -76,6 +78,9 @@ class EngineConfig:
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     watermark: float = 0.01  # share of KV blocks an admission must leave free (vLLM's 1%)
     generation_config: str = "auto"  # sampling defaults: auto (the model folder's), vllm (none) or a folder
+    # Speculative decoding, as vLLM spells it: {"method": "ngram", "num_speculative_tokens": 4,
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 1} (a dict, made a SpeculativeConfig); None: off.
+    speculative_config: SpeculativeConfig | dict | None = None
     # Tensor parallelism: ranks, where they meet (tcp://HOST:PORT or env://; default: this machine, or
     # torchrun's), over how many machines, and how long rank 0 waits for a rank in a collective (seconds).
     tensor_parallel_size: int = 1
@@ -134,6 +139,10 @@ class EngineConfig:
             raise ValueError(f"nnodes={self.nnodes} needs distributed_init_method='tcp://HOST:PORT'")
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout!r}")
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        elif not isinstance(self.speculative_config, SpeculativeConfig | None):
+            raise ValueError(f"speculative_config must be a dict, got {self.speculative_config!r}")
 
     @property
     def is_parallel(self) -> bool:

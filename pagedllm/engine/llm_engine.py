@@ -3,6 +3,8 @@
 A step reads as nano-vllm's: the scheduler picks the step's work, the model runner computes it, and
 postprocessing turns the logits into each sequence's next token (the sampler's, or its beam search's
 choice) and hands them to the scheduler, the one owner of what follows: appends, KV slots, stops, frees.
+With speculative decoding the proposer then gives each decoding sequence draft tokens for the next
+step, which verifies them (engine/speculative.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pagedllm.engine.request import Request, check_prompt
 from pagedllm.engine.sampler import Sample, SampleRow, sample
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Sequence
+from pagedllm.engine.speculative import NgramProposer, accepted_length
 from pagedllm.engine.stats import STEP_PHASES, EngineStats, StepObserver, StepTrace
 from pagedllm.engine.stop_checker import StopChecker
 from pagedllm.kv import ContiguousAllocator, KVAllocator, PagedAllocator
@@ -111,6 +114,9 @@ class LLMEngine:
             watermark=config.watermark,
             stop_checker=StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len),
         )
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.spec_verifies = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self._observers: list[StepObserver] = []
@@ -222,6 +228,9 @@ class LLMEngine:
         changed = self._postprocess(out, logits, clock)
         outputs = [self._output(request) for request in changed]
         clock.lap("rest")
+        if self.proposer is not None:
+            self._propose()
+            clock.lap("propose")
         if self._observers:
             self._notify(out, clock.seconds, context_tokens)
         return outputs
@@ -293,24 +302,57 @@ class LLMEngine:
                 seqs.append(child)
         new_tokens = []
         if seqs:
-            picked = logits if rows == list(range(len(logits))) else logits[rows]  # all: no copy
+            # A sequence with k draft tokens has k + 1 rows: row i verifies draft i (the last: the next).
+            picked_rows, sample_rows = [], []
+            for row, seq in zip(rows, seqs, strict=True):
+                drafts = seq.draft_token_ids
+                for i in range(len(drafts) + 1):
+                    picked_rows.append(row + i)
+                    sample_rows.append(self._sample_row(seq, drafts[:i], (drafts + [None])[i]))
+            all_rows = picked_rows == list(range(len(logits)))
+            picked = logits if all_rows else logits[picked_rows]  # all: no copy
             clock.lap("rest")
-            new_tokens += zip(seqs, sample(picked, [self._sample_row(seq) for seq in seqs]), strict=True)
+            samples = iter(sample(picked, sample_rows))
+            for seq in seqs:
+                run = [next(samples) for _ in range(len(seq.draft_token_ids) + 1)]
+                num_new = accepted_length([smp.token_id for smp in run], seq.draft_token_ids)
+                if seq.draft_token_ids:
+                    self.spec_verifies += 1
+                    self.spec_draft_tokens += len(seq.draft_token_ids)
+                    self.spec_accepted_tokens += num_new - 1
+                new_tokens += [(seq, smp) for smp in run[:num_new]]
             clock.lap("sample")
         if beams:
             beam_logits = logits[[row for row, _, _ in beams]]
             new_tokens += beam_tokens(beam_logits, [(seq, search) for _, seq, search in beams])
         return new_tokens
 
-    def _sample_row(self, seq: Sequence) -> SampleRow:
+    def _sample_row(
+        self, seq: Sequence, accepted: list[int] | None = None, draft: int | None = None
+    ) -> SampleRow:
+        """What the sampler needs for seq's next token; for a verify pass's row, the next token after the
+        drafts before it (`accepted`, as if already sampled), checking `draft`."""
         params = seq.params
+        output = seq.output_token_ids + accepted if accepted else seq.output_token_ids
         banned: tuple[int, ...] = ()
-        if len(seq.output_token_ids) < params.min_tokens:
+        if len(output) < params.min_tokens:
             banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_token_ids))
         generator = self.requests[seq.request_id].generator
         return SampleRow(
-            params, generator, banned, seq.prompt_token_ids, seq.output_token_ids, guide=seq.guide
+            params, generator, banned, seq.prompt_token_ids, output, guide=seq.guide, draft_token_id=draft
         )
+
+    def _propose(self) -> None:
+        """Draft tokens for each running sequence that decodes next step (not a beam, not guided: their
+        next tokens depend on more than the logits), at most one fewer than it may still generate."""
+        for seq in self.scheduler.running:
+            if (
+                seq.num_tokens - seq.num_cached_tokens == 1
+                and seq.guide is None
+                and self.requests[seq.request_id].beam_search is None
+            ):
+                room = seq.max_new_tokens(self.max_model_len) - 1
+                seq.draft_token_ids = self.proposer.propose(seq.token_ids, room)
 
     def _output(self, request: Request) -> RequestOutput:
         output = request.output(self.tokenizer)
@@ -348,6 +390,9 @@ class LLMEngine:
             num_blocks_swapped_in=scheduler.num_blocks_swapped_in,
             kv_usage=self.allocator.usage(),
             kv_all_free=self.allocator.all_free(),
+            spec_verifies=self.spec_verifies,
+            spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
         )
 
     def kv_snapshot(self) -> dict:

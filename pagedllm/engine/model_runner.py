@@ -143,7 +143,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_step(self, step: StepInputs) -> torch.Tensor | None:
         """Move blocks, run the forward pass; float32 logits of each sequence's last step.num_logits
-        computed tokens, sequence after sequence (None on a tensor-parallel rank other than 0)."""
+        computed tokens, sequence after sequence: its newest, its 1 + k with k draft tokens, or a prompt's
+        rows for its log-probabilities (None on a tensor-parallel rank other than 0)."""
         self.move_blocks(step)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(step.slot_mapping),
@@ -164,8 +165,9 @@ class ModelRunner:
         sequence, one table per KV group; a window group's NO_BLOCK entries become block 0, never read).
 
         Sequence s computes its last out.num_new_tokens[s] tokens up to its num_cached_tokens (which the
-        scheduler already counts them in): the rest of its tokens, or one chunk of a long prompt. Index
-        arithmetic runs in numpy, one array operation per batch rather than one Python operation per token.
+        scheduler already counts them in): the rest of its tokens, or one chunk of a long prompt, or its
+        newest token and its draft tokens. Index arithmetic runs in numpy, one array operation per batch
+        rather than one Python operation per token.
         """
         seqs = out.scheduled
         ends = np.fromiter((seq.num_cached_tokens for seq in seqs), np.int64, len(seqs))
@@ -190,14 +192,15 @@ class ModelRunner:
         else:
             input_ids = np.fromiter(
                 itertools.chain.from_iterable(
-                    seq.token_ids[start:end] for seq, start, end in zip(seqs, starts, ends, strict=True)
+                    seq.token_ids[start:end] + seq.draft_token_ids
+                    for seq, start, end in zip(seqs, starts, ends, strict=True)
                 ),
                 np.int64,
                 num_tokens,
             )
             owner = np.repeat(np.arange(len(seqs)), counts)  # which sequence each token belongs to
             positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], counts) + starts[owner]
-            num_logits = np.ones(len(seqs), np.int32)
+            num_logits = np.fromiter((1 + len(seq.draft_token_ids) for seq in seqs), np.int32, len(seqs))
             for s, seq in enumerate(seqs):  # a mixed step's decodes pass by at the cost of one test
                 if seq.prompt_logprobs is not None:
                     num_logits[s] = prompt_logprobs.num_logits(seq, int(starts[s]), int(ends[s]))

@@ -2,7 +2,8 @@
 
 In vLLM's order: log-probabilities (when asked for) come from the model's raw logits; then tokens that
 may not come yet are banned, the presence / frequency / repetition penalties are applied, and the
-token is chosen from what is left (greedy takes the penalized argmax too).
+token is chosen from what is left (greedy takes the penalized argmax too). A row that verifies a draft
+token (speculative decoding) chooses by the rejection-sampling rule, which keeps the distribution.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class SampleRow:
     prompt_token_ids: Sequence[int] = ()  # read by the penalties only
     output_token_ids: Sequence[int] = ()
     guide: Guide | None = None  # guided decoding: only tokens its grammar allows next
+    draft_token_id: int | None = None  # speculative decoding: the proposed token this row verifies
 
 
 @dataclass
@@ -87,6 +89,18 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     return logits.nan_to_num_(nan=float("-inf"), posinf=finfo.max, neginf=float("-inf"))
 
 
+def _draw(probs: torch.Tensor, draft: int | None, generator: torch.Generator | None) -> torch.Tensor:
+    """A token from `probs`. With a draft token, proposed deterministically (a one-hot draft
+    distribution), speculative sampling's rule: accept it with its probability p(draft), else draw from
+    p with the draft removed, renormalized; either way the token is distributed as p."""
+    if draft is not None:
+        if torch.rand((), generator=generator, device=probs.device) < probs[draft]:
+            return torch.tensor(draft)
+        probs = probs.clone()
+        probs[draft] = 0.0
+    return torch.multinomial(probs, 1, generator=generator)[0]
+
+
 @torch.inference_mode()  # the logits may be the forward's own tensor (bans and penalties: in place)
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
     """logits [num_seqs, vocab] (float32; bans and penalties modify it in place) -> one Sample per row."""
@@ -110,7 +124,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
     if random_rows:
         probs = _filtered_probs(logits[random_rows], [rows[i] for i in random_rows])
         for j, i in enumerate(random_rows):
-            chosen[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
+            chosen[i] = _draw(probs[j], rows[i].draft_token_id, rows[i].generator)
     samples = [Sample(token_id) for token_id in chosen.tolist()]
     for j, i in enumerate(wanted):
         smp = samples[i]

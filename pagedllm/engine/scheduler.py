@@ -10,13 +10,16 @@ prefilled whole, in a step of its own if it exceeds the budget.
 After the forward pass `update_from_output` is the one place a step's results land: each sequence's
 new token is appended and its stops checked (a finished sequence gives its blocks back at once), and
 every running sequence's new token gets its KV slot at once, so that the allocator always holds every
-token of every sequence in the cache. The scheduler asks the KV allocator for room and never reaches
-inside it. When a new token needs a block and none is free, the most recently admitted sequence is
-preempted: by recompute (its blocks are freed; it re-enters the waiting queue and is prefilled again
-later) or by swap (its blocks move to the host pool and come back when room frees up). A beam whose
-next token waits on a sibling's (`Sequence.awaiting`) has nothing to compute: running, it holds its
-blocks, and when nothing else can run it is freed to make room; waiting, it is not admitted until its
-search has chosen its next token.
+token of every sequence in the cache. Speculative decoding: a decoding sequence with draft tokens
+computes 1 + k tokens (counted in the budget), their K/V written to lookahead slots reserved for the
+step; after it the accepted drafts keep their slots, the rest are released and the sequence's count of
+computed tokens rolled back to what was accepted, so between steps nothing else differs. The scheduler
+asks the KV allocator for room and never reaches inside it. When a new token needs a block and none is
+free, the most recently admitted sequence is preempted: by recompute (its blocks are freed; it
+re-enters the waiting queue and is prefilled again later) or by swap (its blocks move to the host pool
+and come back when room frees up). A beam whose next token waits on a sibling's (`Sequence.awaiting`)
+has nothing to compute: running, it holds its blocks, and when nothing else can run it is freed to make
+room; waiting, it is not admitted until its search has chosen its next token.
 """
 
 from __future__ import annotations
@@ -64,10 +67,14 @@ class SchedulerOutput:
 
     def ready(self) -> list[tuple[int, Sequence]]:
         """(row, sequence) of each scheduled sequence whose every token is computed once this step ran:
-        each needs its next token (a prompt still being prefilled in chunks does not)."""
-        return [
-            (row, seq) for row, seq in enumerate(self.scheduled) if seq.num_cached_tokens == seq.num_tokens
-        ]
+        each needs its next token (a prompt still being prefilled in chunks does not). `row` is its first
+        row of the step's logits: a sequence with k draft tokens has 1 + k rows, one per position."""
+        ready, row = [], 0
+        for seq in self.scheduled:
+            if seq.num_cached_tokens == seq.num_tokens + len(seq.draft_token_ids):
+                ready.append((row, seq))
+            row += 1 + len(seq.draft_token_ids)
+        return ready
 
 
 class Scheduler:
@@ -165,20 +172,31 @@ class Scheduler:
 
     def _schedule_decodes(self, out: SchedulerOutput) -> list[Sequence]:
         """Each running sequence with one token to compute decodes it (the token got its slot when it
-        came). Returns the others: those with more to compute (a prompt part way through its prefill)
-        and those with none (a beam waiting for its siblings)."""
-        others = []
-        for seq in self.running:
-            if seq.num_tokens - seq.num_cached_tokens == 1:
-                self._decode(seq, out)
-            else:
-                others.append(seq)
-        return others
+        came), with its draft tokens as far as the budget left by one token each allows. Returns the
+        others: those with more to compute (a prompt part way through its prefill) and those with none (a
+        beam waiting for its siblings)."""
+        decoding = [seq for seq in self.running if seq.num_tokens - seq.num_cached_tokens == 1]
+        budget = self.max_num_batched_tokens - len(decoding)
+        for seq in decoding:
+            budget -= self._decode(seq, out, budget)
+        decoding_ids = {seq.seq_id for seq in decoding}
+        return [seq for seq in self.running if seq.seq_id not in decoding_ids]
 
-    def _decode(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _decode(self, seq: Sequence, out: SchedulerOutput, max_drafts: int = 0) -> int:
+        """Schedule the sequence's newest token and up to max_drafts of its draft tokens, those in
+        lookahead slots taken now (never more than it may still generate after the newest); returns how
+        many drafts it verifies."""
         # A block it fills is computed this step; its window groups keep what the step's query reads.
         self.allocator.cache_blocks(seq.seq_id, seq.num_tokens, start=seq.num_cached_tokens)
-        out.add(out.decodes, seq, 1)
+        room = min(max_drafts, seq.max_new_tokens(self.max_model_len) - 1)
+        drafts = seq.draft_token_ids[: max(room, 0)]
+        if drafts and self.allocator.can_reserve_lookahead(seq.seq_id, len(drafts)):
+            out.copies += self.allocator.reserve_lookahead(seq.seq_id, len(drafts))
+        else:
+            drafts = []
+        seq.draft_token_ids = drafts
+        out.add(out.decodes, seq, 1 + len(drafts))
+        return len(drafts)
 
     def _schedule_swap_ins(self, out: SchedulerOutput) -> None:
         while self.swapped and len(self.running) < self.max_num_seqs:
@@ -263,11 +281,15 @@ class Scheduler:
     # -- after the forward pass ---------------------------------------------------------------------
 
     def update_from_output(self, new_tokens: list[tuple[Sequence, Sample]]) -> list[Sequence]:
-        """Append each sequence's new token (sampled, or chosen by its beam search), finish those it
-        stops, and give every other one in the cache its slot for that token. Returns the sequences
-        finished here, their blocks already back in the pool."""
+        """Append each sequence's new tokens in order (sampled, or chosen by its beam search; a verify
+        pass's accepted drafts and the token after them), finish those a token stops (the rest of its run
+        is dropped), settle each verify pass (`_settle_drafts`), and give every other one in the cache its
+        slot for its newest token. Returns the sequences finished here, their blocks already back in the
+        pool."""
         finished, growing = [], set()
         for seq, smp in new_tokens:
+            if seq.is_finished:
+                continue  # an earlier token of its verify pass's run stopped it
             seq.append_token(smp)
             self.stop_checker.check(seq)
             if seq.finish_reason is not None:
@@ -277,7 +299,22 @@ class Scheduler:
                 self._append_slot(seq)  # its slot comes with it when it is swapped back in
             elif seq.status is SequenceStatus.RUNNING:
                 growing.add(seq.seq_id)  # a waiting sequence gets its slots when it is admitted
+        for seq in self.running:
+            if seq.draft_token_ids and self._settle_drafts(seq):
+                growing.discard(seq.seq_id)
         return finished + self._give_slots(growing)
+
+    def _settle_drafts(self, seq: Sequence) -> bool:
+        """After its verify pass: the new tokens that have lookahead slots (accepted drafts, and the
+        target's token after them when a draft was rejected) take them, the rest are released, and the
+        computed count goes back to every token but the newest. Returns whether all have their slot."""
+        held = self.allocator.num_tokens(seq.seq_id)
+        for token in seq.token_ids[held : held + len(seq.draft_token_ids)]:
+            self.allocator.append(seq.seq_id, token)  # its slot was reserved: never a copy
+        self.allocator.release_lookahead(seq.seq_id)
+        seq.num_cached_tokens = seq.num_tokens - 1
+        seq.draft_token_ids = []
+        return self.allocator.num_tokens(seq.seq_id) == seq.num_tokens
 
     def _give_slots(self, growing: set[str]) -> list[Sequence]:
         """Append each growing sequence's newest token to its KV, oldest sequence first: first every one
@@ -317,6 +354,7 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(seq)
         self.running.remove(seq)
+        seq.draft_token_ids = []  # proposed for a step it will not run in
         if self.preemption_mode == "swap" if swap is None else swap:
             try:
                 copies = self.allocator.swap_out(seq.seq_id)

@@ -38,6 +38,9 @@ class Sequence:
     # but the newest, sampled token, whose K/V the next step computes.
     num_cached_tokens: int = 0
     awaiting: bool = False  # a computed beam whose next token its beam search has not chosen yet
+    # Speculative decoding: tokens proposed to follow it, verified by the next step (the scheduler keeps
+    # those it schedules, counted in num_cached_tokens, until update_from_output settles them).
+    draft_token_ids: list[int] = field(default_factory=list)
     num_prefix_hits: int = 0  # prompt tokens served by the prefix cache at first admission
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pagedllm.kv import KVUsage
 
-STEP_PHASES = ("schedule", "inputs", "forward", "sample", "rest")
+STEP_PHASES = ("schedule", "inputs", "forward", "sample", "rest", "propose")
 
 
 @dataclass(frozen=True)
@@ -29,16 +29,31 @@ class EngineStats:
     num_blocks_swapped_in: int  # host -> device
     kv_usage: KVUsage
     kv_all_free: bool  # every KV block is back in the free pool (nothing is resident)
+    # Speculative decoding: verify passes (a sequence's step with drafts), draft tokens they checked, and
+    # how many of those the target model accepted.
+    spec_verifies: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verify pass yields on average: its accepted drafts and the target's own next token."""
+        return 1 + self.spec_accepted_tokens / self.spec_verifies if self.spec_verifies else 0.0
+
 
 @dataclass(frozen=True)
 class StepTrace:
     """One step as its observers see it: wall seconds of each phase (STEP_PHASES; `rest` is block
-    tables, token appends, detokenizing and outputs) and what the step computed."""
+    tables, token appends, detokenizing and outputs; `propose` speculative decoding's draft tokens) and
+    what the step computed."""
 
     step: int
     seconds: dict[str, float]

@@ -20,6 +20,10 @@ BENCHMARKS = {  # name: (module, what it measures)
     "snapshot": ("pagedllm.bench.snapshot", "what the dashboard's GET /v1/kv costs next to an engine step"),
     "serve": ("pagedllm.bench.serve", "load generator and soak test for any OpenAI-compatible server"),
     "latency": ("pagedllm.bench.latency", "one user: time to first token, decode tok/s (vs llama.cpp)"),
+    "speculative": (
+        "pagedllm.bench.speculative",
+        "one user editing code: decode tok/s with and without speculative decoding",
+    ),
     "quality": ("pagedllm.bench.quality", "perplexity and greedy agreement per weight storage"),
     "linear": ("pagedllm.bench.linear", "the matmul kernels and libraries on the model's shapes"),
 }
@@ -141,12 +145,30 @@ ENGINE_ARGS = (
     "disable_hybrid_kv_cache_manager",
     "quantization",
     "memory_budget",
+    "speculative_config",
     *PARALLEL_ARGS,
 )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return {name: getattr(args, name) for name in ENGINE_ARGS}
+    kwargs = {name: getattr(args, name) for name in ENGINE_ARGS}
+    kwargs["speculative_config"] = json_object("--speculative-config", args.speculative_config)
+    return kwargs
+
+
+def json_object(flag: str, text: str | None) -> dict | None:
+    """A JSON object typed on the command line (None: not given); a ValueError naming the flag."""
+    import json
+
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{flag} is not JSON ({error}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {text!r}")
+    return value
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
@@ -207,6 +229,12 @@ def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
         default=None,
         help="weights + KV cache, e.g. 1GiB: the KV cache gets what the weights leave (overrides "
         "--kv-cache-memory)",
+    )
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding, as JSON (vLLM\'s): \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4}\'',
     )
     _add_parallel_args(parser, defaults)
 

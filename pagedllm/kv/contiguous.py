@@ -35,6 +35,7 @@ class Slab:
     start: int
     size: int
     num_tokens: int
+    num_lookahead: int = 0  # slots past the tokens held for speculative decoding's draft tokens
 
 
 @dataclass(frozen=True)
@@ -165,12 +166,30 @@ class ContiguousAllocator:
                 f"sequence {seq_id!r} filled its slab of {slab.size} slots (reserve={self.reserve!r})"
             )
         slab.num_tokens += 1
+        slab.num_lookahead = max(slab.num_lookahead - 1, 0)
         self._live += 1
         return []
+
+    def can_reserve_lookahead(self, seq_id: Hashable, num_slots: int) -> bool:
+        slab = self._slab(seq_id)
+        return slab.num_tokens + slab.num_lookahead + num_slots <= slab.size
+
+    def reserve_lookahead(self, seq_id: Hashable, num_slots: int) -> list[tuple[int, int]]:
+        """The next `num_slots` slots of the slab join the sequence's table until release_lookahead
+        (speculative decoding: the verify pass writes draft K/V there); raises NoFreeBlocks past the slab."""
+        if not self.can_reserve_lookahead(seq_id, num_slots):
+            raise NoFreeBlocks(f"sequence {seq_id!r}: {num_slots} lookahead slots overflow its slab")
+        self.slabs[seq_id].num_lookahead += num_slots
+        return []
+
+    def release_lookahead(self, seq_id: Hashable) -> None:
+        self._slab(seq_id).num_lookahead = 0
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> list[tuple[int, int]]:
         """The child gets its own slab of the parent's size; returns the (src, dst) slot copies to do."""
         parent = self._slab(parent_id)
+        if parent.num_lookahead:
+            raise ValueError(f"sequence {parent_id!r} holds lookahead slots: release_lookahead first")
         if child_id in self.slabs:
             raise duplicate(child_id)
         start = self._reserve(child_id, parent.size)
@@ -230,9 +249,9 @@ class ContiguousAllocator:
         return self._slab(seq_id).num_tokens
 
     def block_table(self, seq_id: Hashable) -> list[int]:
-        """The slot of every token: each slot is a block of one token."""
+        """The slot of every token (and lookahead slot): each slot is a block of one token."""
         slab = self._slab(seq_id)
-        return list(range(slab.start, slab.start + slab.num_tokens))
+        return list(range(slab.start, slab.start + slab.num_tokens + slab.num_lookahead))
 
     def block_tables(self, seq_id: Hashable) -> list[list[int]]:
         """One group: every layer's slab holds every token."""

@@ -15,6 +15,12 @@ table keeps the position (None; NO_BLOCK in the views), so the kernels, which cl
 reads to its window, never see it. A window group also takes a long prompt's blocks chunk by chunk as
 `cache_blocks` says each chunk is computed, not all at admission; the blocks its prefill may still take
 (at most the window plus `max_prefill_tokens`) are promised at admission, so a chunk never fails.
+
+For speculative decoding, `reserve_lookahead` gives a sequence slots past its tokens, in every group's
+table, for the verify pass to write draft K/V into; accepted tokens fill them by `append` (only then is a
+block keyed, by accepted tokens) and `release_lookahead` gives back the rest, a block left holding no token
+returning to the pool (a sequence holding lookahead slots is neither forked nor swapped out: both wait for
+the release).
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class _Seq:
     window_blocks: int = 0  # logical blocks the window groups cover (fewer while a prompt is prefilled)
     released: list[int] = field(default_factory=list)  # per group: leading entries given back
     promise: int = 0  # free blocks set aside for the window groups' growth until the prefill ends
+    num_lookahead: int = 0  # slots held past the last token (speculative decoding's draft tokens)
 
 
 class PagedAllocator:
@@ -448,6 +455,12 @@ class PagedAllocator:
         if needed > self.num_free_blocks:
             raise NoFreeBlocks(f"sequence {seq_id!r} needs {needed} blocks for token {len(seq.token_ids)}")
         copies = []
+        if seq.num_lookahead:  # the token takes a slot reserved for it (its K/V may be written already)
+            seq.num_lookahead -= 1
+            for table in seq.tables:
+                pool.write(table[len(seq.token_ids) // self.block_size], 1)
+            self._resident_slots += len(seq.tables)
+            return copies
         for g, table in enumerate(seq.tables):
             if self._needs_block(seq, table):
                 block = pool.allocate(after=None if offset else table[-1])
@@ -466,15 +479,77 @@ class PagedAllocator:
         return sum(self._needs_block(seq, table) for table in seq.tables)
 
     def _needs_block(self, seq: _Seq, table: list[Block | None]) -> bool:
-        """The group's last block is full, or shared (then the append must copy it first)."""
-        return len(seq.token_ids) % self.block_size == 0 or table[-1].ref_cnt > 1
+        """No slot reserved, and the group's last block is full or shared (then the append must copy it
+        first)."""
+        return not seq.num_lookahead and (len(seq.token_ids) % self.block_size == 0 or table[-1].ref_cnt > 1)
+
+    # -- lookahead (speculative decoding) --------------------------------------------------------------
+
+    def can_reserve_lookahead(self, seq_id: Hashable, num_slots: int) -> bool:
+        return self._lookahead_blocks(self._resident(seq_id), num_slots) <= self.num_free_blocks
+
+    def reserve_lookahead(self, seq_id: Hashable, num_slots: int) -> list[tuple[int, int]]:
+        """Hold `num_slots` more slots past the sequence's tokens in every group (for draft tokens the verify
+        pass writes); returns the (src, dst) block copies to do first. Nothing is keyed for the prefix
+        cache: the tokens that fill these slots come by `append`, once accepted."""
+        seq = self._resident(seq_id)
+        needed = self._lookahead_blocks(seq, num_slots)
+        if needed > self.num_free_blocks:
+            raise NoFreeBlocks(f"sequence {seq_id!r} needs {needed} blocks for {num_slots} lookahead slots")
+        copies = []
+        end = -(-(self._held_slots(seq) + num_slots) // self.block_size)
+        for g, table in enumerate(seq.tables):
+            if num_slots and self._last_block_shared(seq, table):
+                copies.append(self._copy_last_block(seq, g, table))
+            while len(table) < end:
+                block = self.pool.allocate(after=table[-1])
+                block.group = g
+                table.append(block)
+        seq.num_lookahead += num_slots
+        return copies
+
+    def release_lookahead(self, seq_id: Hashable) -> None:
+        """Give back the lookahead slots no token took (rejected drafts): a block left holding no token goes
+        back to the pool."""
+        seq = self._resident(seq_id)
+        keep = -(-len(seq.token_ids) // self.block_size)
+        for table in seq.tables:
+            self.pool.release(reversed(table[keep:]))
+            del table[keep:]
+        seq.num_lookahead = 0
+
+    def _copy_last_block(self, seq: _Seq, group: int, table: list[Block | None]) -> tuple[int, int]:
+        """Copy on write: replace the group's shared, partly filled last block by a copy of its own."""
+        shared = table.pop()
+        block = self.pool.allocate()
+        block.group = group
+        self.pool.write(block, len(seq.token_ids) - len(table) * self.block_size)
+        self.pool.release([shared])
+        table.append(block)
+        return shared.block_id, block.block_id
+
+    def _held_slots(self, seq: _Seq) -> int:
+        return len(seq.token_ids) + seq.num_lookahead
+
+    def _last_block_shared(self, seq: _Seq, table: list[Block | None]) -> bool:
+        """The last block is partly filled and shared: a write to its free slots must copy it first."""
+        return self._held_slots(seq) % self.block_size != 0 and table[-1].ref_cnt > 1
+
+    def _lookahead_blocks(self, seq: _Seq, num_slots: int) -> int:
+        """Free blocks reserve_lookahead(num_slots) takes: new ones, and copies of shared last blocks."""
+        if num_slots < 0:
+            raise ValueError(f"num_slots must be a non-negative integer, got {num_slots!r}")
+        if num_slots == 0:
+            return 0
+        end = -(-(self._held_slots(seq) + num_slots) // self.block_size)
+        return sum(end - len(table) + self._last_block_shared(seq, table) for table in seq.tables)
 
     # -- fork / free -----------------------------------------------------------------------------------
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> list[tuple[int, int]]:
         """The child shares every block of the parent; nothing is allocated or copied (returns []). A
         prompt still being prefilled chunk by chunk cannot be forked (ValueError)."""
-        parent = self._resident(parent_id)
+        parent = self._settled(parent_id)
         if child_id in self._seqs:
             raise duplicate(child_id)
         if parent.window_blocks < -(-len(parent.token_ids) // self.block_size):
@@ -514,7 +589,7 @@ class PagedAllocator:
 
     def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """Move the sequence to host blocks; returns the (device block, host block) copies to do."""
-        seq = self._resident(seq_id)
+        seq = self._settled(seq_id)
         held = sum(block is not None for table in seq.tables for block in table)
         if held > len(self._free_host_blocks):
             raise NoFreeBlocks(
@@ -641,6 +716,13 @@ class PagedAllocator:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise unknown(seq_id)
+        return seq
+
+    def _settled(self, seq_id: Hashable) -> _Seq:
+        """Resident and holding no lookahead slots (a fork or swap-out happens between verify passes)."""
+        seq = self._resident(seq_id)
+        if seq.num_lookahead:
+            raise ValueError(f"sequence {seq_id!r} holds lookahead slots: release_lookahead first")
         return seq
 
     def _resident(self, seq_id: Hashable) -> _Seq:

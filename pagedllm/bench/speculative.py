@@ -1,0 +1,152 @@
+"""`pagedllm bench speculative`: one user editing code, with and without speculative decoding.
+
+The prompt asks the model to rename a function in a file and return the whole file, so most of the
+answer is in the prompt: what n-gram prompt lookup is for. The same greedy request (EOS ends it, at most
+`--output-len` tokens) runs on an engine without speculation and on one with `--speculative-config`,
+alternately `--repeats` times, both engines loaded side by side (they share the weights). Printed per
+system: decode tokens/s (the tokens after the first over the time after the first, the median run),
+and for the speculating one the acceptance rate of its drafts and the mean tokens a verify pass
+yields; `same` says whether the two outputs are token for token equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+SOURCE = '''import math
+
+
+def compute(values, weights=None):
+    """The weighted mean of values (equal weights by default)."""
+    if weights is None:
+        weights = [1.0] * len(values)
+    if len(weights) != len(values):
+        raise ValueError("values and weights differ in length")
+    total = sum(w * v for w, v in zip(weights, values))
+    return total / sum(weights)
+
+
+def spread(values):
+    """The standard deviation of values around their mean."""
+    mean = compute(values)
+    return math.sqrt(compute([(v - mean) ** 2 for v in values]))
+
+
+def summary(values):
+    """Mean, spread, smallest and largest value, as a dict."""
+    return {
+        "mean": compute(values),
+        "spread": spread(values),
+        "min": min(values),
+        "max": max(values),
+    }
+
+
+if __name__ == "__main__":
+    data = [3.0, 1.5, 4.0, 1.0, 5.5, 9.0, 2.5, 6.0]
+    print(summary(data))
+    print(compute(data, weights=[1, 2, 1, 2, 1, 2, 1, 2]))
+'''
+INSTRUCTION = (
+    "Rename the function `compute` to `weighted_mean` everywhere in this file, change nothing else, "
+    "and reply with the whole file in one Python code block.\n\n```python\n" + SOURCE + "```"
+)
+# 3 drafts: a verify pass of 4 rows stays in the GGUF matmuls' few-row regime; matches of 2+ tokens
+# propose fewer drafts that fail (docs/JOURNAL.md, "Speculative decoding").
+DEFAULT_SPEC = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=2)
+
+
+def timed_run(engine, request_id: str, prompt: list[int], params) -> tuple[list[int], float]:
+    """The request's tokens, and its decode tokens/s after the first token."""
+    engine.add_request(request_id, prompt, params)
+    stamps, tokens = [], []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        if outputs and outputs[0].outputs[0].token_ids != tokens:
+            tokens = outputs[0].outputs[0].token_ids
+            stamps.append((time.perf_counter(), len(tokens)))
+    (t0, n0), (t1, n1) = stamps[0], stamps[-1]
+    return list(tokens), (n1 - n0) / (t1 - t0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedllm bench speculative",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b", help="built-in name, HF folder or .gguf")
+    parser.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC), help="JSON, as vLLM's")
+    parser.add_argument("--quantization", default="auto", help="weight storage (auto: a GGUF's own blocks)")
+    parser.add_argument("--output-len", type=int, default=400, help="greedy tokens at most (EOS ends)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each engine, alternating")
+    parser.add_argument("--kv-cache-memory", default="256MiB")
+    parser.add_argument("--threads", type=int, default=None, help="default: torch's")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagedllm.entrypoints.cli import json_object
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.speculative_config = json_object("--speculative-config", args.speculative_config)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from pagedllm import LLM, SamplingParams
+
+    common = dict(quantization=args.quantization, kv_cache_memory=args.kv_cache_memory, max_num_seqs=1)
+    systems = {
+        "no speculation": LLM(args.model, **common),
+        "speculative": LLM(args.model, speculative_config=args.speculative_config, **common),
+    }
+    tokenizer = systems["no speculation"].engine.tokenizer
+    messages = [{"role": "user", "content": INSTRUCTION}]
+    prompt = list(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0)
+    for llm in systems.values():  # warm-up: first-call costs out of the timed runs
+        llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))
+    rates: dict[str, list[float]] = {name: [] for name in systems}
+    tokens: dict[str, list[int]] = {}
+    before = systems["speculative"].engine.stats()
+    for i in range(args.repeats):
+        for name, llm in systems.items():
+            tokens[name], rate = timed_run(llm.engine, f"{name}-{i}", prompt, params)
+            rates[name].append(rate)
+    stats = systems["speculative"].engine.stats()
+    drafts = stats.spec_draft_tokens - before.spec_draft_tokens
+    accepted = stats.spec_accepted_tokens - before.spec_accepted_tokens
+    verifies = stats.spec_verifies - before.spec_verifies
+    for llm in systems.values():
+        assert llm.engine.stats().kv_all_free, "KV blocks leaked"
+    base, spec = (statistics.median(rates[name]) for name in systems)
+    print(
+        f"model {args.model}, one code-editing request ({len(prompt)} prompt tokens, "
+        f"{len(tokens['speculative'])} output tokens), {torch.get_num_threads()} threads, "
+        f"{args.repeats} runs each, speculative_config {json.dumps(args.speculative_config)}"
+    )
+    print(f"{'system':<16}{'decode tok/s':>14}{'runs':>28}")
+    for name in systems:
+        runs = " ".join(f"{r:.1f}" for r in rates[name])
+        print(f"{name:<16}{statistics.median(rates[name]):>14.1f}{runs:>28}")
+    print(
+        f"speed-up {spec / base:.2f}x; acceptance rate {accepted / max(drafts, 1):.1%} "
+        f"({accepted} of {drafts} drafts), mean accepted length {1 + accepted / max(verifies, 1):.2f} "
+        f"tokens per verify pass; same tokens: {tokens['speculative'] == tokens['no speculation']}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""Speculative decoding with n-gram prompt lookup: lossless against the same engine without it.
+
+Greedy output must be token for token the non-speculative engine's (built-in models, repetitive prompts
+so that drafts are proposed, accepted and rejected, in batches beside requests that do not speculate);
+sampled output must keep the target distribution (a chi-square test against the exact distribution of
+a tiny-vocabulary model, computed by Hugging Face transformers).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from helpers import assert_all_blocks_free
+
+from pagedllm import LLM, BeamSearchParams, SamplingParams
+from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.speculative import NgramProposer, SpeculativeConfig, accepted_length
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+CODE = (
+    "def area(width, height):\n    return width * height\n\n"
+    "def perimeter(width, height):\n    return 2 * (width + height)\n\n"
+    "# The same two functions, with type hints:\n"
+)
+PROMPTS = [
+    CODE,
+    "one two three four, one two three four, one two three four,",
+    "The cat sat on the mat. The dog sat on the log. The cat sat on",
+    "Tell me about the ocean.",
+]
+
+
+def proposer(k=4, lo=1, hi=4) -> NgramProposer:
+    return NgramProposer(SpeculativeConfig("ngram", k, prompt_lookup_max=hi, prompt_lookup_min=lo))
+
+
+def test_ngram_proposes_what_followed_the_longest_recurring_suffix():
+    # suffix [7, 8] recurs at 1..2 (followed by 9, 1) and [8] alone at 5 (followed by 7): the longer wins
+    assert proposer().propose([5, 7, 8, 9, 1, 8, 7, 2, 7, 8]) == [9, 1, 8, 7]
+    assert proposer(k=2).propose([5, 7, 8, 9, 1, 8, 7, 2, 7, 8]) == [9, 1]
+    assert proposer().propose([5, 7, 8, 9, 1, 8, 7, 2, 7, 8], max_tokens=1) == [9]
+    assert proposer().propose([1, 2, 3, 1, 2, 4, 1, 2]) == [4, 1, 2]  # the latest of equal matches
+    assert proposer().propose([1, 2, 3, 4]) == []  # nothing recurs
+    assert proposer(lo=3).propose([1, 2, 3, 9, 2, 3]) == []  # recurs, but shorter than prompt_lookup_min
+    assert proposer(lo=2, hi=2).propose([1, 2, 3, 9, 2, 3]) == [9, 2, 3]
+    assert proposer().propose([4, 4]) == [4] and proposer().propose([4]) == []
+
+
+def test_accepted_length_stops_at_the_first_rejected_draft():
+    assert accepted_length([3, 9, 9], [3, 4]) == 2  # draft 3 accepted, 4 rejected: the target's 9 follows
+    assert accepted_length([3, 4, 5], [3, 4]) == 3  # both accepted, plus the bonus token
+    assert accepted_length([1], []) == 1
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
+        ({"method": "ngram"}, "needs 'method' and 'num_speculative_tokens'"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "lookup": 3}, "unknown keys \\['lookup'\\]"),
+        ({"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 2}, "draft model is not supported"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+            "prompt_lookup_min 3 exceeds prompt_lookup_max 2",
+        ),
+        ("ngram", "must be a dict"),
+    ],
+)
+def test_bad_speculative_config_is_refused_naming_it(config, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=config)
+
+
+def test_prompt_lookup_bounds_default_as_vllm_sets_them():
+    assert SpeculativeConfig("ngram", 3, prompt_lookup_max=4).prompt_lookup_min == 4
+    assert SpeculativeConfig("ngram", 3, prompt_lookup_min=2).prompt_lookup_max == 2
+    both = SpeculativeConfig("ngram", 3)
+    assert (both.prompt_lookup_min, both.prompt_lookup_max) == (5, 5)
+
+
+def run(engine, requests) -> dict[str, list]:
+    """Add every (prompt, params) at once, step to the end; each request's outputs, by index."""
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(str(i), prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output.outputs
+    return [done[str(i)] for i in range(len(requests))]
+
+
+def same_outputs(spec, base, logprobs_atol=1e-3) -> None:
+    for s_outs, b_outs in zip(spec, base, strict=True):
+        for s, b in zip(s_outs, b_outs, strict=True):
+            assert (s.token_ids, s.text, s.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+            assert getattr(s, "stop_reason", None) == getattr(b, "stop_reason", None)
+            if getattr(b, "logprobs", None):
+                for s_top, b_top in zip(s.logprobs, b.logprobs, strict=True):
+                    assert s_top.keys() == b_top.keys()
+                    assert all(abs(s_top[t] - b_top[t]) < logprobs_atol for t in b_top)
+
+
+def mixed_requests(max_tokens: int) -> list:
+    """Greedy requests that speculate (with stops, logprobs, penalties, min_tokens) beside a beam search
+    and a short request that never drafts (its max_tokens leaves no room after the newest token)."""
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [
+        (PROMPTS[0], greedy),
+        (PROMPTS[1], SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=2)),
+        (PROMPTS[2], SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=["mat", " log"])),
+        (PROMPTS[3], SamplingParams(max_tokens=max_tokens, temperature=0.0, frequency_penalty=0.5)),
+        (PROMPTS[1], SamplingParams(max_tokens=max_tokens, temperature=0.0, min_tokens=max_tokens // 2)),
+        (PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)),
+        (PROMPTS[2], BeamSearchParams(beam_width=2, max_tokens=8)),
+    ]
+
+
+def check_lossless(base: LLM, max_tokens: int, logprobs_atol: float) -> None:
+    """`base` against an engine of the same settings (sharing its weights) that speculates."""
+    config = base.engine.config
+    spec = LLM(**{**vars(config), "speculative_config": NGRAM})
+    requests = mixed_requests(max_tokens)
+    steps = base.engine.num_steps
+    same_outputs(run(spec.engine, requests), run(base.engine, requests), logprobs_atol)
+    stats = spec.engine.stats()
+    assert stats.spec_verifies > 0 and 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert spec.engine.num_steps < base.engine.num_steps - steps  # accepted drafts saved steps
+    assert base.engine.stats().spec_draft_tokens == 0
+    assert_all_blocks_free(spec)
+    assert_all_blocks_free(base)
+
+
+def test_greedy_speculation_is_token_for_token_the_engine_without_it_smollm2(smollm2_llm):
+    """In float32 (smollm2_llm's storage) a verify pass's logprobs are a decode's to rounding."""
+    check_lossless(smollm2_llm, 48, logprobs_atol=1e-4)
+
+
+def test_greedy_speculation_is_token_for_token_the_engine_without_it_gemma3():
+    """The file's own blocks: activations are rounded per row block, and a verify pass's several rows
+    take another kernel path than one decode row, so logprobs agree only to ~1e-3 (tokens exactly)."""
+    check_lossless(LLM("gemma3-270m", kv_cache_memory="64MiB", max_model_len=1024), 32, logprobs_atol=2e-2)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_between_verify_passes_keeps_the_tokens(mode, smollm2_llm):
+    """12 blocks of 16 for 4 sequences growing to ~90 tokens: speculating sequences are preempted and come
+    back (recomputed, or swapped in), and every token is still the engine's without speculation."""
+    kwargs = dict(num_kv_blocks=12, max_model_len=512, preemption_mode=mode, quantization="none")
+    greedy = SamplingParams(max_tokens=56, temperature=0.0, ignore_eos=True)
+    requests = [(prompt, greedy) for prompt in PROMPTS]
+    spec = LLM("smollm2-135m", speculative_config=NGRAM, **kwargs)
+    same_outputs(run(spec.engine, requests), run(smollm2_llm.engine, requests))
+    stats = spec.engine.stats()
+    assert stats.num_preemptions > 0 and stats.spec_accepted_tokens > 0
+    assert_all_blocks_free(spec)
+
+
+def test_contiguous_layout_and_a_small_token_budget_speculate_losslessly(tiny_llama_dir):
+    """Slabs hold the lookahead slots too; a budget of 6 tokens for 3 decodes caps the drafts at 3."""
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 8, list(range(40, 70))]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    requests = [(p, greedy) for p in prompts]
+    for kwargs in (dict(kv_layout="contiguous"), dict(max_num_batched_tokens=32)):
+        base = LLM(str(tiny_llama_dir), kv_cache_memory="8MiB", **kwargs)
+        spec = LLM(str(tiny_llama_dir), kv_cache_memory="8MiB", speculative_config=NGRAM, **kwargs)
+        same_outputs(run(spec.engine, requests), run(base.engine, requests))
+        assert spec.engine.stats().spec_accepted_tokens > 0
+        assert_all_blocks_free(spec)
+
+
+VOCAB, SAMPLED = 4, 3  # a model over 4 tokens; the joint distribution of 3 sampled tokens: 64 cells
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_model(tmp_path_factory):
+    """A random Llama over 4 tokens whose next-token distributions are far from uniform (drafts copied
+    from the prompt are accepted about a third of the time)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(15.0)
+    folder = tmp_path_factory.mktemp("tiny-vocab")
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def exact_joint(model, prompt: list[int], temperature: float) -> torch.Tensor:
+    """P(x1, x2, x3 | prompt) for every one of the 64 continuations, by transformers' forward."""
+    conts = torch.tensor(list(itertools.product(range(VOCAB), repeat=SAMPLED)))
+    ids = torch.cat([torch.tensor(prompt).expand(len(conts), -1), conts], dim=1)
+    with torch.no_grad():
+        logprobs = (model(ids).logits[:, len(prompt) - 1 : -1] / temperature).log_softmax(-1)
+    return logprobs.gather(2, conts[:, :, None]).squeeze(2).sum(1).exp()
+
+
+def chi_square_p(llm, prompt, n, temperature, expected) -> float:
+    """The p-value of n sampled 3-token continuations against `expected` (cells expecting fewer than 5
+    samples pooled into one)."""
+    from scipy.stats import chisquare
+
+    params = SamplingParams(max_tokens=SAMPLED, temperature=temperature, ignore_eos=True)
+    torch.manual_seed(0)
+    counts = torch.zeros(VOCAB**SAMPLED, dtype=torch.float64)
+    for out in llm.generate([prompt] * n, params):
+        a, b, c = out.outputs[0].token_ids
+        counts[(a * VOCAB + b) * VOCAB + c] += 1
+    big = expected * n >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    wanted = torch.cat([expected[big], expected[~big].sum()[None]]) * n
+    return chisquare(observed.numpy(), wanted.numpy()).pvalue
+
+
+def test_sampling_with_speculation_keeps_the_target_distribution(tiny_vocab_model, monkeypatch):
+    """1,500 sampled continuations with drafts at every step after the first (the prompt holds every
+    token, so the lookup always proposes; each draft is accepted or rejected at random) against the exact
+    joint distribution: a chi-square test over the 64 cells, passed by the engine with and without
+    speculation, and failed by far by a rule that accepts every draft."""
+    from pagedllm.engine import sampler
+
+    folder, hf = tiny_vocab_model
+    prompt, temperature, n = [0, 1, 2, 3, 0, 1, 2, 3], 1.0, 1500
+    expected = exact_joint(hf, prompt, temperature).double()
+    expected /= expected.sum()  # float32 rounding
+    plain = LLM(str(folder), kv_cache_memory="16MiB", enable_prefix_caching=False)
+    spec = LLM(str(folder), kv_cache_memory="16MiB", enable_prefix_caching=False, speculative_config=NGRAM)
+    assert chi_square_p(plain, prompt, n, temperature, expected) > 1e-3
+    assert chi_square_p(spec, prompt, n, temperature, expected) > 1e-3
+    stats = spec.engine.stats()
+    assert stats.spec_draft_tokens >= n and 0.1 < stats.spec_acceptance_rate < 0.9
+    draw = sampler._draw
+    always_accept = lambda probs, draft, gen: draw(probs, None, gen) if draft is None else torch.tensor(draft)  # noqa: E731
+    monkeypatch.setattr(sampler, "_draw", always_accept)
+    assert chi_square_p(spec, prompt, 500, temperature, expected) < 1e-6
+    for llm in (plain, spec):
+        assert_all_blocks_free(llm)
+
+
+def test_the_rejection_rule_draws_from_the_target_distribution():
+    """The sampler alone: one row with a draft token, 20,000 times, against its softmax."""
+    from scipy.stats import chisquare
+
+    from pagedllm.engine.sampler import SampleRow, sample
+
+    logits = torch.tensor([[1.0, 0.2, -0.5, 2.0, 0.0]])
+    target = logits.softmax(-1)[0].double()
+    target /= target.sum()
+    gen = torch.Generator().manual_seed(0)
+    for draft in (3, 2):  # the likeliest token, and an unlikely one
+        row = SampleRow(SamplingParams(temperature=1.0), gen, draft_token_id=draft)
+        counts = torch.bincount(
+            torch.tensor([sample(logits.clone(), [row])[0].token_id for _ in range(20000)]), minlength=5
+        )
+        assert chisquare(counts.numpy(), (target * 20000).numpy()).pvalue > 1e-3
