@@ -50,6 +50,12 @@ class HybridMachine(PagedMachine):
     def grown(self) -> list[int]:
         return [s for s in self.tokens if self.computed[s] == len(self.tokens[s])]
 
+    def speculable(self) -> list[int]:
+        return self.growable()
+
+    def tables(self, seq_id: int) -> list[list[int]]:
+        return self.kv.block_tables(seq_id)
+
     def growable(self) -> list[int]:
         """Resident, prefilled, no lookahead slots held: what the engine appends to, forks or speculates."""
         return [s for s in self.grown() if s not in self.swapped and s not in self.drafts]
@@ -109,7 +115,7 @@ class HybridMachine(PagedMachine):
     @precondition(lambda self: self.settled())
     @rule(data=st.data())
     def swap_out(self, data):
-        seq_id = data.draw(st.sampled_from(self.settled()))
+        seq_id = data.draw(st.sampled_from(self.settled()))  # mid-prefill ones too
         held = sum(b != NO_BLOCK for table in self.kv.block_tables(seq_id) for b in table)
         copies = self.refused(held <= self.kv.num_free_host_blocks, self.snapshot(), self.kv.swap_out, seq_id)
         if copies is None:
@@ -128,38 +134,6 @@ class HybridMachine(PagedMachine):
         assert self.snapshot() == before
         self.unwritten.setdefault(seq_id, len(self.tokens[seq_id]))
         self.tokens[seq_id].append(token)
-
-    @precondition(lambda self: self.growable())
-    @rule(data=st.data(), drafts=st.lists(st.integers(0, 1), min_size=1, max_size=5))
-    def speculate(self, data, drafts):
-        """Lookahead slots in every group's table; the verify pass writes the drafts' K/V into each."""
-        seq_id = data.draw(st.sampled_from(self.growable()))
-        can = self.kv.can_reserve_lookahead(seq_id, len(drafts))
-        copies = self.refused(can, self.snapshot(), self.kv.reserve_lookahead, seq_id, len(drafts))
-        if copies is None:
-            return
-        self.copy_blocks(copies, self.device, self.device)
-        n = len(self.tokens[seq_id])
-        for table in self.kv.block_tables(seq_id):
-            assert len(table) == -(-(n + len(drafts)) // BS)
-            for t, token in enumerate(drafts, n):
-                self.device[table[t // BS] * BS + t % BS] = (t, token)
-        self.drafts[seq_id] = drafts
-
-    @precondition(lambda self: self.drafts)
-    @rule(data=st.data())
-    def verify(self, data):
-        """Accept a prefix of the drafts (K/V already written in every group) and release the rest."""
-        seq_id = data.draw(st.sampled_from(sorted(self.drafts)))
-        drafts = self.drafts.pop(seq_id)
-        for token in drafts[: data.draw(st.integers(0, len(drafts)))]:
-            assert self.kv.can_append(seq_id) and self.kv.append(seq_id, token) == []
-            self.tokens[seq_id].append(token)
-        before = self.kv.block_tables(seq_id)
-        self.kv.release_lookahead(seq_id)
-        tables = self.kv.block_tables(seq_id)
-        for table, old in zip(tables, before, strict=True):
-            assert table == old[: len(table)] and len(table) == -(-len(self.tokens[seq_id]) // BS)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())

@@ -54,6 +54,13 @@ class KVMachine(RuleBasedStateMachine):
         """Resident sequences holding no lookahead slots: those the engine appends to, swaps or speculates."""
         return [s for s in self.resident() if s not in self.drafts]
 
+    def speculable(self) -> list[int]:
+        return self.settled()
+
+    def tables(self, seq_id: int) -> list[list[int]]:
+        """The sequence's block tables: one, or one per KV group."""
+        return [self.kv.block_table(seq_id)]
+
     def write(self, seq_id: int, start: int) -> None:
         for t, slot in enumerate(slots(self.kv, seq_id, start), start):
             self.device[slot] = (t, self.tokens[seq_id][t])
@@ -140,20 +147,22 @@ class KVMachine(RuleBasedStateMachine):
         self.tokens[self.next_id] = list(self.tokens[parent])
         self.next_id += 1
 
-    @precondition(lambda self: self.settled())
+    @precondition(lambda self: self.speculable())
     @rule(data=st.data(), drafts=st.lists(st.integers(0, 1), min_size=1, max_size=5))
     def speculate(self, data, drafts):
-        """Lookahead slots for draft tokens, which the verify pass writes at once (after any copies)."""
-        seq_id = data.draw(st.sampled_from(self.settled()))
+        """Lookahead slots for draft tokens (in every table), which the verify pass writes at once (after
+        any copies)."""
+        seq_id = data.draw(st.sampled_from(self.speculable()))
         can = self.kv.can_reserve_lookahead(seq_id, len(drafts))
         copies = self.refused(can, self.snapshot(), self.kv.reserve_lookahead, seq_id, len(drafts))
         if copies is None:
             return
         self.copy_blocks(copies, self.device, self.device)
-        table, n = self.kv.block_table(seq_id), len(self.tokens[seq_id])
-        assert len(table) == -(-(n + len(drafts)) // self.bs)
-        for t, token in enumerate(drafts, n):
-            self.device[table[t // self.bs] * self.bs + t % self.bs] = (t, token)
+        n = len(self.tokens[seq_id])
+        for table in self.tables(seq_id):
+            assert len(table) == -(-(n + len(drafts)) // self.bs)
+            for t, token in enumerate(drafts, n):
+                self.device[table[t // self.bs] * self.bs + t % self.bs] = (t, token)
         self.drafts[seq_id] = drafts
 
     @precondition(lambda self: self.drafts)
@@ -165,12 +174,14 @@ class KVMachine(RuleBasedStateMachine):
         for token in drafts[: data.draw(st.integers(0, len(drafts)))]:
             assert self.kv.can_append(seq_id) and self.kv.append(seq_id, token) == []
             self.tokens[seq_id].append(token)
-        free_before, table_before = self.kv.num_free_blocks, self.kv.block_table(seq_id)
+        free_before, before = self.kv.num_free_blocks, self.tables(seq_id)
         self.kv.release_lookahead(seq_id)
-        table = self.kv.block_table(seq_id)
-        assert table == table_before[: len(table)] and len(table) == -(-len(self.tokens[seq_id]) // self.bs)
+        tables = self.tables(seq_id)
+        for table, old in zip(tables, before, strict=True):
+            assert table == old[: len(table)] and len(table) == -(-len(self.tokens[seq_id]) // self.bs)
         if isinstance(self.kv, PagedAllocator):  # the blocks the rejection emptied are free again
-            assert self.kv.num_free_blocks == free_before + len(table_before) - len(table)
+            emptied = sum(len(old) - len(table) for table, old in zip(tables, before, strict=True))
+            assert self.kv.num_free_blocks == free_before + emptied
 
     @precondition(lambda self: self.resident())
     @rule(data=st.data())
