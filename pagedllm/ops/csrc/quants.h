@@ -49,14 +49,15 @@ inline uint32_t bits32(const uint8_t* p) {
   return bits;
 }
 
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
 #if defined(PAGEDLLM_AVX512)
 
 using VecB = __m512i;
 constexpr int kUnitValues = 64;
 using VecI = __m512i;
 
-inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
-inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m512i mask_bytes(VecB v, int value) { return _mm512_and_si512(v, _mm512_set1_epi8(static_cast<char>(value))); }
 // 32 bytes at p -> 64 codes: their low nibbles, then their high nibbles (the bytes broadcast to both
 // halves by the load, each half shifted by its own count: no shuffle).
@@ -133,8 +134,6 @@ using VecB = __m256i;
 constexpr int kUnitValues = 32;
 using VecI = __m256i;
 
-inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
-inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline VecB mask_bytes(VecB v, int value) { return _mm256_and_si256(v, _mm256_set1_epi8(static_cast<char>(value))); }
 // A 32-value block of nibbles (value i in byte i's low nibble, i + 16 in its high) -> its codes in order.
 inline VecB nibble_block(const uint8_t* q) {
