@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedllm.ops import cpu
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 MANUAL = "PAGEDLLM_MANUAL_TESTS"
@@ -86,3 +88,10 @@ def tiny_chat_model(tmp_path_factory) -> Path:
     from helpers import write_tiny_chat_model
 
     return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(params=cpu.supported_isas())
+def kernels(request, monkeypatch):
+    """The CPU kernels with each instruction-set build this CPU runs selected in turn."""
+    monkeypatch.setattr(cpu, "selected_isa", lambda: request.param)
+    return cpu

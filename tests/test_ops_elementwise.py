@@ -17,12 +17,6 @@ def _tolerance(dtype: torch.dtype) -> dict:
     return {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
 
 
-@pytest.fixture(params=ISAS)
-def kernels(request, monkeypatch):
-    monkeypatch.setattr(cpu, "selected_isa", lambda: request.param)
-    return cpu
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", DIMS)
 @pytest.mark.parametrize("unit_offset", [False, True], ids=["llama", "gemma"])

@@ -12,17 +12,12 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from models_helpers import GGUF_TYPES, random_blocks
+from ops_helpers import int16_blocks
 
 from pagedllm.ops import cpu
 
 ISAS = cpu.supported_isas()
 pytestmark = pytest.mark.skipif(not ISAS, reason="the CPU kernels need AVX2")
-
-
-@pytest.fixture(params=ISAS)
-def kernels(request, monkeypatch):
-    monkeypatch.setattr(cpu, "selected_isa", lambda: request.param)
-    return cpu
 
 
 def storage(parts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -31,14 +26,6 @@ def storage(parts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     layout = torch.tensor([[p.raw.shape[0], int(p.qtype)] for p in parts])
     w = torch.cat([torch.from_numpy(dequantize(p.raw, p.qtype)).double() for p in parts])
     return data, layout, w
-
-
-def int16_blocks(x: torch.Tensor) -> torch.Tensor:
-    """x rounded as int16 blocks of 32 columns, scale max |x| / 32767 each (float32 arithmetic)."""
-    blocks = x.float().reshape(x.shape[0], -1, 32)
-    d = blocks.abs().amax(dim=-1, keepdim=True) / 32767
-    inverse = torch.where(d > 0, 1 / d, 0)
-    return (torch.round(blocks * inverse) * d).reshape(x.shape)
 
 
 def expected(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -6,17 +6,12 @@ max |x| / 32767 a block): there the reference rounds x the same way, written her
 
 import pytest
 import torch
+from ops_helpers import int16_blocks
 
 from pagedllm.ops import cpu
 
 ISAS = cpu.supported_isas()
 pytestmark = pytest.mark.skipif(not ISAS, reason="the CPU kernels need AVX2")
-
-
-@pytest.fixture(params=ISAS)
-def kernels(request, monkeypatch):
-    monkeypatch.setattr(cpu, "selected_isa", lambda: request.param)
-    return cpu
 
 
 def _codes(n: int, k: int, low: int, high: int, gen: torch.Generator) -> torch.Tensor:
@@ -62,14 +57,6 @@ def make_weight_and_mins(fmt: str, n: int, k: int, seed: int = 0):
     w = q.double().reshape(n, -1, group) * scales.double()[..., None]
     m = torch.zeros_like(w) if mins is None else mins.double()[..., None].expand_as(w)
     return (data, scales, mins, group), (w + m).reshape(n, k), m.reshape(n, k)
-
-
-def int16_blocks(x: torch.Tensor) -> torch.Tensor:
-    """x rounded as int16 blocks of 32 columns, scale max |x| / 32767 each (float32 arithmetic)."""
-    blocks = x.float().reshape(x.shape[0], -1, 32)
-    d = blocks.abs().amax(dim=-1, keepdim=True) / 32767
-    inverse = torch.where(d > 0, 1 / d, 0)
-    return (torch.round(blocks * inverse) * d).reshape(x.shape)
 
 
 def reference(x: torch.Tensor, fmt: str, stored, w: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
