@@ -7,11 +7,17 @@ alternately `--repeats` times, both engines loaded side by side (they share the 
 system: decode tokens/s (the tokens after the first over the time after the first, the median run),
 and for the speculating one the acceptance rate of its drafts and the mean tokens a verify pass
 yields; `same` says whether the two outputs are token for token equal.
+
+With `--llama-cpp` (a GGUF model, llama-cpp-python installed) llama.cpp runs the same request on the same
+file in a child process after pagedllm's pair in every round, without speculation and with its own
+prompt-lookup decoding (`LlamaPromptLookupDecoding`) at each `--llama-cpp-lookup` draft length (its best
+is the bar: llama-cpp-python suggests 10 on GPUs, 2 on CPUs).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -88,7 +94,39 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each engine, alternating")
     parser.add_argument("--kv-cache-memory", default="256MiB")
     parser.add_argument("--threads", type=int, default=None, help="default: torch's")
+    parser.add_argument("--llama-cpp", action="store_true", help="run llama.cpp on the same GGUF beside")
+    parser.add_argument(
+        "--llama-cpp-lookup",
+        type=int,
+        nargs="+",
+        default=[2, 3, 10],
+        help="num_pred_tokens of llama.cpp's prompt lookup runs (max_ngram_size 2, its default)",
+    )
     return parser
+
+
+def llama_cpp_run(gguf, prompt: list[int], params, stop_ids, lookup: dict | None) -> tuple[list[int], float]:
+    """llama.cpp's tokens for the request, and its decode tokens/s after the first token (as timed_run)."""
+    from pagedllm.bench.latency import _peer
+
+    job = {
+        "mode": "generate",
+        "model": str(gguf),
+        "threads": torch.get_num_threads(),
+        "n_ctx": len(prompt) + params.max_tokens + 16,
+        "prompts": [prompt],
+        "warmup": prompt[:16],
+        "output_len": params.max_tokens,
+        "stop_ids": sorted(stop_ids),
+        "prompt_lookup": lookup,
+    }
+    (result,) = _peer(job)
+    stamps = result["token_times_s"]
+    return result["tokens"], (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,6 +141,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from pagedllm import LLM, SamplingParams
+    from pagedllm.models.loader import gguf_file
+
+    peers: dict[str, dict | None] = {}
+    gguf = gguf_file(args.model)
+    if args.llama_cpp:
+        if importlib.util.find_spec("llama_cpp") is None:
+            parser.error(
+                "--llama-cpp needs llama-cpp-python (docs/BENCHMARKS.md, Setting up the comparisons)"
+            )
+        if gguf is None:
+            parser.error(f"--llama-cpp runs a GGUF file; model {args.model!r} is not one")
+        peers["llama.cpp"] = None
+        for n in args.llama_cpp_lookup:
+            peers[f"llama.cpp lookup {n}"] = {"max_ngram_size": 2, "num_pred_tokens": n}
 
     common = dict(quantization=args.quantization, kv_cache_memory=args.kv_cache_memory, max_num_seqs=1)
     systems = {
@@ -124,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, llm in systems.items():
             tokens[name], rate = timed_run(llm.engine, f"{name}-{i}", prompt, params)
             rates[name].append(rate)
+        for name, lookup in peers.items():
+            tokens[name], rate = llama_cpp_run(
+                gguf, prompt, params, systems["no speculation"].engine.eos_token_ids, lookup
+            )
+            rates.setdefault(name, []).append(rate)
     stats = systems["speculative"].engine.stats()
     drafts = stats.spec_draft_tokens - before.spec_draft_tokens
     accepted = stats.spec_accepted_tokens - before.spec_accepted_tokens
@@ -136,15 +193,24 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(tokens['speculative'])} output tokens), {torch.get_num_threads()} threads, "
         f"{args.repeats} runs each, speculative_config {json.dumps(args.speculative_config)}"
     )
-    print(f"{'system':<16}{'decode tok/s':>14}{'runs':>28}")
-    for name in systems:
+    print(f"{'system':<22}{'decode tok/s':>14}{'runs':>22}{'output tokens':>15}{'same prefix':>13}")
+    for name in rates:
         runs = " ".join(f"{r:.1f}" for r in rates[name])
-        print(f"{name:<16}{statistics.median(rates[name]):>14.1f}{runs:>28}")
+        same = common_prefix(tokens[name], tokens["no speculation"])
+        print(f"{name:<22}{statistics.median(rates[name]):>14.1f}{runs:>22}{len(tokens[name]):>15}{same:>13}")
     print(
         f"speed-up {spec / base:.2f}x; acceptance rate {accepted / max(drafts, 1):.1%} "
         f"({accepted} of {drafts} drafts), mean accepted length {1 + accepted / max(verifies, 1):.2f} "
         f"tokens per verify pass; same tokens: {tokens['speculative'] == tokens['no speculation']}"
     )
+    if peers:
+        best = max((n for n in peers if n != "llama.cpp"), key=lambda n: statistics.median(rates[n]))
+        lows = [s / b for s, b in zip(rates["speculative"], rates[best], strict=True)]
+        print(
+            f"speculative / {best} (llama.cpp's best prompt lookup): "
+            f"{spec / statistics.median(rates[best]):.2f}x (per round {min(lows):.2f}-{max(lows):.2f}x); "
+            f"without speculation / llama.cpp: {base / statistics.median(rates['llama.cpp']):.2f}x"
+        )
     return 0
 
 
