@@ -59,10 +59,22 @@ if __name__ == "__main__":
     print(summary(data))
     print(compute(data, weights=[1, 2, 1, 2, 1, 2, 1, 2]))
 '''
-INSTRUCTION = (
-    "Rename the function `compute` to `weighted_mean` everywhere in this file, change nothing else, "
-    "and reply with the whole file in one Python code block.\n\n```python\n" + SOURCE + "```"
-)
+
+
+def instruction(new_name: str = "weighted_mean") -> str:
+    return (
+        f"Rename the function `compute` to `{new_name}` everywhere in this file, change nothing else, "
+        "and reply with the whole file in one Python code block.\n\n```python\n" + SOURCE + "```"
+    )
+
+
+def chat_prompt(tokenizer, text: str) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    return list(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
+
+
 # 3 drafts: a verify pass of 4 rows stays in the GGUF matmuls' few-row regime; matches of 2+ tokens
 # propose fewer drafts that fail (docs/JOURNAL.md, "Speculative decoding").
 DEFAULT_SPEC = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=2)
@@ -79,6 +91,16 @@ def timed_run(engine, request_id: str, prompt: list[int], params) -> tuple[list[
             stamps.append((time.perf_counter(), len(tokens)))
     (t0, n0), (t1, n1) = stamps[0], stamps[-1]
     return list(tokens), (n1 - n0) / (t1 - t0)
+
+
+def batch_run(engine, tag: str, prompts: list[list[int]], params) -> float:
+    """Output tokens per second of requests sent at once, from the first step to the last token."""
+    for j, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{j}", prompt, params)
+    start, total = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        total += sum(len(out.outputs[0].token_ids) for out in engine.step() if out.finished)
+    return total / (time.perf_counter() - start)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=[2, 3, 10],
         help="num_pred_tokens of llama.cpp's prompt lookup runs (max_ngram_size 2, its default)",
+    )
+    parser.add_argument(
+        "--batch-sizes",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also send this many requests at once (each renaming to its own name): output tok/s",
     )
     return parser
 
@@ -156,16 +185,17 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.llama_cpp_lookup:
             peers[f"llama.cpp lookup {n}"] = {"max_ngram_size": 2, "num_pred_tokens": n}
 
-    common = dict(quantization=args.quantization, kv_cache_memory=args.kv_cache_memory, max_num_seqs=1)
+    common = dict(
+        quantization=args.quantization,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=max([1, *args.batch_sizes]),
+    )
     systems = {
         "no speculation": LLM(args.model, **common),
         "speculative": LLM(args.model, speculative_config=args.speculative_config, **common),
     }
     tokenizer = systems["no speculation"].engine.tokenizer
-    messages = [{"role": "user", "content": INSTRUCTION}]
-    prompt = list(
-        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    )
+    prompt = chat_prompt(tokenizer, instruction())
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0)
     for llm in systems.values():  # warm-up: first-call costs out of the timed runs
         llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))
@@ -185,8 +215,6 @@ def main(argv: list[str] | None = None) -> int:
     drafts = stats.spec_draft_tokens - before.spec_draft_tokens
     accepted = stats.spec_accepted_tokens - before.spec_accepted_tokens
     verifies = stats.spec_verifies - before.spec_verifies
-    for llm in systems.values():
-        assert llm.engine.stats().kv_all_free, "KV blocks leaked"
     base, spec = (statistics.median(rates[name]) for name in systems)
     print(
         f"model {args.model}, one code-editing request ({len(prompt)} prompt tokens, "
@@ -211,6 +239,20 @@ def main(argv: list[str] | None = None) -> int:
             f"{spec / statistics.median(rates[best]):.2f}x (per round {min(lows):.2f}-{max(lows):.2f}x); "
             f"without speculation / llama.cpp: {base / statistics.median(rates['llama.cpp']):.2f}x"
         )
+    for n in args.batch_sizes:
+        prompts = [chat_prompt(tokenizer, instruction(f"weighted_mean_{j}")) for j in range(n)]
+        batch_rates: dict[str, list[float]] = {name: [] for name in systems}
+        for i in range(args.repeats):
+            for name, llm in systems.items():
+                batch_rates[name].append(batch_run(llm.engine, f"{name}-batch{n}-{i}", prompts, params))
+        base, spec = (statistics.median(batch_rates[name]) for name in systems)
+        runs = "; ".join(f"{name} " + " ".join(f"{r:.1f}" for r in batch_rates[name]) for name in systems)
+        print(
+            f"{n} requests at once: output tok/s {base:.1f} without, {spec:.1f} with speculation, "
+            f"{spec / base:.2f}x ({runs})"
+        )
+    for llm in systems.values():
+        assert llm.engine.stats().kv_all_free, "KV blocks leaked"
     return 0
 
 
