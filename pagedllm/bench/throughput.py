@@ -7,9 +7,9 @@ storage; with `--memory-budget` (weights + KV) smaller weights leave more KV blo
 runs each layout once per KV cache dtype at the same KV memory (int8 / fp8: about 3.8x float32's blocks at
 head_dim 64), its rows' `= paged` against the first dtype's paged run. Printed: the
 workload's totals, then per system the output tokens and tokens/s, pagedllm's weight memory and KV
-blocks, mean and max running batch, the mean share of KV slots holding live tokens over the steps in which
-a request waits (KV memory is the bottleneck: `bench memory`'s steps; all steps if none), preemptions ("-" where
-a system does not report it), and the ratios measured in this one run.
+blocks, mean and max running batch, the mean share of KV slots holding live tokens over the steps in
+which a request waits (KV memory is the bottleneck: `bench memory`'s steps; all steps if none),
+preemptions ("-" where a system does not report it), and the ratios measured in this one run.
 pagedllm's time is the sum of its add_request and step calls only: the per-step readings (batch size,
 KV usage) are taken between steps, outside the clock.
 
