@@ -104,17 +104,23 @@ def test_the_window_groups_hold_far_less_than_full_history(tiny_gemma3):
     used = {}
     for hybrid in (True, False):
         llm = _llm(tiny_gemma3, hybrid=hybrid)
-        engine, most = llm.engine, [0]
-
-        def measure(trace, engine=engine, most=most) -> None:  # decode steps: each holds more
-            if trace.prefill_tokens == 0:
-                free = engine.stats().kv_usage.free_slots // engine.config.block_size
-                most.append((engine.num_kv_blocks - free) * engine.kv_cache_bytes // engine.num_kv_blocks)
-
-        engine.add_step_observer(measure)
+        most = _decode_kv_bytes(llm)
         _tokens(llm, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), prompts)
         used[hybrid] = max(most)
     assert used[True] < 0.6 * used[False]
+
+
+def _decode_kv_bytes(llm: LLM) -> list[int]:
+    """A list that gets the KV bytes in use after each decode step of the engine (each holds more)."""
+    engine, most = llm.engine, [0]
+
+    def measure(trace) -> None:
+        if trace.prefill_tokens == 0:
+            free = engine.stats().kv_usage.free_slots // engine.config.block_size
+            most.append((engine.num_kv_blocks - free) * engine.kv_cache_bytes // engine.num_kv_blocks)
+
+    engine.add_step_observer(measure)
+    return most
 
 
 def test_gemma2_alternating_windows_use_the_groups_and_match_hf_beyond_the_window(tmp_path):
@@ -155,14 +161,8 @@ def test_gemma2_alternating_windows_use_the_groups_and_match_hf_beyond_the_windo
             num_kv_blocks=400,
             disable_hybrid_kv_cache_manager=not hybrid,
         )
-        engine, most = llm.engine, [0]
-        assert engine.kv_groups.windows == ((None, 9) if hybrid else (None,))
-
-        def measure(trace, engine=engine, most=most) -> None:
-            free = engine.stats().kv_usage.free_slots // engine.config.block_size
-            most.append((engine.num_kv_blocks - free) * engine.kv_cache_bytes // engine.num_kv_blocks)
-
-        engine.add_step_observer(measure)
+        assert llm.engine.kv_groups.windows == ((None, 9) if hybrid else (None,))
+        most = _decode_kv_bytes(llm)
         got[hybrid], held[hybrid] = [t[0] for t in _tokens(llm, params, prompts)], max(most)
     assert got[True] == got[False] == hf_greedy(hf, prompts, 16)
     assert held[True] < 0.7 * held[False]  # the sliding half of the layers holds 3-4 blocks, not up to 22
