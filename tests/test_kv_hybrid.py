@@ -317,9 +317,7 @@ def test_a_prompt_part_way_through_its_prefill_cannot_grow_or_fork_or_skip_its_c
         kv.append("s", 2)
     with pytest.raises(ValueError, match="'s' is still being prefilled"):
         kv.fork("s", "t")
-    with pytest.raises(
-        ValueError, match="computes 40 prompt tokens in one step, more than prefill_chunk=16"
-    ):
+    with pytest.raises(ValueError, match="computes 40 prompt tokens in one step, more than prefill_chunk=16"):
         kv.allocate("u", [1] * 40, 4)
     kv.free("s")
     assert kv.all_free()

@@ -213,11 +213,7 @@ class PagedAllocator:
             )
         n, bs = len(prompt_token_ids), self.block_size
         first_step = (n if num_computed is None else num_computed) - len(hits[0]) * bs
-        if (
-            self._window_groups
-            and self.prefill_chunk is not None
-            and first_step > self.prefill_chunk
-        ):
+        if self._window_groups and self.prefill_chunk is not None and first_step > self.prefill_chunk:
             raise ValueError(
                 f"sequence {seq_id!r} computes {first_step} prompt tokens in one step, more than "
                 f"prefill_chunk={self.prefill_chunk}: pass num_computed"
