@@ -17,7 +17,7 @@ from hypothesis.stateful import invariant, precondition, rule
 from kv_helpers import free_order, group_slots
 from test_kv_properties import PagedMachine, prompts
 
-from pagedllm.kv import NO_BLOCK, PagedAllocator, kv_groups
+from pagedllm.kv import NO_BLOCK, NoFreeBlocks, PagedAllocator, kv_groups
 
 WINDOW, BS, CHUNK = 3, 2, 3  # tokens
 
@@ -35,7 +35,7 @@ class HybridMachine(PagedMachine):
             enable_prefix_caching=True,
             num_host_blocks=16,
             windows=(None, WINDOW, WINDOW),
-            max_prefill_tokens=CHUNK,
+            prefill_chunk=CHUNK,
         )
 
     def write(self, seq_id: int, start: int) -> None:
@@ -85,6 +85,21 @@ class HybridMachine(PagedMachine):
         seq_id = data.draw(st.sampled_from(self.computable()))
         start = self.computed[seq_id]
         end = data.draw(st.integers(start + 1, min(len(self.tokens[seq_id]), start + CHUNK)))
+        self.kv.cache_blocks(seq_id, end, start=start)
+        self.computed[seq_id], self.started[seq_id] = end, start
+        self.write(seq_id, start)
+
+    @precondition(lambda self: self.computable())
+    @rule(data=st.data(), keep_free=st.integers(0, 6))
+    def cache_blocks_by_room(self, data, keep_free):
+        """A prompt chunk as long as prefill_room allows (the scheduler's way): never fails, and never shorter
+        than the promised chunk."""
+        seq_id = data.draw(st.sampled_from(self.computable()))
+        start = self.computed[seq_id]
+        left = len(self.tokens[seq_id]) - start
+        room = self.kv.prefill_room(seq_id, start, left, keep_free=keep_free)
+        assert min(left, CHUNK) <= room <= left
+        end = data.draw(st.integers(start + 1, start + room))
         self.kv.cache_blocks(seq_id, end, start=start)
         self.computed[seq_id], self.started[seq_id] = end, start
         self.write(seq_id, start)
@@ -255,7 +270,7 @@ def test_a_prefix_hit_needs_the_whole_prefix_in_full_groups_and_the_last_window_
 def test_a_chunked_prefill_takes_window_blocks_chunk_by_chunk_from_a_promise():
     """Admission sets aside only what a window group's prefill can hold at once (its window and a chunk):
     three 100-token prompts fit in 105 blocks (whole, they would take 150)."""
-    kv = PagedAllocator(3 * 25 + 3 * 10, block_size=4, windows=(None, 8), max_prefill_tokens=16)
+    kv = PagedAllocator(3 * 25 + 3 * 10, block_size=4, windows=(None, 8), prefill_chunk=16)
     for seq_id in "abc":
         prompt = [ord(seq_id)] * 100
         assert kv.num_blocks_needed(prompt) == 25 + 7  # window 8 + chunk 16 span at most 7 blocks
@@ -270,17 +285,39 @@ def test_a_chunked_prefill_takes_window_blocks_chunk_by_chunk_from_a_promise():
     assert kv.all_free()
 
 
+def test_prefill_room_is_the_longest_chunk_whose_window_blocks_fit():
+    """Window 8, block 4, chunks of 4 promised (4 blocks: 7 keys back and 4 new tokens span at most 4): a
+    prefill may compute as far as the free blocks and its promise reach (less keep_free, never less than
+    the promise), and the blocks that left its window fund its next chunk."""
+    kv = PagedAllocator(46, block_size=4, windows=(None, 8), prefill_chunk=4)
+    kv.allocate("a", [1] * 60, 4, num_computed=0)  # 15 full blocks, 4 promised
+    assert kv.prefill_room("a", 0, 60) == 60  # alone: all 15 window blocks fit
+    kv.cache_blocks("a", 60, start=0)
+    kv.allocate("b", [2] * 40, 4, num_computed=0)  # 10 full blocks, 4 promised: 2 free
+    assert kv.num_free_blocks == 2
+    assert kv.prefill_room("b", 0, 40) == 24  # the promise and the 2 free blocks: 6 window blocks
+    assert kv.prefill_room("b", 0, 40, keep_free=1) == 20
+    assert kv.prefill_room("b", 0, 40, keep_free=5) == 16  # the promise alone
+    with pytest.raises(NoFreeBlocks, match="needs 7 blocks for its window groups, 6 free"):
+        kv.cache_blocks("b", 25, start=0)
+    kv.cache_blocks("b", 24, start=0)
+    assert kv.num_free_blocks == 0
+    assert kv.prefill_room("b", 24, 16) == 16  # keys from 17 on: blocks 0..3 go back, the rest fits
+    kv.cache_blocks("b", 40, start=24)
+    for seq_id in "ab":
+        kv.free(seq_id)
+    assert kv.all_free()
+
+
 def test_a_prompt_part_way_through_its_prefill_cannot_grow_or_fork_or_skip_its_chunks():
-    kv = PagedAllocator(64, block_size=4, windows=(None, 8), max_prefill_tokens=16)
+    kv = PagedAllocator(64, block_size=4, windows=(None, 8), prefill_chunk=16)
     kv.allocate("s", [1] * 40, 4, num_computed=0)
     kv.cache_blocks("s", 16, start=0)
     with pytest.raises(ValueError, match="'s' is still being prefilled"):
         kv.append("s", 2)
     with pytest.raises(ValueError, match="'s' is still being prefilled"):
         kv.fork("s", "t")
-    with pytest.raises(
-        ValueError, match="computes 40 prompt tokens in one step, more than max_prefill_tokens=16"
-    ):
+    with pytest.raises(ValueError, match="computes 40 prompt tokens in one step, more than prefill_chunk=16"):
         kv.allocate("u", [1] * 40, 4)
     kv.free("s")
     assert kv.all_free()

@@ -135,8 +135,10 @@ class LLMEngine:
                 config.block_size,
                 enable_prefix_caching=config.enable_prefix_caching,
                 windows=self.kv_groups.windows,
-                # The most prompt tokens a step computes: a window group's prefill holds its window and that.
-                max_prefill_tokens=config.max_num_batched_tokens if config.enable_chunked_prefill else None,
+                # A window group's prefill is promised its window and one block of new tokens: what it holds
+                # once it decodes, so admission counts a request's lasting need; a longer chunk takes the
+                # free blocks the scheduler finds for it (prefill_room).
+                prefill_chunk=config.block_size if config.enable_chunked_prefill else None,
             )
         num_slots = self.num_kv_blocks * config.block_size
         return ContiguousAllocator(num_slots, self.max_model_len, reserve=config.contiguous_reserve)

@@ -215,9 +215,9 @@ class Scheduler:
     def _schedule_prefill_chunks(self, seqs: list[Sequence], out: SchedulerOutput, budget: int) -> int:
         """Continue the prefills in progress, oldest first, within the budget; returns what is left."""
         for seq in seqs:
-            num_new = min(seq.num_tokens - seq.num_cached_tokens, budget)
+            start = seq.num_cached_tokens
+            num_new = self._chunk(seq, out, min(seq.num_tokens - start, budget))
             if num_new > 0:
-                start = seq.num_cached_tokens
                 self.allocator.cache_blocks(seq.seq_id, start + num_new, start=start)
                 out.add(out.prefills, seq, num_new)
                 budget -= num_new
@@ -254,12 +254,19 @@ class Scheduler:
                     self.prefix_cache_hits += cached
             num_new = seq.num_tokens - cached
             if self.enable_chunked_prefill:
-                num_new = min(num_new, budget)
+                num_new = self._chunk(seq, out, min(num_new, budget))
             self.allocator.cache_blocks(seq.seq_id, cached + num_new, start=cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.add(out.prefills, seq, num_new)
             budget -= num_new
+
+    def _chunk(self, seq: Sequence, out: SchedulerOutput, num_tokens: int) -> int:
+        """The prompt tokens of `seq` this step computes: up to `num_tokens`, as far as the KV blocks for them
+        fit (sliding-window groups take a chunk's blocks as it is computed), leaving a block per KV group for
+        each of the step's decodes: their next tokens get slots after the forward pass."""
+        keep_free = len(out.decodes) * self.allocator.num_groups
+        return self.allocator.prefill_room(seq.seq_id, seq.num_cached_tokens, num_tokens, keep_free=keep_free)
 
     def _allocate(self, seq: Sequence) -> int | None:
         """Give a waiting sequence its blocks if they fit and, beside running sequences, leave the watermark

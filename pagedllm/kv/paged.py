@@ -13,8 +13,9 @@ a block back (to the pool, or to the prefix cache's least recently used end) onc
 sequence reads it: when every token in it is at least w before the first token a step computes. Its
 table keeps the position (None; NO_BLOCK in the views), so the kernels, which clamp a sliding layer's
 reads to its window, never see it. A window group also takes a long prompt's blocks chunk by chunk as
-`cache_blocks` says each chunk is computed, not all at admission; the blocks its prefill may still take
-(at most the window plus `max_prefill_tokens`) are promised at admission, so a chunk never fails.
+`cache_blocks` says each chunk is computed, not all at admission. What its prefill needs to go on (the
+window plus a chunk of `prefill_chunk` tokens) is promised at admission, so such a chunk never fails; a
+longer chunk takes free blocks beyond the promise, as many as `prefill_room` says fit.
 
 For speculative decoding, `reserve_lookahead` gives a sequence slots past its tokens, in every group's
 table, for the verify pass to write draft K/V into; accepted tokens fill them by `append` (only then is a
@@ -72,8 +73,8 @@ class PagedAllocator:
     """Block tables over a pool of `num_blocks` blocks, plus a host pool of `num_host_blocks` for swap.
 
     `windows` has one entry per KV group: None for full attention (the default: one group), or the
-    group's sliding window in tokens. `max_prefill_tokens` is the most tokens one step computes of a
-    prompt (the scheduler's token budget with chunked prefill; None: a whole prompt at once).
+    group's sliding window in tokens. `prefill_chunk` is the prompt tokens a step of a prefill can always
+    compute (the window groups' blocks for them are promised at admission); None: a whole prompt at once.
     """
 
     supports_swap = True
@@ -85,7 +86,7 @@ class PagedAllocator:
         enable_prefix_caching: bool = False,
         num_host_blocks: int | None = None,
         windows: Sequence[int | None] = (None,),
-        max_prefill_tokens: int | None = None,
+        prefill_chunk: int | None = None,
     ):
         num_host_blocks = num_blocks if num_host_blocks is None else num_host_blocks
         check_positive("num_blocks", num_blocks)
@@ -97,13 +98,13 @@ class PagedAllocator:
         for window in windows:
             if window is not None:
                 check_positive("a KV group's sliding window", window)
-        if max_prefill_tokens is not None:
-            check_positive("max_prefill_tokens", max_prefill_tokens)
+        if prefill_chunk is not None:
+            check_positive("prefill_chunk", prefill_chunk)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_host_blocks = num_host_blocks
         self.windows = tuple(windows)
-        self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_chunk = prefill_chunk
         self._window_groups = [g for g, window in enumerate(self.windows) if window is not None]
         self.pool = BlockPool(num_blocks, room=-(-GROWTH_ROOM_TOKENS // block_size))
         self._free_host_blocks = list(range(num_host_blocks - 1, -1, -1))  # a stack, lowest id on top
@@ -152,12 +153,12 @@ class PagedAllocator:
 
     def _peak(self, window: int | None, num_tokens: int) -> int:
         """The most blocks a group's table holds while a prompt of `num_tokens` is prefilled: all of them,
-        or for a window group the blocks any step's keys and new tokens span (the window before its first
-        token, and at most max_prefill_tokens)."""
+        or for a window group the blocks a step's keys and new tokens span (the window before its first
+        token, and a chunk of prefill_chunk tokens)."""
         bs, blocks = self.block_size, -(-num_tokens // self.block_size)
-        if window is None or self.max_prefill_tokens is None:
+        if window is None or self.prefill_chunk is None:
             return blocks
-        span = window - 1 + self.max_prefill_tokens  # consecutive positions: at most ceil((span-1)/bs) + 1
+        span = window - 1 + self.prefill_chunk  # consecutive positions: at most ceil((span-1)/bs) + 1
         return min(blocks, -(-(span - 1) // bs) + 1)
 
     def _first_needed(self, group: int, start: int) -> int:
@@ -212,14 +213,10 @@ class PagedAllocator:
             )
         n, bs = len(prompt_token_ids), self.block_size
         first_step = (n if num_computed is None else num_computed) - len(hits[0]) * bs
-        if (
-            self._window_groups
-            and self.max_prefill_tokens is not None
-            and first_step > self.max_prefill_tokens
-        ):
+        if self._window_groups and self.prefill_chunk is not None and first_step > self.prefill_chunk:
             raise ValueError(
                 f"sequence {seq_id!r} computes {first_step} prompt tokens in one step, more than "
-                f"max_prefill_tokens={self.max_prefill_tokens}: pass num_computed"
+                f"prefill_chunk={self.prefill_chunk}: pass num_computed"
             )
         seq = _Seq(list(prompt_token_ids), [], hashes, released=[0] * self.num_groups)
         num_hit = len(hits[0])
@@ -243,7 +240,7 @@ class PagedAllocator:
         """The sequence's tokens before `num_tokens` are computed (or are by the end of this step), the
         step's first at `start` (if given): full blocks become findable by other prompts (with prefix
         caching), the window groups take blocks up to `num_tokens` and give back those no query from
-        `start` on reads. A step of a prompt beyond max_prefill_tokens may raise NoFreeBlocks."""
+        `start` on reads. A step of a prompt beyond `prefill_room` raises NoFreeBlocks."""
         seq = self._resident(seq_id)
         if start is not None:
             self._release_behind(seq, start)
@@ -254,6 +251,26 @@ class PagedAllocator:
                 if i < len(table) and table[i] is not None:
                     self.pool.cache(table[i], (g, seq.block_hashes[i]))
         seq.num_cached_blocks = max(seq.num_cached_blocks, end)
+
+    def prefill_room(self, seq_id: Hashable, start: int, num_tokens: int, *, keep_free: int = 0) -> int:
+        """How many of the `num_tokens` prompt tokens from `start` on one step can compute now: what the
+        window groups' blocks fit, with the blocks no query from `start` on reads given back, leaving
+        `keep_free` free blocks for others (the running sequences' next tokens) where it can. Never less
+        than the sequence's promise covers (at least one token)."""
+        seq = self._resident(seq_id)
+        if not self._window_groups:
+            return num_tokens
+        bs, given_back, owned = self.block_size, 0, []
+        for g in self._window_groups:
+            table = seq.tables[g]
+            first = max(seq.released[g], min(self._first_needed(g, start), len(table) - 1))
+            given_back += self._owned(table[seq.released[g] : first])
+            owned.append(self._owned(table[first:]))
+        promise = self._promise(seq, owned)
+        free = self.pool.num_free + given_back - (self._promised - seq.promise) - promise
+        spare = promise + min(free, max(0, free - keep_free))  # blocks the window groups may take now
+        end = (seq.window_blocks + spare // len(self._window_groups)) * bs
+        return max(0, min(num_tokens, end - start))
 
     def _release_behind(self, seq: _Seq, start: int) -> None:
         """Give back each window group's blocks that no query from position `start` on reads."""
