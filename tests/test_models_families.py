@@ -187,6 +187,74 @@ def test_engine_batch_of_two_prompts_matches_hf_generate(checkpoint):
     assert_all_blocks_free(llm)
 
 
+# Phi-3's longrope (Phi-3-mini-128k's form): per-pair factors, short below original_max_position_embeddings
+# and long above, cos and sin times sqrt(1 + ln(1024 / 64) / ln 64) = 1.29.
+LONGROPE_ORIGINAL = 64
+LONGROPE = dict(
+    rope_type="longrope",
+    rope_theta=10000.0,
+    short_factor=[1.0 + 0.3 * i for i in range(8)],  # head_dim 16: 8 rotated pairs
+    long_factor=[1.5 + 2.0 * i for i in range(8)],
+    original_max_position_embeddings=LONGROPE_ORIGINAL,
+)
+
+
+@pytest.fixture(scope="module")
+def longrope_checkpoint(tmp_path_factory):
+    """(HF model, folder) of a tiny Phi-3 with longrope RoPE."""
+    config = Phi3Config(
+        **COMMON,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        original_max_position_embeddings=LONGROPE_ORIGINAL,
+        rope_parameters=LONGROPE,
+    )
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize(hf)
+    folder = tmp_path_factory.mktemp("phi3-longrope")
+    hf.save_pretrained(folder)
+    return hf.eval(), folder
+
+
+@pytest.mark.parametrize(
+    ("max_model_len", "prompt_lens"),
+    [
+        (LONGROPE_ORIGINAL, [5, 30, 64]),  # short factors: transformers' at every sequence of <= 64 tokens
+        (None, [65, 90, 300]),  # long factors: transformers' once a sequence passes 64 tokens
+    ],
+)
+def test_phi3_longrope_logits_and_greedy_match_hf(longrope_checkpoint, max_model_len, prompt_lens):
+    """An engine of at most 64 tokens a sequence rotates by the short factors, one of the model's 1024 by
+    the long ones (as vLLM and llama.cpp choose): both equal transformers where it uses the same set, i.e.
+    on prompts (and generations) that stay below original_max_position_embeddings and ones past it."""
+    hf, folder = longrope_checkpoint
+    model = load_model(str(folder), max_model_len=max_model_len).model
+    assert model.config.rope_scaling["long"] == (max_model_len is None)
+    batch = prompts(prompt_lens, model.config.vocab_size, seed=8)
+    cache = PagedCache.create(model.config, 64, 16, seed=1)
+    logits = forward_chunks(model, cache, [(i, p, 0) for i, p in enumerate(batch)])
+    torch.testing.assert_close(logits, torch.cat([hf_logits(hf, p) for p in batch]), atol=1e-4, rtol=1e-4)
+    new_tokens = LONGROPE_ORIGINAL - max(prompt_lens[:2]) if max_model_len else 32  # 34 below: 30 + 34 = 64
+    expected = hf_greedy(hf, batch[:2], new_tokens)
+    assert greedy_generate(model, batch[:2], new_tokens) == expected
+
+
+def test_phi3_longrope_engines_of_either_context_get_a_model_each(longrope_checkpoint):
+    """Two engines in one process, of 64 and 1024 tokens, get a model each (the loaded-model cache keys on
+    the factor set), and each generates transformers' tokens."""
+    hf, folder = longrope_checkpoint
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    short, long = prompts([40], hf.config.vocab_size, seed=9), prompts([100], hf.config.vocab_size, seed=9)
+    engines = [LLM(str(folder), num_kv_blocks=32, block_size=8, max_model_len=n) for n in (64, 1024)]
+    assert engines[0].engine.model is not engines[1].engine.model
+    for llm, batch in zip(engines, (short, long), strict=True):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy)
+        assert [out.outputs[0].token_ids for out in outputs] == hf_greedy(hf, batch, 20)
+        assert_all_blocks_free(llm)
+
+
 GGUF_ARCHITECTURES = {
     "qwen3": "qwen3",
     "phi3": "phi3",
