@@ -199,10 +199,8 @@ LONGROPE = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def longrope_checkpoint(tmp_path_factory):
-    """(HF model, folder) of a tiny Phi-3 with longrope RoPE."""
-    config = Phi3Config(
+def longrope_config() -> Phi3Config:
+    return Phi3Config(
         **COMMON,
         pad_token_id=0,
         bos_token_id=1,
@@ -210,8 +208,13 @@ def longrope_checkpoint(tmp_path_factory):
         original_max_position_embeddings=LONGROPE_ORIGINAL,
         rope_parameters=LONGROPE,
     )
+
+
+@pytest.fixture(scope="module")
+def longrope_checkpoint(tmp_path_factory):
+    """(HF model, folder) of a tiny Phi-3 with longrope RoPE."""
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_config(longrope_config(), dtype=torch.float32)
     randomize(hf)
     folder = tmp_path_factory.mktemp("phi3-longrope")
     hf.save_pretrained(folder)
@@ -256,6 +259,7 @@ def test_phi3_longrope_engines_of_either_context_get_a_model_each(longrope_check
 
 
 GGUF_ARCHITECTURES = {
+    "llama": "llama",  # Llama 3.1's RoPE scaling as llama.cpp writes it: a rope_freqs tensor
     "qwen3": "qwen3",
     "phi3": "phi3",
     "gemma2": "gemma2",
@@ -267,8 +271,26 @@ GGUF_ARCHITECTURES = {
 @pytest.mark.parametrize("family", list(GGUF_ARCHITECTURES))
 def test_gguf_in_llama_cpp_names_loads_in_place_and_matches_hf(family, tmp_path, monkeypatch):
     """A Q8_0 GGUF written under llama.cpp's names (gguf-py's map; Phi-3's fused attn_qkv and ffn_up,
-    Qwen3-MoE's and Mixtral's stacked experts, Gemma's (1 + w) norms and soft-capping metadata) loads
-    with its blocks kept, and its logits equal HF's on the same weights rounded through Q8_0."""
+    Qwen3-MoE's and Mixtral's stacked experts, Gemma's (1 + w) norms and soft-capping metadata, Llama 3's
+    rope_freqs) loads with its blocks kept, and its logits equal HF's on the same weights rounded through
+    Q8_0."""
+    config = FAMILIES[family]()
+    if family == "gemma2":  # a GGUF has no field for it: llama.cpp scales by head_dim^-1/2 (but on 27B)
+        config.query_pre_attn_scalar = config.head_dim
+    if family == "qwen3-moe":  # llama.cpp's qwen3moe routes in every layer
+        config.mlp_only_layers = []
+    check_gguf_against_hf(config, GGUF_ARCHITECTURES[family], tmp_path, monkeypatch, [5, 23])
+
+
+def test_gguf_phi3_longrope_factors_load_and_match_hf(tmp_path, monkeypatch):
+    """Phi-3's longrope in a GGUF (rope_factors_long / _short, the original context and attention factor
+    as keys): past the original context the long factors, as transformers rotates those prompts."""
+    check_gguf_against_hf(longrope_config(), "phi3", tmp_path, monkeypatch, [70, 100])
+
+
+def check_gguf_against_hf(config, arch: str, tmp_path, monkeypatch, prompt_lens: list[int]) -> None:
+    """A random HF model of `config` written as a Q8_0 GGUF of llama.cpp's `arch`: the loaded file keeps
+    its blocks and its logits on prompts of `prompt_lens` tokens equal HF's on the rounded weights."""
     import copy
 
     from gguf import GGMLQuantizationType
@@ -276,16 +298,11 @@ def test_gguf_in_llama_cpp_names_loads_in_place_and_matches_hf(family, tmp_path,
     from models_helpers import write_gguf
 
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
-    config = FAMILIES[family]()
-    if family == "gemma2":  # a GGUF has no field for it: llama.cpp scales by head_dim^-1/2 (but on 27B)
-        config.query_pre_attn_scalar = config.head_dim
-    if family == "qwen3-moe":  # llama.cpp's qwen3moe routes in every layer
-        config.mlp_only_layers = []
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     randomize(hf)
-    path = tmp_path / f"tiny-{family}.gguf"
-    write_gguf(hf, path, arch=GGUF_ARCHITECTURES[family], qtype=GGMLQuantizationType.Q8_0)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(hf, path, arch=arch, qtype=GGMLQuantizationType.Q8_0)
     loaded = load_model(str(path))
     assert loaded.linear_method == "gguf"
     assert not [name for name, p in loaded.model.named_parameters() if p.dim() > 1]  # all still blocks
@@ -295,8 +312,8 @@ def test_gguf_in_llama_cpp_names_loads_in_place_and_matches_hf(family, tmp_path,
             if param.dim() > 1:
                 q8 = quantize(param.numpy(), GGMLQuantizationType.Q8_0)
                 param.copy_(torch.from_numpy(dequantize(q8, GGMLQuantizationType.Q8_0)))
-    batch = prompts([5, 23], hf.config.vocab_size, seed=7)
-    cache = PagedCache.create(loaded.config, 16, 8)
+    batch = prompts(prompt_lens, hf.config.vocab_size, seed=7)
+    cache = PagedCache.create(loaded.config, 32, 8)
     got = forward_chunks(loaded.model, cache, [(i, p, 0) for i, p in enumerate(batch)])
     expected = torch.cat([hf_logits(rounded, p) for p in batch])
     # The kernel's integer path rounds activations to int16 blocks: a little more than float32's 1e-4.
