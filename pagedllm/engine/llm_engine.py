@@ -57,7 +57,13 @@ class LLMEngine:
     def _start(self, config: EngineConfig) -> None:
         tp = self.executor.tp if self.executor else SINGLE
         loaded = load_shared_model(
-            config.model, config.torch_dtype, config.device, config.quantization, tp, config.max_num_seqs
+            config.model,
+            config.torch_dtype,
+            config.device,
+            config.quantization,
+            tp,
+            config.max_num_seqs,
+            config.max_model_len,
         )
         self.loaded_model, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
         self.weight_bytes = loaded.weight_bytes
