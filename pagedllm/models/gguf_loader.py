@@ -204,16 +204,29 @@ def write_tensor_index(index: dict[str, Any], folder: Path) -> None:
 
 def _convert(gguf_path: Path, out: Path) -> None:
     from gguf import GGUFReader
-    from transformers import AutoTokenizer
 
     reader = GGUFReader(gguf_path)
-    (out / "config.json").write_text(json.dumps(hf_config(reader), indent=2))
+    config = hf_config(reader)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     write_tensor_index(tensor_index(reader), out)  # loading the blocks then needs no second parse
     if "tokenizer.ggml.model" in reader.fields:  # transformers rebuilds the tokenizer from the metadata
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        tokenizer.save_pretrained(out)
+        gguf_tokenizer(gguf_path, config).save_pretrained(out)
     else:
         logger.warning("%s has no tokenizer; prompts must be token ids", gguf_path)
+
+
+def gguf_tokenizer(gguf_path: Path, config: dict[str, Any]) -> Any:
+    """transformers' tokenizer for the file. Where transformers maps the model type straight to a tokenizer
+    class (Qwen2, Gemma 3, ...) that class is built from the file: it reads just the vocabulary and merges,
+    while AutoTokenizer first parses the whole file once more with GGUFReader (every one of Qwen2.5's
+    151,936 vocabulary entries) only to learn the model type. Other types (Llama's, whose class AutoTokenizer
+    picks by what the vocabulary is) go through AutoTokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    config_class = type(AutoConfig.for_model(**config))
+    tokenizer_class = TOKENIZER_MAPPING[config_class] if config_class in TOKENIZER_MAPPING else AutoTokenizer
+    return tokenizer_class.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
 
 def _architecture_and_tensors(reader: Any) -> tuple[str, list[GGUFTensor]]:
