@@ -515,6 +515,7 @@ class LLMEngine:
             spec_verifies=self.spec_verifies,
             spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,
+            kv_tiers=self.tiers.usage() if self.tiers is not None else None,
         )
 
     def kv_snapshot(self) -> dict:

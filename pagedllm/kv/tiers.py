@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 HOST, DISK = "host", "disk"
 
@@ -45,6 +45,21 @@ class TierCounters:
     persisted_blocks: int = 0  # device -> disk writes
     disk_evicted_blocks: int = 0  # files deleted to keep the disk tier within its size
     disk_corrupt_blocks: int = 0  # files that failed their checksum (deleted, recomputed)
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """Each tier's size and what it holds now, in blocks, and the counters (`PrefixTiers.usage()`)."""
+
+    host_blocks: int  # the host pool (swap preemption's blocks included)
+    host_cached_blocks: int  # prefix blocks held in host memory
+    disk_blocks: int  # the disk tier's size (0: no disk tier)
+    disk_cached_blocks: int  # prefix blocks in its files
+    counters: TierCounters
+    # The cost model's measurements (None: not measured yet): seconds to load a block, to prefill a token.
+    host_load_seconds_per_block: float | None = None
+    disk_load_seconds_per_block: float | None = None
+    prefill_seconds_per_token: float | None = None
 
 
 class HostPool:
@@ -208,6 +223,19 @@ class PrefixTiers:
         moves, self._moves = self._moves, TierMoves()
         self.host.pinned.clear()
         return moves
+
+    def usage(self) -> TierUsage:
+        disk = self.disk
+        return TierUsage(
+            self.host.num_blocks,
+            len(self.host.cached),
+            disk.num_blocks if disk else 0,
+            len(disk.keys) if disk else 0,
+            replace(self.counters),
+            self.load_seconds[HOST],
+            self.load_seconds[DISK],
+            self.prefill_seconds_per_token,
+        )
 
     # -- costs ---------------------------------------------------------------------------------
 
