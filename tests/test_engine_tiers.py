@@ -128,8 +128,9 @@ def _whole(path: Path) -> bool:
 WRITER = """
 import sys
 from pagedllm import LLM, SamplingParams
-llm = LLM(sys.argv[2], num_kv_blocks=24, max_model_len=512, kv_offload_memory="4MiB", kv_offload_dir=sys.argv[1])
-prompts = [("Write %d. " % i) * 60 for i in range(10_000)]
+settings = dict(num_kv_blocks=24, max_model_len=512, kv_offload_memory="4MiB")
+llm = LLM(sys.argv[2], **settings, kv_offload_dir=sys.argv[1])
+prompts = [f"Write {i}. " * 60 for i in range(10_000)]
 print("ready", flush=True)
 while True:
     for p in prompts:
@@ -157,10 +158,12 @@ def test_a_process_killed_while_writing_leaves_nothing_that_is_served(model, ref
     folder = next(p for p in tmp_path.iterdir() if p.is_dir())
     victim = sorted(folder.glob("*.kv"))[0]
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    llm = LLM(model, **SMALL, kv_offload_memory="4MiB", kv_offload_dir=str(tmp_path))
+    llm = LLM(
+        model, num_kv_blocks=24, max_model_len=512, kv_offload_memory="4MiB", kv_offload_dir=str(tmp_path)
+    )
     assert not list(folder.glob("*.tmp.*"))  # a write the kill interrupted is cleared at start-up
     assert one_by_one(llm)[0] == reference
-    killed = [("Write %d. " % i) * 60 for i in range(40)]
+    killed = [f"Write {i}. " * 60 for i in range(3)]  # the prompts the killed process wrote
     clean = LLM(model, num_kv_blocks=256, max_model_len=512, enable_prefix_caching=False)
     want = [o.outputs[0].token_ids for o in clean.generate(killed, GREEDY)]
     assert [o.outputs[0].token_ids for o in llm.generate(killed, GREEDY)] == want

@@ -71,7 +71,9 @@ def test_swap_out_takes_host_blocks_from_the_tier_evicting_cached_ones():
     run(alloc, "b", list(range(10, 18)))
     tiers.take_moves()
     assert len(tiers.host.cached) == 3 and alloc.num_free_host_blocks == 3
-    alloc.allocate("s", [50, 51, 52], 4)
+    alloc.allocate("s", [50, 51, 52], 4)  # its blocks evict b's: copied down to host blocks this step
+    assert alloc.num_free_host_blocks < 3  # (blocks this step writes are not taken before it is done)
+    tiers.take_moves()
     copies = alloc.swap_out("s")  # 2 blocks: two cached host blocks make room
     assert len(copies) == 2 and len(tiers.host.cached) == 1
     assert alloc.num_free_host_blocks == 1

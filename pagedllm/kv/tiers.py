@@ -66,7 +66,7 @@ class HostPool:
     """The host blocks: free ones, blocks swapped-out sequences hold, and cached prefix blocks (LRU).
 
     A cached block is reclaimable: `take()` evicts the least recently used one when no block is free.
-    Blocks read by this step's copies are pinned (not evicted) until the step's moves are taken."""
+    Blocks this step's copies read or write are pinned (not evicted) until the step's moves are taken."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
@@ -155,6 +155,7 @@ class PrefixTiers:
             return  # every host block is held by swapped sequences or this step's copies
         slot, _ = taken
         self.host.cache(key, slot)
+        self.host.pinned.add(slot)  # written this step: no swap-out may take it before the copy is made
         self._moves.offload.append((block_id, slot))
         self.counters.offloaded_blocks += 1
 
