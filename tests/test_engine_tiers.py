@@ -16,6 +16,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.config import EngineConfig
+from pagedllm.entrypoints.openai.metrics import EngineMetrics
 from tests.helpers import assert_all_blocks_free
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
@@ -65,6 +66,12 @@ def test_host_tier_serves_what_the_device_cache_evicted(model, reference, preemp
     # Several prompts at once: loads, evictions and swaps in the same steps.
     both = llm.generate(PROMPTS * 2, GREEDY)
     assert [o.outputs[0].token_ids for o in both] == reference * 2
+    metrics = EngineMetrics()
+    metrics.observe(llm.engine)
+    counters = llm.engine.stats().kv_tiers.counters
+    get = metrics.registry.get_sample_value
+    assert get("pagedllm:kv_offload_hit_blocks_total", {"tier": "host"}) == counters.host_hit_blocks
+    assert get("pagedllm:kv_offload_stored_blocks_total", {"tier": "host"}) == counters.offloaded_blocks
     assert_all_blocks_free(llm)
 
 

@@ -97,8 +97,7 @@ class EngineMetrics:
             "Disk tier files that failed their checksum (deleted, recomputed)",
             registry=reg,
         )
-        self._seen = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
-        self._tier_seen: dict[str, int] = {}
+        self._seen: dict[str, int] = {}  # each counter's engine total when last read
 
     def observe(self, engine: LLMEngine) -> None:
         """Read the engine's queues, counters and KV pool (engine thread only)."""
@@ -118,9 +117,7 @@ class EngineMetrics:
             ("prefix_cache_queries", self.prefix_queries),
             ("prefix_cache_hits", self.prefix_hits),
         ):
-            total = getattr(stats, name)
-            counter.inc(total - self._seen[name])
-            self._seen[name] = total
+            self._advance(name, counter, getattr(stats, name))
         if stats.kv_tiers is not None:
             self._observe_tiers(stats.kv_tiers)
 
@@ -135,8 +132,12 @@ class EngineMetrics:
             ("disk_stores", self.tier_stores.labels("disk"), counts.persisted_blocks),
             ("corrupt", self.tier_corrupt, counts.disk_corrupt_blocks),
         ):
-            counter.inc(total - self._tier_seen.get(name, 0))
-            self._tier_seen[name] = total
+            self._advance(name, counter, total)
+
+    def _advance(self, name: str, counter, total: int) -> None:
+        """Bring a Prometheus counter up to the engine's running total."""
+        counter.inc(total - self._seen.get(name, 0))
+        self._seen[name] = total
 
     def observe_output(self, times: RequestTimes, now: float, new_tokens: int, finished: bool) -> None:
         """A step's output for a request at `now`: with new tokens, its time to first token or its
