@@ -24,6 +24,7 @@ BENCHMARKS = {  # name: (module, what it measures)
         "pagedllm.bench.speculative",
         "one user editing code: decode tok/s with and without speculative decoding",
     ),
+    "tiers": ("pagedllm.bench.tiers", "TTFT of a prompt asked again: host / disk prefix tiers vs recompute"),
     "quality": ("pagedllm.bench.quality", "perplexity and greedy agreement per weight storage"),
     "linear": ("pagedllm.bench.linear", "the matmul kernels and libraries on the model's shapes"),
 }
@@ -146,6 +147,9 @@ ENGINE_ARGS = (
     "quantization",
     "memory_budget",
     "speculative_config",
+    "kv_offload_memory",
+    "kv_offload_dir",
+    "kv_offload_disk",
     *PARALLEL_ARGS,
 )
 
@@ -236,7 +240,29 @@ def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
         help='speculative decoding, as JSON (vLLM\'s): \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4}\'',
     )
+    _add_offload_args(parser, defaults)
     _add_parallel_args(parser, defaults)
+
+
+def _add_offload_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
+    """The prefix cache's tiers below the device cache (host memory, disk)."""
+    parser.add_argument(
+        "--kv-offload-memory",
+        default=None,
+        help="host memory for prefix blocks the KV cache evicts, e.g. 4GiB (beside --kv-cache-memory; "
+        "swap preemption shares it); loaded back on a prefix hit",
+    )
+    parser.add_argument(
+        "--kv-offload-dir",
+        default=None,
+        help="folder for a disk tier: every cached prefix block is also written there (checksummed), and "
+        "found again after a restart on the same model files and settings",
+    )
+    parser.add_argument(
+        "--kv-offload-disk",
+        default=defaults["kv_offload_disk"],
+        help="most bytes the disk tier's files take, e.g. 20GiB (least recently used go first)",
+    )
 
 
 KV_ARGS = ("block_size", "max_num_seqs", "kv_layout", "contiguous_reserve")

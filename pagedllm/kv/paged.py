@@ -39,6 +39,7 @@ from pagedllm.kv.interface import (
     duplicate,
     unknown,
 )
+from pagedllm.kv.tiers import HostPool, PrefixTiers
 
 GROWTH_ROOM_TOKENS = 128  # free slots after a sequence's newest block set aside for it (BlockPool.room)
 NO_BLOCK = -1  # a block_tables entry a window group has given back: no query reads that position again
@@ -75,6 +76,8 @@ class PagedAllocator:
     `windows` has one entry per KV group: None for full attention (the default: one group), or the
     group's sliding window in tokens. `prefill_chunk` is the prompt tokens a step of a prefill can always
     compute (the window groups' blocks for them are promised at admission); None: a whole prompt at once.
+    `tiers` (kv/tiers.py, one full-attention group with prefix caching): the host and disk tiers under
+    the prefix cache; their host pool is the swap pool too (`num_host_blocks` is then its size).
     """
 
     supports_swap = True
@@ -87,7 +90,15 @@ class PagedAllocator:
         num_host_blocks: int | None = None,
         windows: Sequence[int | None] = (None,),
         prefill_chunk: int | None = None,
+        tiers: PrefixTiers | None = None,
     ):
+        if tiers is not None:
+            if len(windows) != 1 or windows[0] is not None or not enable_prefix_caching:
+                raise ValueError(
+                    "prefix cache tiers need prefix caching and one full-attention KV group, got "
+                    f"enable_prefix_caching={enable_prefix_caching}, windows={tuple(windows)}"
+                )
+            num_host_blocks = tiers.host.num_blocks
         num_host_blocks = num_blocks if num_host_blocks is None else num_host_blocks
         check_positive("num_blocks", num_blocks)
         check_positive("block_size", block_size)
@@ -106,8 +117,9 @@ class PagedAllocator:
         self.windows = tuple(windows)
         self.prefill_chunk = prefill_chunk
         self._window_groups = [g for g, window in enumerate(self.windows) if window is not None]
-        self.pool = BlockPool(num_blocks, room=-(-GROWTH_ROOM_TOKENS // block_size))
-        self._free_host_blocks = list(range(num_host_blocks - 1, -1, -1))  # a stack, lowest id on top
+        self.tiers = tiers
+        self.pool = BlockPool(num_blocks, room=-(-GROWTH_ROOM_TOKENS // block_size), tiers=tiers)
+        self.host = tiers.host if tiers is not None else HostPool(num_host_blocks)
         self._seqs: dict[Hashable, _Seq] = {}
         self._resident_slots = 0  # slots the tables of sequences on the device cover (shared: per table)
         self._promised = 0  # free blocks set aside for prefills in progress (the sum of their promises)
@@ -131,7 +143,8 @@ class PagedAllocator:
 
     @property
     def num_free_host_blocks(self) -> int:
-        return len(self._free_host_blocks)
+        """Host blocks a swap-out may take: free ones and (with tiers) cached prefix blocks."""
+        return self.host.num_reclaimable
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
@@ -179,7 +192,7 @@ class PagedAllocator:
         """Whether the prompt's blocks fit now (decode blocks are taken later, on demand).
         `true_output_len` (what `pagedllm bench memory` passes every layout) changes nothing here."""
         check_request(prompt_token_ids, max_new_tokens)
-        _, hits, num_new = self._plan(prompt_token_ids, read_prefix_cache)
+        _, hits, num_new, _ = self._plan(prompt_token_ids, read_prefix_cache)
         return self._fits(hits, num_new)
 
     def allocate(
@@ -205,29 +218,34 @@ class PagedAllocator:
         if seq_id in self._seqs:
             raise duplicate(seq_id)
         check_request(prompt_token_ids, max_new_tokens)
-        hashes, hits, num_new = self._plan(prompt_token_ids, read_prefix_cache)
+        hashes, hits, num_new, loads = self._plan(prompt_token_ids, read_prefix_cache)
         if not self._fits(hits, num_new):
             raise NoFreeBlocks(
                 f"sequence {seq_id!r} needs {num_new} new blocks for {len(prompt_token_ids)} prompt "
                 f"tokens, {self.num_free_blocks} free"
             )
         n, bs = len(prompt_token_ids), self.block_size
-        first_step = (n if num_computed is None else num_computed) - len(hits[0]) * bs
+        num_hit = len(hits[0]) + len(loads)
+        first_step = (n if num_computed is None else num_computed) - num_hit * bs
         if self._window_groups and self.prefill_chunk is not None and first_step > self.prefill_chunk:
             raise ValueError(
                 f"sequence {seq_id!r} computes {first_step} prompt tokens in one step, more than "
                 f"prefill_chunk={self.prefill_chunk}: pass num_computed"
             )
         seq = _Seq(list(prompt_token_ids), [], hashes, released=[0] * self.num_groups)
-        num_hit = len(hits[0])
         seq.num_cached_blocks = num_hit
         self._touch(hits)  # every group's hits first: taking a block must not evict another group's hit
+        if loads:
+            self.host.pinned.update(loads)  # an eviction the new blocks cause must not take them
         for g, group_hits in enumerate(hits):
-            num_new = -(-n // bs) - num_hit if self.windows[g] is None else 0  # windows: chunk by chunk
-            seq.tables.append(self._take_blocks(g, group_hits + [None] * num_new, first=len(group_hits)))
+            first = len(group_hits)
+            num_new = -(-n // bs) - first if self.windows[g] is None else 0  # windows: chunk by chunk
+            seq.tables.append(self._take_blocks(g, group_hits + [None] * num_new, first=first))
             seq.released[g] = self._first_needed(g, num_hit * bs)
-            for i in range(num_hit, len(seq.tables[g])):
+            for i in range(first, len(seq.tables[g])):
                 self._fill(seq, g, i)
+        for i, slot in enumerate(loads, len(hits[0])):
+            self.tiers.load(hashes[i], slot, seq.tables[0][i].block_id)
         seq.window_blocks = num_hit
         self._resident_slots += self._slots_held(seq)
         self._seqs[seq_id] = seq
@@ -342,15 +360,19 @@ class PagedAllocator:
 
     def _plan(
         self, prompt: Sequence[int], read_cache: bool = True
-    ) -> tuple[list[bytes], list[list[Block | None]], int]:
+    ) -> tuple[list[bytes], list[list[Block | None]], int, list[int]]:
         """Hashes of the prompt's full blocks, per group the cached blocks to reuse (None before a window
-        group's window), and the count of blocks to take now and promise (window groups' prefill)."""
+        group's window), the count of blocks to take now and promise (window groups' prefill), and the
+        host slots of the blocks after the hit to load from the host tier (new blocks, counted in it)."""
         bs, n = self.block_size, len(prompt)
         hashes: list[bytes] = []
-        num_hit = 0
+        num_hit, loads = 0, []
         if self.enable_prefix_caching:
             hashes = self._prompt_hashes(prompt)
-            num_hit = self._num_hit_blocks(hashes[: (n - 1) // bs if read_cache else 0])
+            readable = hashes[: (n - 1) // bs if read_cache else 0]
+            num_hit = self._num_hit_blocks(readable)
+            if self.tiers is not None:
+                loads = self.tiers.host_run(readable[num_hit:])
         hits: list[list[Block | None]] = []
         num_new = 0
         for g, window in enumerate(self.windows):
@@ -361,7 +383,20 @@ class PagedAllocator:
             else:  # the prefill's blocks beyond the hit are promised
                 cold = sum(block.ref_cnt == 0 for block in hits[-1][first:])  # this table's alone
                 num_new += max(0, self._peak(window, n) - cold) + self._shared_by(hits[-1])
-        return hashes, hits, num_new
+        return hashes, hits, num_new, loads
+
+    def plan_prefetch(self, prompt_token_ids: Sequence[int]) -> list[tuple[bytes, int]]:
+        """With a disk tier: the prompt's blocks after its device and host hits that are on disk, each
+        with a host slot to read it into before the prompt is admitted ((key, slot) pairs; then
+        `tiers.prefetched`)."""
+        if self.tiers is None or self.tiers.disk is None:
+            return []
+        hashes = self._prompt_hashes(prompt_token_ids)[: (len(prompt_token_ids) - 1) // self.block_size]
+        i = self._num_hit_blocks(hashes)
+        while i < len(hashes) and hashes[i] in self.host.cached:
+            self.host.touch(hashes[i])  # most recently used: the prefetch must not evict it
+            i += 1
+        return self.tiers.plan_prefetch(hashes[i:])
 
     def _num_hit_blocks(self, hashes: list[bytes]) -> int:
         """The longest prefix of blocks every group can serve: a full group all of them, a window group
@@ -590,7 +625,7 @@ class PagedAllocator:
             raise unknown(seq_id)
         if seq.host_blocks is not None:
             for host in seq.host_blocks:
-                self._free_host_blocks.extend(h for h in reversed(host) if h is not None)
+                self.host.give_back(h for h in reversed(host) if h is not None)
         else:
             self._resident_slots -= self._slots_held(seq)
             self._release_tables(seq)
@@ -608,14 +643,13 @@ class PagedAllocator:
         """Move the sequence to host blocks; returns the (device block, host block) copies to do."""
         seq = self._settled(seq_id)
         held = sum(block is not None for table in seq.tables for block in table)
-        if held > len(self._free_host_blocks):
-            raise NoFreeBlocks(
-                f"sequence {seq_id!r} needs {held} host blocks, {len(self._free_host_blocks)} free"
-            )
+        if held > self.num_free_host_blocks:
+            free = self.num_free_host_blocks
+            raise NoFreeBlocks(f"sequence {seq_id!r} needs {held} host blocks, {free} free")
         host = seq.host_blocks = []
         copies = []
         for table in seq.tables:
-            host.append([None if block is None else self._free_host_blocks.pop() for block in table])
+            host.append([None if block is None else self.host.take()[0] for block in table])
             copies += [(b.block_id, h) for b, h in zip(table, host[-1], strict=True) if b is not None]
         self._resident_slots -= self._slots_held(seq)
         self._release_tables(seq)
@@ -660,7 +694,7 @@ class PagedAllocator:
                     if i < len(host_blocks[g]):
                         copies.append((host_blocks[g][i], seq.tables[g][i].block_id))
                     self._fill(seq, g, i)
-            self._free_host_blocks.extend(h for h in reversed(host_blocks[g]) if h is not None)
+            self.host.give_back(h for h in reversed(host_blocks[g]) if h is not None)
         self._resident_slots += self._slots_held(seq)
         self._set_promise(seq)
         self._refresh_promises()

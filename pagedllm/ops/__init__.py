@@ -26,7 +26,7 @@ import torch
 
 from pagedllm.ops import reference
 from pagedllm.ops.kv_cache import allocate_kv_caches, kv_block_bytes
-from pagedllm.ops.reference import copy_blocks, swap_blocks
+from pagedllm.ops.reference import copy_blocks, read_block_bytes, swap_blocks, write_block_bytes
 
 BACKENDS = {"torch": "reference", "sdpa": "sdpa", "cpu": "cpu", "triton": "triton_ops"}
 ENV_VAR = "PAGEDLLM_ATTN_BACKEND"
@@ -41,10 +41,12 @@ __all__ = [
     "kv_block_bytes",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "read_block_bytes",
     "reset_backend_cache",
     "rms_norm",
     "rotary_embedding_",
     "swap_blocks",
+    "write_block_bytes",
     "write_kv",
 ]
 
