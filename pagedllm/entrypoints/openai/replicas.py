@@ -423,13 +423,13 @@ def main(
     # holds the CPU through a step misses that often, and the request then waits in backoff.
     env |= {name: os.environ.get(name, value) for name, value in QUEUE_LENGTH_DEADLINES.items()}
     runtime_env = {"env_vars": env}
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     if address is None:
         _start_local_ray(settings.num_replicas * settings.cpus_per_replica, runtime_env)
     else:
         ray.init(address=address, runtime_env=runtime_env)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs handlers of its own
+        signal.signal(sig, lambda *_: stop.set())
     all_free = False
     try:
         serve.start(http_options={"host": host, "port": port})
