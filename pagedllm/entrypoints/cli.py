@@ -342,7 +342,7 @@ def _add_replica_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--routing-imbalanced-threshold",
         type=float,
-        default=16,
+        default=4,
         help="prefix routing: a gap in queue lengths above this routes by load instead of prefix",
     )
 

@@ -352,7 +352,7 @@ class ReplicaSettings:
     num_replicas: int = 2
     cpus_per_replica: int = 1
     routing: str = "prefix"
-    imbalanced_threshold: float = 16  # prefix routing: queue-length gap beyond which load wins over cache
+    imbalanced_threshold: float = 4  # prefix routing: queue-length gap beyond which load wins over cache
     app_name: str = "pagedllm"
 
     def __post_init__(self) -> None:
