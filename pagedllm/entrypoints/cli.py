@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
 import os
@@ -109,7 +110,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.limits import ServerLimits
-    from pagedllm.entrypoints.openai.server import main as serve
 
     limits = ServerLimits(
         api_key=args.api_key,
@@ -118,6 +118,10 @@ def _serve(args: argparse.Namespace) -> int:
         max_n=args.max_n,
         max_logprobs=args.max_logprobs,
     )
+    if args.data_parallel_size is None:
+        from pagedllm.entrypoints.openai.server import main as serve
+    else:
+        serve = _replicas_main(args)
     return serve(
         args.model,
         host=args.host,
@@ -129,6 +133,26 @@ def _serve(args: argparse.Namespace) -> int:
         **_engine_kwargs(args),
         **{name: getattr(args, name) for name in KV_ARGS},
     )
+
+
+def _replicas_main(args: argparse.Namespace):
+    """`pagedllm serve --data-parallel-size N`: replicas.main with its settings bound (Ray is optional)."""
+    try:
+        from pagedllm.entrypoints.openai import replicas
+    except ImportError as error:
+        raise ImportError(
+            f"--data-parallel-size needs Ray Serve: pip install 'pagedllm[replicas]' ({error})"
+        ) from error
+    if args.tensor_parallel_size != 1:
+        raise ValueError(
+            "--data-parallel-size runs one engine process a replica: --tensor-parallel-size must be 1"
+        )
+    n = args.data_parallel_size
+    from pagedllm._runtime import usable_cpus
+
+    cpus = args.cpus_per_replica or max(1, usable_cpus() // n)
+    settings = replicas.ReplicaSettings(n, cpus, args.routing, args.routing_imbalanced_threshold)
+    return functools.partial(replicas.main, settings=settings, address=args.address)
 
 
 PARALLEL_ARGS = ("tensor_parallel_size", "distributed_init_method", "nnodes", "distributed_timeout")
@@ -317,6 +341,38 @@ def _add_server_args(parser: argparse.ArgumentParser, limits: dict) -> None:
     )
 
 
+def _add_replica_args(parser: argparse.ArgumentParser) -> None:
+    """Engine replicas on Ray Serve behind one endpoint (pip install 'pagedllm[replicas]')."""
+    group = parser.add_argument_group("replicas (Ray Serve)")
+    group.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=None,
+        help="engine replicas behind this one endpoint, as Ray Serve deployments (default: one engine)",
+    )
+    group.add_argument(
+        "--address",
+        default=None,
+        help="a running Ray cluster to join (`ray start --head`; default: start one)",
+    )
+    group.add_argument(
+        "--cpus-per-replica", type=int, default=None, help="CPUs Ray gives each replica (default: usable / N)"
+    )
+    group.add_argument(
+        "--routing",
+        choices=["prefix", "pow2", "round-robin"],
+        default="prefix",
+        help="request routing: Ray's PrefixCacheAffinityRouter, Serve's power of two choices, or round robin",
+    )
+    group.add_argument(
+        "--routing-imbalanced-threshold",
+        type=float,
+        default=4,
+        help="prefix routing: a gap in queue lengths above this routes by load instead of prefix",
+    )
+
+
 def _add_parallel_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
     """Tensor parallelism over processes and machines (the same command on every machine, but --node-rank)."""
     parser.add_argument(
@@ -398,6 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve, {**defaults, "max_num_batched_tokens": None})  # the server's own default
     _add_kv_args(serve, defaults)
     _add_server_args(serve, _defaults(ServerLimits))
+    _add_replica_args(serve)
     serve.set_defaults(func=_serve)
 
     lines = "\n".join(f"  {name:<16} {line}" for name, (_, line) in BENCHMARKS.items())
