@@ -7,6 +7,10 @@ alternately `--repeats` times, both engines loaded side by side (they share the 
 system: decode tokens/s (the tokens after the first over the time after the first, the median run),
 and for the speculating one the acceptance rate of its drafts and the mean tokens a verify pass
 yields; `same` says whether the two outputs are token for token equal.
+
+`--draft-model M` measures a draft model instead (speculative_config {"model": M, ...}) on general chat
+prompts, each run answering every one of CHAT_PROMPTS in turn: one speculating engine per k of
+`--num-speculative-tokens`, all side by side with the engine without speculation.
 """
 
 from __future__ import annotations
@@ -57,13 +61,19 @@ INSTRUCTION = (
     "Rename the function `compute` to `weighted_mean` everywhere in this file, change nothing else, "
     "and reply with the whole file in one Python code block.\n\n```python\n" + SOURCE + "```"
 )
+CHAT_PROMPTS = [
+    "Why is the sky blue? Explain it to a curious ten-year-old in one paragraph.",
+    "Give me five tips for sleeping better, one sentence each.",
+    "Write a short story, about 120 words, about a lighthouse keeper who finds a message in a bottle.",
+    "What should I pack for a weekend hiking trip in the mountains in autumn?",
+]
 # 3 drafts: a verify pass of 4 rows stays in the GGUF matmuls' few-row regime; matches of 2+ tokens
 # propose fewer drafts that fail (docs/JOURNAL.md, "Speculative decoding").
 DEFAULT_SPEC = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=2)
 
 
-def timed_run(engine, request_id: str, prompt: list[int], params) -> tuple[list[int], float]:
-    """The request's tokens, and its decode tokens/s after the first token."""
+def timed_run(engine, request_id: str, prompt: list[int], params) -> tuple[list[int], int, float]:
+    """The request's tokens, and its decode tokens and seconds after the first token."""
     engine.add_request(request_id, prompt, params)
     stamps, tokens = [], []
     while engine.has_unfinished_requests():
@@ -72,7 +82,7 @@ def timed_run(engine, request_id: str, prompt: list[int], params) -> tuple[list[
             tokens = outputs[0].outputs[0].token_ids
             stamps.append((time.perf_counter(), len(tokens)))
     (t0, n0), (t1, n1) = stamps[0], stamps[-1]
-    return list(tokens), (n1 - n0) / (t1 - t0)
+    return list(tokens), n1 - n0, t1 - t0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", default="qwen2.5-coder-0.5b", help="built-in name, HF folder or .gguf")
     parser.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC), help="JSON, as vLLM's")
+    parser.add_argument(
+        "--draft-model", default=None, help="a draft model instead of --speculative-config, on chat prompts"
+    )
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, nargs="+", default=[3], help="with --draft-model: each k"
+    )
     parser.add_argument("--quantization", default="auto", help="weight storage (auto: a GGUF's own blocks)")
     parser.add_argument("--output-len", type=int, default=400, help="greedy tokens at most (EOS ends)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each engine, alternating")
@@ -105,46 +121,60 @@ def main(argv: list[str] | None = None) -> int:
     from pagedllm import LLM, SamplingParams
 
     common = dict(quantization=args.quantization, kv_cache_memory=args.kv_cache_memory, max_num_seqs=1)
-    systems = {
-        "no speculation": LLM(args.model, **common),
-        "speculative": LLM(args.model, speculative_config=args.speculative_config, **common),
-    }
+    configs = {"speculative": args.speculative_config}
+    if args.draft_model:
+        configs = {
+            f"draft k={k}": {"model": args.draft_model, "num_speculative_tokens": k}
+            for k in args.num_speculative_tokens
+        }
+    systems = {"no speculation": LLM(args.model, **common)}
+    systems.update({name: LLM(args.model, speculative_config=c, **common) for name, c in configs.items()})
     tokenizer = systems["no speculation"].engine.tokenizer
-    messages = [{"role": "user", "content": INSTRUCTION}]
-    prompt = list(
-        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    )
+    texts = CHAT_PROMPTS if args.draft_model else [INSTRUCTION]
+    chat = dict(add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], **chat)) for t in texts]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0)
     for llm in systems.values():  # warm-up: first-call costs out of the timed runs
-        llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))
+        llm.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0))
     rates: dict[str, list[float]] = {name: [] for name in systems}
-    tokens: dict[str, list[int]] = {}
-    before = systems["speculative"].engine.stats()
+    tokens: dict[str, list[list[int]]] = {}
+    before = {name: systems[name].engine.stats() for name in configs}
+    traces: dict[str, list] = {name: [] for name in systems}  # each timed step's phases
+    for name, llm in systems.items():
+        llm.engine.add_step_observer(traces[name].append)
     for i in range(args.repeats):
         for name, llm in systems.items():
-            tokens[name], rate = timed_run(llm.engine, f"{name}-{i}", prompt, params)
-            rates[name].append(rate)
-    stats = systems["speculative"].engine.stats()
-    drafts = stats.spec_draft_tokens - before.spec_draft_tokens
-    accepted = stats.spec_accepted_tokens - before.spec_accepted_tokens
-    verifies = stats.spec_verifies - before.spec_verifies
+            runs = [timed_run(llm.engine, f"{name}-{i}-{j}", p, params) for j, p in enumerate(prompts)]
+            tokens[name] = [run[0] for run in runs]
+            rates[name].append(sum(run[1] for run in runs) / sum(run[2] for run in runs))
     for llm in systems.values():
         assert llm.engine.stats().kv_all_free, "KV blocks leaked"
-    base, spec = (statistics.median(rates[name]) for name in systems)
+    base = statistics.median(rates["no speculation"])
+    what = "general chat requests" if args.draft_model else "one code-editing request"
+    spec_text = f"draft model {args.draft_model}" if args.draft_model else json.dumps(args.speculative_config)
     print(
-        f"model {args.model}, one code-editing request ({len(prompt)} prompt tokens, "
-        f"{len(tokens['speculative'])} output tokens), {torch.get_num_threads()} threads, "
-        f"{args.repeats} runs each, speculative_config {json.dumps(args.speculative_config)}"
+        f"model {args.model}, {what} ({sum(map(len, prompts))} prompt tokens, "
+        f"{sum(map(len, tokens['no speculation']))} output tokens), {torch.get_num_threads()} threads, "
+        f"{args.repeats} runs each, speculative_config {spec_text}"
     )
-    print(f"{'system':<16}{'decode tok/s':>14}{'runs':>28}")
+    print(f"{'system':<16}{'decode tok/s':>14}{'runs':>28}{'forward ms/step':>17}{'propose ms/step':>17}")
     for name in systems:
         runs = " ".join(f"{r:.1f}" for r in rates[name])
-        print(f"{name:<16}{statistics.median(rates[name]):>14.1f}{runs:>28}")
-    print(
-        f"speed-up {spec / base:.2f}x; acceptance rate {accepted / max(drafts, 1):.1%} "
-        f"({accepted} of {drafts} drafts), mean accepted length {1 + accepted / max(verifies, 1):.2f} "
-        f"tokens per verify pass; same tokens: {tokens['speculative'] == tokens['no speculation']}"
-    )
+        forward, propose = (
+            1e3 * statistics.mean(t.seconds[phase] for t in traces[name]) for phase in ("forward", "propose")
+        )
+        print(f"{name:<16}{statistics.median(rates[name]):>14.1f}{runs:>28}{forward:>17.1f}{propose:>17.1f}")
+    for name in configs:
+        stats = systems[name].engine.stats()
+        drafts = stats.spec_draft_tokens - before[name].spec_draft_tokens
+        accepted = stats.spec_accepted_tokens - before[name].spec_accepted_tokens
+        verifies = stats.spec_verifies - before[name].spec_verifies
+        print(
+            f"{name}: speed-up {statistics.median(rates[name]) / base:.2f}x; acceptance rate "
+            f"{accepted / max(drafts, 1):.1%} ({accepted} of {drafts} drafts), mean accepted length "
+            f"{1 + accepted / max(verifies, 1):.2f} tokens per verify pass; "
+            f"same tokens: {tokens[name] == tokens['no speculation']}"
+        )
     return 0
 
 
