@@ -4,7 +4,7 @@ A step reads as nano-vllm's: the scheduler picks the step's work, the model runn
 postprocessing turns the logits into each sequence's next token (the sampler's, or its beam search's
 choice) and hands them to the scheduler, the one owner of what follows: appends, KV slots, stops, frees.
 With speculative decoding the proposer then gives each decoding sequence draft tokens for the next
-step, which verifies them (engine/speculative.py).
+step, which verifies them (engine/speculative.py: n-gram lookup; engine/draft_model.py: a draft model).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pagedllm._runtime import apply_thread_count, keep_large_allocations
 from pagedllm.engine import prompt_logprobs
 from pagedllm.engine.beam_search import BeamSearchDriver, beam_sampling_params, beam_tokens
 from pagedllm.engine.config import EngineConfig, parse_bytes
+from pagedllm.engine.draft_model import DraftModelProposer
 from pagedllm.engine.generation_config import sampling_defaults
 from pagedllm.engine.guided import GrammarCompiler
 from pagedllm.engine.kv_sizing import check_max_model_len, kv_block_bytes, model_kv_groups, num_kv_blocks
@@ -31,7 +32,7 @@ from pagedllm.engine.request import Request, check_prompt
 from pagedllm.engine.sampler import Sample, SampleRow, sample
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Sequence
-from pagedllm.engine.speculative import NgramProposer, accepted_length
+from pagedllm.engine.speculative import NgramProposer, SpeculativeConfig, accepted_length
 from pagedllm.engine.stats import STEP_PHASES, EngineStats, StepObserver, StepTrace
 from pagedllm.engine.stop_checker import StopChecker
 from pagedllm.kv import ContiguousAllocator, KVAllocator, PagedAllocator
@@ -125,6 +126,7 @@ class LLMEngine:
             self.tiers.observe_load(HOST, self.runner.time_host_load(probe), probe)
             if config.kv_offload_dir is not None:
                 self.disk_store = self._open_disk_store(block_bytes)
+        self.proposer = self._make_proposer(config.speculative_config)
         self.scheduler = Scheduler(
             self.allocator,
             self.max_model_len,
@@ -134,9 +136,9 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             watermark=config.watermark,
             stop_checker=StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len),
+            # A sequence that leaves the cache leaves the draft model's too.
+            on_release=self.proposer.release if self.proposer is not None else None,
         )
-        spec = config.speculative_config
-        self.proposer = NgramProposer(spec) if spec is not None else None
         self.spec_verifies = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -147,6 +149,14 @@ class LLMEngine:
     def hybrid_kv_cache(self) -> bool:
         """Whether sliding-window layers hold only their window (KV groups): paged, and not disabled."""
         return self.config.kv_layout == "paged" and not self.config.disable_hybrid_kv_cache_manager
+
+    def _make_proposer(self, spec: SpeculativeConfig | None) -> NgramProposer | DraftModelProposer | None:
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        # Its pool: as many blocks as the target's (its own, smaller ones): it holds what the target does.
+        return DraftModelProposer(spec, self.config, self.model.config.vocab_size, self.num_kv_blocks)
 
     def _make_allocator(self) -> KVAllocator:
         config = self.config
@@ -438,7 +448,9 @@ class LLMEngine:
                 drafts = seq.draft_token_ids
                 for i in range(len(drafts) + 1):
                     picked_rows.append(row + i)
-                    sample_rows.append(self._sample_row(seq, drafts[:i], (drafts + [None])[i]))
+                    draft = drafts[i] if i < len(drafts) else None
+                    q = seq.draft_probs[i] if draft is not None and seq.draft_probs is not None else None
+                    sample_rows.append(self._sample_row(seq, drafts[:i], draft, q))
             all_rows = picked_rows == list(range(len(logits)))
             picked = logits if all_rows else logits[picked_rows]  # all: no copy
             clock.lap("rest")
@@ -458,10 +470,14 @@ class LLMEngine:
         return new_tokens
 
     def _sample_row(
-        self, seq: Sequence, accepted: list[int] | None = None, draft: int | None = None
+        self,
+        seq: Sequence,
+        accepted: list[int] | None = None,
+        draft: int | None = None,
+        draft_probs: torch.Tensor | None = None,
     ) -> SampleRow:
         """What the sampler needs for seq's next token; for a verify pass's row, the next token after the
-        drafts before it (`accepted`, as if already sampled), checking `draft`."""
+        drafts before it (`accepted`, as if already sampled), checking `draft` (drawn from `draft_probs`)."""
         params = seq.params
         output = seq.output_token_ids + accepted if accepted else seq.output_token_ids
         banned: tuple[int, ...] = ()
@@ -469,20 +485,30 @@ class LLMEngine:
             banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_token_ids))
         generator = self.requests[seq.request_id].generator
         return SampleRow(
-            params, generator, banned, seq.prompt_token_ids, output, guide=seq.guide, draft_token_id=draft
+            params,
+            generator,
+            banned,
+            seq.prompt_token_ids,
+            output,
+            guide=seq.guide,
+            draft_token_id=draft,
+            draft_probs=draft_probs,
         )
 
     def _propose(self) -> None:
         """Draft tokens for each running sequence that decodes next step (not a beam, not guided: their
         next tokens depend on more than the logits), at most one fewer than it may still generate."""
-        for seq in self.scheduler.running:
-            if (
-                seq.num_tokens - seq.num_cached_tokens == 1
-                and seq.guide is None
-                and self.requests[seq.request_id].beam_search is None
-            ):
-                room = seq.max_new_tokens(self.max_model_len) - 1
-                seq.draft_token_ids = self.proposer.propose(seq.token_ids, room)
+        seqs = [
+            seq
+            for seq in self.scheduler.running
+            if seq.num_tokens - seq.num_cached_tokens == 1
+            and seq.guide is None
+            and self.requests[seq.request_id].beam_search is None
+        ]
+        rooms = [seq.max_new_tokens(self.max_model_len) - 1 for seq in seqs]
+        generators = [self.requests[seq.request_id].generator for seq in seqs]
+        for seq, draft in zip(seqs, self.proposer.propose_batch(seqs, rooms, generators), strict=True):
+            seq.draft_token_ids, seq.draft_probs = draft.token_ids, draft.probs
 
     def _output(self, request: Request) -> RequestOutput:
         output = request.output(self.tokenizer)
@@ -519,7 +545,7 @@ class LLMEngine:
             num_blocks_swapped_out=scheduler.num_blocks_swapped_out,
             num_blocks_swapped_in=scheduler.num_blocks_swapped_in,
             kv_usage=self.allocator.usage(),
-            kv_all_free=self.allocator.all_free(),
+            kv_all_free=self.allocator.all_free() and (self.proposer is None or self.proposer.all_free()),
             spec_verifies=self.spec_verifies,
             spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,

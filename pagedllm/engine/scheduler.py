@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -90,6 +91,7 @@ class Scheduler:
         watermark: float = 0.01,
         enable_chunked_prefill: bool = True,
         stop_checker: StopChecker | None = None,
+        on_release: Callable[[str], None] | None = None,
     ):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
@@ -103,6 +105,8 @@ class Scheduler:
         self.watermark = watermark  # share of blocks a new admission must leave free (vLLM's 1%)
         self.enable_chunked_prefill = enable_chunked_prefill
         self.stop_checker = stop_checker or StopChecker(None, (), max_model_len)
+        # Told each seq_id that leaves the cache (finished, aborted, preempted): a draft model's KV follows.
+        self.on_release = on_release or (lambda seq_id: None)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -144,6 +148,7 @@ class Scheduler:
                 queue.remove(seq)
         if seq.status in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
             self.allocator.free(seq.seq_id)
+        self.on_release(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
 
     # -- before the forward pass --------------------------------------------------------------------
@@ -362,6 +367,7 @@ class Scheduler:
         out.preempted.append(seq)
         self.running.remove(seq)
         seq.draft_token_ids = []  # proposed for a step it will not run in
+        self.on_release(seq.seq_id)
         if self.preemption_mode == "swap" if swap is None else swap:
             try:
                 copies = self.allocator.swap_out(seq.seq_id)
