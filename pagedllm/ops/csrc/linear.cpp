@@ -29,7 +29,6 @@
 #include <ATen/ops/linear.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <vector>
 
 #include "ops.h"
@@ -47,6 +46,7 @@ constexpr int64_t kStreamRows = 4;       // up to this many rows of x, weights a
 constexpr int64_t kBlockStreamRows = 16; // the same for GGUF blocks, in register tiles of kRowGroup rows
 constexpr int kRowGroup = 4;
 constexpr int64_t kSpanChunks = 8;       // chunks of 256 columns of x those rows take in turn
+constexpr int64_t kWholeRows = 2;        // up to this many rows of x take whole weight rows, not spans
 constexpr int64_t kIntegerChunkRows = 128;  // rows of x in one work item of K types' integer path at more rows
 constexpr int64_t kTaskWork = 1 << 17;   // multiply-adds a parallel task should have (a spinning thread starts in ~1 us)
 
@@ -520,12 +520,15 @@ void panel_matmul(const float* packed, int64_t n_rows, int64_t cols, const float
 
 // GGUF's blocks as the file stores them (quants.h): weight uint8 [bytes], the rows of one or more
 // shards one after another (q, k and v of a fused projection may differ in type), with `scales` an
-// int64 [shards, 2] tensor of each shard's (rows, ggml type). Few rows of x (up to kStreamRows) are
-// rounded to int16 blocks of 32 once a call, as for int8 / int4 codes above, shared by every shard, and
-// meet the codes, unpacked in registers, in integer multiply-adds; per 16-value group g,
-//   x . w = sum_g d_x(g) (s_w(g) sum_i u_i q_i + c_w(g) sum_i q_i)
-// (quants.h's s, c). More rows: each thread dequantizes a panel of weight rows once into a float32
-// buffer in cache (exactly the file's values) and runs the float path's register tiles over it.
+// int64 [shards, 2] tensor of each shard's (rows, ggml type). x is rounded to int16 once a call, shared
+// by every shard, and meets the codes, unpacked in registers, in integer multiply-adds:
+//   Q4_K and Q6_K, at any number of rows: x in blocks of 256 (ChunkActivations), each super-block one
+//     integer dot product with its integer sub-scales (quants.h, "integer sub-scales");
+//   the other types, up to kBlockStreamRows rows: x in blocks of 32 (ActivationBlocks), as for int8 /
+//     int4 codes above; per 16-value group g,
+//       x . w = sum_g d_x(g) (s_w(g) sum_i u_i q_i + c_w(g) sum_i q_i)
+//     (quants.h's s, c). More rows: each thread dequantizes a panel of weight rows once into a float32
+//     buffer in cache (exactly the file's values) and runs the float path's register tiles over it.
 struct BlockShard {
   int64_t type, rows, first_row, row_bytes;
   const uint8_t* data;
@@ -738,22 +741,27 @@ void integer_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0
       for (int j = 0; j < kGroupVectors; ++j) acc[i] = fmadd(chunk.offsets[j], x.sums(m0 + i, k, j), acc[i]);
     }
     for (int w = 0; w < kChunkVectors; w += T::kWindow) {
-      VecI sums[MR][2];
-      for (int i = 0; i < MR; ++i) sums[i][0] = sums[i][1] = zero_int();
+      VecI dots[MR][2];
+      for (int i = 0; i < MR; ++i) dots[i][0] = dots[i][1] = zero_int();
       for (int v = w; v < w + T::kWindow; ++v) {
         const VecB codes = T::integer_codes(p, v);
         const VecB even = select_bytes(chunk.scales, index.bytes[v]);
         const VecI e = byte_products(codes, even), o = byte_products(codes, to_odd_bytes(even));
         for (int i = 0; i < MR; ++i) {
           const int16_t* xv = x.vector(m0 + i, k, v);
-          sums[i][0] = add_products(sums[i][0], e, xv);
-          sums[i][1] = add_products(sums[i][1], o, xv + kUnitValues / 2);
+          dots[i][0] = add_products(dots[i][0], e, xv);
+          dots[i][1] = add_products(dots[i][1], o, xv + kUnitValues / 2);
         }
       }
-      for (int i = 0; i < MR; ++i) acc[i] = fmadd(VecF::from_int(add_int(sums[i][0], sums[i][1])), dd[i], acc[i]);
+      for (int i = 0; i < MR; ++i) acc[i] = fmadd(VecF::from_int(add_int(dots[i][0], dots[i][1])), dd[i], acc[i]);
+    }
+    if ((k + 1) % kSpanChunks == 0 || k + 1 == k1) {  // summed per span, however the caller walks them
+      for (int i = 0; i < MR; ++i) {
+        sums[i] += reduce_add(acc[i]);
+        acc[i] = VecF::zero();
+      }
     }
   }
-  for (int i = 0; i < MR; ++i) sums[i] += reduce_add(acc[i]);
 }
 
 // Work items of at most `size` rows, none crossing a shard: (shard, first row, end row) in it.
@@ -784,8 +792,9 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
   for (const BlockShard& shard : shards) {
     quants::with_type(shard.type, [&](auto t) { (decltype(t)::kIntegerScales ? integer_scales : float_scales) = true; });
   }
-  static const bool env_int = std::getenv("PAGEDLLM_INT_MANY") ? std::atoi(std::getenv("PAGEDLLM_INT_MANY")) : 1;
-  if (m_rows <= kBlockStreamRows || (env_int && !float_scales)) {
+  // K types with integer sub-scales take it at any number of rows (faster than the float panels below
+  // at every batch measured: docs/JOURNAL.md); the other types up to kBlockStreamRows
+  if (m_rows <= kBlockStreamRows || !float_scales) {
     // items: kIntegerChunkRows rows of x (all of them, if few) by a panel of weight rows, panel after panel
     // over one run of x
     const std::vector<ShardPanel> panels = shard_panels(shards, kPanelRows);
@@ -796,7 +805,9 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
     const ActivationBlocks qx(x, float_scales ? m_rows : 0, cols);
     const ChunkActivations cx(x, integer_scales ? m_rows : 0, cols);
     const int64_t chunks = (cols + quants::kChunkValues - 1) / quants::kChunkValues;
-    static const int64_t span = std::getenv("PAGEDLLM_SPAN") ? std::atoi(std::getenv("PAGEDLLM_SPAN")) : kSpanChunks;
+    // one or two rows of x stay in L1 whole, and a weight row read in one run streams fastest; more rows
+    // take spans, kRowGroup rows of x at a time, so that the span stays in L1 while the panel's rows pass
+    const int64_t span = x_rows <= kWholeRows ? chunks : kSpanChunks;
     const int64_t grain = std::max<int64_t>(1, kTaskWork / (kPanelRows * cols * x_rows));
     at::parallel_for(0, items * runs, grain, [&](int64_t begin, int64_t end) {
       static thread_local std::vector<float> sums;
@@ -808,8 +819,6 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
         std::fill(sums.begin(), sums.end(), 0.f);
         quants::with_type(shard.type, [&](auto t) {
           using T = decltype(t);
-          // spans of kSpanChunks chunks: a span of kRowGroup rows of x stays in L1 while the panel's rows
-          // pass it
           for (int64_t k0 = 0; k0 < chunks; k0 += span) {
             const int64_t k1 = std::min(k0 + span, chunks);
             for (int64_t m0 = m_begin; m0 < m_end; m0 += kRowGroup) {

@@ -17,7 +17,8 @@
 //
 // A row is read in chunks of 256 values (a K super-block, or eight 32-blocks; a row's last chunk of
 // 32-blocks may hold fewer), each chunk in units of one vector of byte codes (64 on AVX-512, 32 on AVX2)
-// in the values' order. A unit meets activations as int16 values (ActivationBlocks in linear.cpp) in
+// in the values' order (Q4_K and Q6_K also in their own order for the integer sub-scales, below). A unit
+// meets activations as int16 values (ActivationBlocks in linear.cpp) in
 // multiply-adds of 16-bit pairs (VNNI's vpdpwssd, else pmaddwd): the codes widened by byte interleaving
 // (unpacklo / unpackhi within each 128-bit lane of 16 values; the activations are stored in that
 // order) and both halves summed into one vector whose 128-bit lane k holds the unit's group k: 32-bit
