@@ -106,6 +106,9 @@ class PagedAllocator:
         self.windows = tuple(windows)
         self.prefill_chunk = prefill_chunk
         self._window_groups = [g for g, window in enumerate(self.windows) if window is not None]
+        # With window groups every group takes a prompt's blocks chunk by chunk and admission asks for the
+        # first chunk only (vLLM v1's rule): a prompt that outgrows the free blocks waits or is preempted.
+        self._chunked_groups = list(range(self.num_groups)) if self._window_groups else []
         self.pool = BlockPool(num_blocks, room=-(-GROWTH_ROOM_TOKENS // block_size))
         self._free_host_blocks = list(range(num_host_blocks - 1, -1, -1))  # a stack, lowest id on top
         self._seqs: dict[Hashable, _Seq] = {}
@@ -149,7 +152,14 @@ class PagedAllocator:
         """Blocks a prompt of this length takes from admission to the end of its prefill, prefix hits
         not counted (what a scheduler keeps a watermark above)."""
         n = len(prompt_token_ids)
-        return sum(self._peak(window, n) for window in self.windows)
+        return sum(self._admission_blocks(window, n) for window in self.windows)
+
+    def _admission_blocks(self, window: int | None, num_tokens: int) -> int:
+        """Blocks a group needs free to admit a prompt: a window group its promise, a full group beside
+        window groups its first chunk's, a full group alone every block."""
+        if window is None and self._window_groups:
+            return -(-min(num_tokens, self.prefill_chunk or num_tokens) // self.block_size)
+        return self._peak(window, num_tokens)
 
     def _peak(self, window: int | None, num_tokens: int) -> int:
         """The most blocks a group's table holds while a prompt of `num_tokens` is prefilled: all of them,
@@ -180,7 +190,9 @@ class PagedAllocator:
         `true_output_len` (what `pagedllm bench memory` passes every layout) changes nothing here."""
         check_request(prompt_token_ids, max_new_tokens)
         _, hits, num_new = self._plan(prompt_token_ids, read_prefix_cache)
-        return self._fits(hits, num_new)
+        n = len(prompt_token_ids)  # admitted by its first chunk, a prompt must still fit the whole pool
+        lasting = sum(self._peak(window, n) for window in self.windows)
+        return self._fits(hits, num_new) and lasting <= self.num_total_blocks
 
     def allocate(
         self,
@@ -223,7 +235,7 @@ class PagedAllocator:
         seq.num_cached_blocks = num_hit
         self._touch(hits)  # every group's hits first: taking a block must not evict another group's hit
         for g, group_hits in enumerate(hits):
-            num_new = -(-n // bs) - num_hit if self.windows[g] is None else 0  # windows: chunk by chunk
+            num_new = 0 if self._chunked_groups else -(-n // bs) - num_hit  # hybrid: chunk by chunk
             seq.tables.append(self._take_blocks(g, group_hits + [None] * num_new, first=len(group_hits)))
             seq.released[g] = self._first_needed(g, num_hit * bs)
             for i in range(num_hit, len(seq.tables[g])):
@@ -268,8 +280,14 @@ class PagedAllocator:
             owned.append(self._owned(table[first:]))
         promise = self._promise(seq, owned)
         free = self.pool.num_free + given_back - (self._promised - seq.promise) - promise
-        spare = promise + min(free, max(0, free - keep_free))  # blocks the window groups may take now
-        end = (seq.window_blocks + spare // len(self._window_groups)) * bs
+        spare = min(free, max(0, free - keep_free))  # free blocks beyond the promise it may take now
+        # b more logical blocks take b from each full group's free blocks and b from each window group's
+        # promise, then free blocks: the most b with b * full + max(0, b * windows - promise) <= spare.
+        num_full = self.num_groups - len(self._window_groups)
+        more = (spare + promise) // self.num_groups
+        if num_full:
+            more = min(more, spare // num_full)
+        end = (seq.window_blocks + more) * bs
         return max(0, min(num_tokens, end - start))
 
     def _release_behind(self, seq: _Seq, start: int) -> None:
@@ -290,13 +308,15 @@ class PagedAllocator:
             return
         if num_blocks <= seq.window_blocks:
             return
-        needed = sum(num_blocks - len(seq.tables[g]) for g in self._window_groups)
-        if needed > self.num_free_blocks + seq.promise:
+        full = sum(num_blocks - len(seq.tables[g]) for g in self._chunked_groups if self.windows[g] is None)
+        windows = sum(num_blocks - len(seq.tables[g]) for g in self._window_groups)
+        needed = full + max(0, windows - seq.promise)  # the window groups draw on their promise first
+        if needed > self.num_free_blocks:
             raise NoFreeBlocks(
-                f"sequence {seq_id!r} needs {needed} blocks for its window groups, "
-                f"{self.num_free_blocks + seq.promise} free"
+                f"sequence {seq_id!r} needs {needed} free blocks beyond its promise for its chunk, "
+                f"{self.num_free_blocks} free"
             )
-        for g in self._window_groups:
+        for g in self._chunked_groups:
             table = seq.tables[g]
             first = len(table)
             table[first:] = self._take_blocks(g, table + [None] * (num_blocks - first), first)[first:]
@@ -357,7 +377,7 @@ class PagedAllocator:
             first = self._first_needed(g, num_hit * bs)
             hits.append([None] * first + [self.pool.cached[(g, h)] for h in hashes[first:num_hit]])
             if window is None:
-                num_new += -(-n // bs) - num_hit
+                num_new += min(self._admission_blocks(None, n), -(-n // bs) - num_hit)
             else:  # the prefill's blocks beyond the hit are promised
                 cold = sum(block.ref_cnt == 0 for block in hits[-1][first:])  # this table's alone
                 num_new += max(0, self._peak(window, n) - cold) + self._shared_by(hits[-1])
@@ -670,9 +690,9 @@ class PagedAllocator:
         """Per group, for each block the swapped sequence's tokens need, the device block still caching its
         content, if any (None also before a window group's window). Only blocks it computed count: one whose
         K/V is still to come is never shared (it is written)."""
-        hits = []
-        for g, window in enumerate(self.windows):
-            num_blocks = -(-len(seq.token_ids) // self.block_size) if window is None else seq.window_blocks
+        hits, bs = [], self.block_size
+        for g in range(self.num_groups):
+            num_blocks = seq.window_blocks if self._chunked_groups else -(-len(seq.token_ids) // bs)
             first = seq.released[g]
             computed = seq.block_hashes[first : seq.num_cached_blocks]
             group_hits = [None] * first + [self.pool.cached.get((g, h)) for h in computed]
