@@ -15,7 +15,8 @@ computes 1 + k tokens (counted in the budget), their K/V written to lookahead sl
 step; after it the accepted drafts keep their slots, the rest are released and the sequence's count of
 computed tokens rolled back to what was accepted, so between steps nothing else differs. The scheduler
 asks the KV allocator for room and never reaches inside it. When a new token needs a block and none is
-free, the most recently admitted sequence is preempted: by recompute (its blocks are freed; it
+free, the most recently admitted sequence is preempted (on a hybrid model, where a prompt is admitted
+by its first chunk, usually one part way through its prefill): by recompute (its blocks are freed; it
 re-enters the waiting queue and is prefilled again later) or by swap (its blocks move to the host pool
 and come back when room frees up). A beam whose next token waits on a sibling's (`Sequence.awaiting`)
 has nothing to compute: running, it holds its blocks, and when nothing else can run it is freed to make

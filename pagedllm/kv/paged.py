@@ -12,10 +12,11 @@ all mapping the same token positions and drawing on one pool. A sliding-window g
 a block back (to the pool, or to the prefix cache's least recently used end) once no query of the
 sequence reads it: when every token in it is at least w before the first token a step computes. Its
 table keeps the position (None; NO_BLOCK in the views), so the kernels, which clamp a sliding layer's
-reads to its window, never see it. A window group also takes a long prompt's blocks chunk by chunk as
-`cache_blocks` says each chunk is computed, not all at admission. What its prefill needs to go on (the
-window plus a chunk of `prefill_chunk` tokens) is promised at admission, so such a chunk never fails; a
-longer chunk takes free blocks beyond the promise, as many as `prefill_room` says fit.
+reads to its window, never see it. With window groups every group takes a long prompt's blocks chunk by
+chunk as `cache_blocks` says each chunk is computed, and admission asks only for the first chunk (vLLM
+v1's rule): a full group's blocks for `prefill_chunk` tokens, and the window groups' promise (the window
+plus such a chunk: what they hold at once). Later chunks take free blocks, as many as `prefill_room` says
+fit; when none is free the prompt waits, and the scheduler preempts it when a decode needs a block.
 
 For speculative decoding, `reserve_lookahead` gives a sequence slots past its tokens, in every group's
 table, for the verify pass to write draft K/V into; accepted tokens fill them by `append` (only then is a
