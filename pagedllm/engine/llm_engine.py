@@ -166,9 +166,9 @@ class LLMEngine:
                 config.block_size,
                 enable_prefix_caching=config.enable_prefix_caching,
                 windows=self.kv_groups.windows,
-                # A window group's prefill is promised its window and one block of new tokens: what it holds
-                # once it decodes, so admission counts a request's lasting need; a longer chunk takes the
-                # free blocks the scheduler finds for it (prefill_room).
+                # Admission asks a prompt's first chunk: one block of new tokens (a window group's promise
+                # adds its window: what it holds once it decodes); a longer chunk takes the free blocks the
+                # scheduler finds for it (prefill_room).
                 prefill_chunk=config.block_size if config.enable_chunked_prefill else None,
                 tiers=self.tiers,
             )

@@ -15,7 +15,8 @@ computes 1 + k tokens (counted in the budget), their K/V written to lookahead sl
 step; after it the accepted drafts keep their slots, the rest are released and the sequence's count of
 computed tokens rolled back to what was accepted, so between steps nothing else differs. The scheduler
 asks the KV allocator for room and never reaches inside it. When a new token needs a block and none is
-free, the most recently admitted sequence is preempted: by recompute (its blocks are freed; it
+free, the most recently admitted sequence is preempted (on a hybrid model, where a prompt is admitted
+by its first chunk, usually one part way through its prefill): by recompute (its blocks are freed; it
 re-enters the waiting queue and is prefilled again later) or by swap (its blocks move to the host pool
 and come back when room frees up). A beam whose next token waits on a sibling's (`Sequence.awaiting`)
 has nothing to compute: running, it holds its blocks, and when nothing else can run it is freed to make
@@ -160,11 +161,15 @@ class Scheduler:
         if not out.preempted:
             self._schedule_swap_ins(out)
         budget = self._schedule_prefill_chunks(prefilling, out, self.max_num_batched_tokens - out.num_tokens)
-        if not out.preempted and not self.swapped:
+        # A prompt part way through whose next chunk found no free block: nothing is admitted past it.
+        stalled = any(s.num_tokens > s.num_cached_tokens and s not in out.scheduled for s in self.running)
+        if not out.preempted and not self.swapped and not stalled:
             self._schedule_prefills(out, budget)
-        while not out.scheduled and self.running and self._has_work_waiting():
-            # Every running sequence is a beam waiting for a sibling that is not in the cache: make room.
+        while not out.scheduled and self.running and (self._has_work_waiting() or stalled):
+            # Every running sequence is a beam waiting for a sibling that is not in the cache, or a prompt
+            # whose next chunk finds no free block: make room.
             self._preempt(self.running[-1], out, swap=False)
+            stalled = False
             self._schedule_swap_ins(out)
             if not self.swapped:
                 self._schedule_prefills(out, budget)
@@ -250,16 +255,20 @@ class Scheduler:
                 self.finish(seq)
                 out.ignored.append(seq)
                 continue
-            self.waiting.remove(seq)
             seq.num_cached_tokens = cached
+            num_new = seq.num_tokens - cached
+            if self.enable_chunked_prefill:
+                num_new = self._chunk(seq, out, min(num_new, budget))
+                if num_new == 0:  # its first chunk finds no block beside the running decodes' next ones
+                    self.allocator.free(seq.seq_id)
+                    seq.num_cached_tokens = 0
+                    return
+            self.waiting.remove(seq)
             if not seq.output_token_ids:
                 seq.num_prefix_hits = cached
                 if self.allocator.enable_prefix_caching and not seq.needs_prompt_logprobs:
                     self.prefix_cache_queries += seq.num_tokens
                     self.prefix_cache_hits += cached
-            num_new = seq.num_tokens - cached
-            if self.enable_chunked_prefill:
-                num_new = self._chunk(seq, out, min(num_new, budget))
             self.allocator.cache_blocks(seq.seq_id, cached + num_new, start=cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

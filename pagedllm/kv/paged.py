@@ -12,10 +12,11 @@ all mapping the same token positions and drawing on one pool. A sliding-window g
 a block back (to the pool, or to the prefix cache's least recently used end) once no query of the
 sequence reads it: when every token in it is at least w before the first token a step computes. Its
 table keeps the position (None; NO_BLOCK in the views), so the kernels, which clamp a sliding layer's
-reads to its window, never see it. A window group also takes a long prompt's blocks chunk by chunk as
-`cache_blocks` says each chunk is computed, not all at admission. What its prefill needs to go on (the
-window plus a chunk of `prefill_chunk` tokens) is promised at admission, so such a chunk never fails; a
-longer chunk takes free blocks beyond the promise, as many as `prefill_room` says fit.
+reads to its window, never see it. With window groups every group takes a long prompt's blocks chunk by
+chunk as `cache_blocks` says each chunk is computed, and admission asks only for the first chunk (vLLM
+v1's rule): a full group's blocks for `prefill_chunk` tokens, and the window groups' promise (the window
+plus such a chunk: what they hold at once). Later chunks take free blocks, as many as `prefill_room` says
+fit; when none is free the prompt waits, and the scheduler preempts it when a decode needs a block.
 
 For speculative decoding, `reserve_lookahead` gives a sequence slots past its tokens, in every group's
 table, for the verify pass to write draft K/V into; accepted tokens fill them by `append` (only then is a
@@ -117,6 +118,9 @@ class PagedAllocator:
         self.windows = tuple(windows)
         self.prefill_chunk = prefill_chunk
         self._window_groups = [g for g, window in enumerate(self.windows) if window is not None]
+        # With window groups every group takes a prompt's blocks chunk by chunk and admission asks for the
+        # first chunk only (vLLM v1's rule): a prompt that outgrows the free blocks waits or is preempted.
+        self._chunked_groups = list(range(self.num_groups)) if self._window_groups else []
         self.tiers = tiers
         self.pool = BlockPool(num_blocks, room=-(-GROWTH_ROOM_TOKENS // block_size), tiers=tiers)
         self.host = tiers.host if tiers is not None else HostPool(num_host_blocks)
@@ -162,7 +166,14 @@ class PagedAllocator:
         """Blocks a prompt of this length takes from admission to the end of its prefill, prefix hits
         not counted (what a scheduler keeps a watermark above)."""
         n = len(prompt_token_ids)
-        return sum(self._peak(window, n) for window in self.windows)
+        return sum(self._admission_blocks(window, n) for window in self.windows)
+
+    def _admission_blocks(self, window: int | None, num_tokens: int) -> int:
+        """Blocks a group needs free to admit a prompt: a window group its promise, a full group beside
+        window groups its first chunk's, a full group alone every block."""
+        if window is None and self._window_groups:
+            return -(-min(num_tokens, self.prefill_chunk or num_tokens) // self.block_size)
+        return self._peak(window, num_tokens)
 
     def _peak(self, window: int | None, num_tokens: int) -> int:
         """The most blocks a group's table holds while a prompt of `num_tokens` is prefilled: all of them,
@@ -193,7 +204,9 @@ class PagedAllocator:
         `true_output_len` (what `pagedllm bench memory` passes every layout) changes nothing here."""
         check_request(prompt_token_ids, max_new_tokens)
         _, hits, num_new, _ = self._plan(prompt_token_ids, read_prefix_cache)
-        return self._fits(hits, num_new)
+        n = len(prompt_token_ids)  # admitted by its first chunk, a prompt must still fit the whole pool
+        lasting = sum(self._peak(window, n) for window in self.windows)
+        return self._fits(hits, num_new) and lasting <= self.num_total_blocks
 
     def allocate(
         self,
@@ -239,7 +252,7 @@ class PagedAllocator:
             self.host.pinned.update(loads)  # an eviction the new blocks cause must not take them
         for g, group_hits in enumerate(hits):
             first = len(group_hits)
-            num_new = -(-n // bs) - first if self.windows[g] is None else 0  # windows: chunk by chunk
+            num_new = 0 if self._chunked_groups else -(-n // bs) - first  # hybrid: chunk by chunk
             seq.tables.append(self._take_blocks(g, group_hits + [None] * num_new, first=first))
             seq.released[g] = self._first_needed(g, num_hit * bs)
             for i in range(first, len(seq.tables[g])):
@@ -286,8 +299,14 @@ class PagedAllocator:
             owned.append(self._owned(table[first:]))
         promise = self._promise(seq, owned)
         free = self.pool.num_free + given_back - (self._promised - seq.promise) - promise
-        spare = promise + min(free, max(0, free - keep_free))  # blocks the window groups may take now
-        end = (seq.window_blocks + spare // len(self._window_groups)) * bs
+        spare = min(free, max(0, free - keep_free))  # free blocks beyond the promise it may take now
+        # b more logical blocks take b from each full group's free blocks and b from each window group's
+        # promise, then free blocks: the most b with b * full + max(0, b * windows - promise) <= spare.
+        num_full = self.num_groups - len(self._window_groups)
+        more = (spare + promise) // self.num_groups
+        if num_full:
+            more = min(more, spare // num_full)
+        end = (seq.window_blocks + more) * bs
         return max(0, min(num_tokens, end - start))
 
     def _release_behind(self, seq: _Seq, start: int) -> None:
@@ -308,13 +327,15 @@ class PagedAllocator:
             return
         if num_blocks <= seq.window_blocks:
             return
-        needed = sum(num_blocks - len(seq.tables[g]) for g in self._window_groups)
-        if needed > self.num_free_blocks + seq.promise:
+        full = sum(num_blocks - len(seq.tables[g]) for g in self._chunked_groups if self.windows[g] is None)
+        windows = sum(num_blocks - len(seq.tables[g]) for g in self._window_groups)
+        needed = full + max(0, windows - seq.promise)  # the window groups draw on their promise first
+        if needed > self.num_free_blocks:
             raise NoFreeBlocks(
-                f"sequence {seq_id!r} needs {needed} blocks for its window groups, "
-                f"{self.num_free_blocks + seq.promise} free"
+                f"sequence {seq_id!r} needs {needed} free blocks beyond its promise for its chunk, "
+                f"{self.num_free_blocks} free"
             )
-        for g in self._window_groups:
+        for g in self._chunked_groups:
             table = seq.tables[g]
             first = len(table)
             table[first:] = self._take_blocks(g, table + [None] * (num_blocks - first), first)[first:]
@@ -379,7 +400,7 @@ class PagedAllocator:
             first = self._first_needed(g, num_hit * bs)
             hits.append([None] * first + [self.pool.cached[(g, h)] for h in hashes[first:num_hit]])
             if window is None:
-                num_new += -(-n // bs) - num_hit
+                num_new += min(self._admission_blocks(None, n), -(-n // bs) - num_hit)
             else:  # the prefill's blocks beyond the hit are promised
                 cold = sum(block.ref_cnt == 0 for block in hits[-1][first:])  # this table's alone
                 num_new += max(0, self._peak(window, n) - cold) + self._shared_by(hits[-1])
@@ -704,9 +725,9 @@ class PagedAllocator:
         """Per group, for each block the swapped sequence's tokens need, the device block still caching its
         content, if any (None also before a window group's window). Only blocks it computed count: one whose
         K/V is still to come is never shared (it is written)."""
-        hits = []
-        for g, window in enumerate(self.windows):
-            num_blocks = -(-len(seq.token_ids) // self.block_size) if window is None else seq.window_blocks
+        hits, bs = [], self.block_size
+        for g in range(self.num_groups):
+            num_blocks = seq.window_blocks if self._chunked_groups else -(-len(seq.token_ids) // bs)
             first = seq.released[g]
             computed = seq.block_hashes[first : seq.num_cached_blocks]
             group_hits = [None] * first + [self.pool.cached.get((g, h)) for h in computed]
