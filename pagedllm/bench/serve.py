@@ -92,7 +92,7 @@ class PrefixCacheUse:
 class ReplicaLoad:
     """One engine replica's share of the run: requests it finished, prompt tokens looked up and found."""
 
-    requests: float
+    finished: float
     queries: float
     hits: float
 
@@ -194,9 +194,9 @@ def format_summary(s: Summary) -> str:
             "found cached, from its /metrics)"
         )
     for replica, load in sorted((s.replicas or {}).items()):
-        lines.append(f"replica {replica:12} {load.requests:5.0f} requests, prefix cache {load.hit_rate:6.1%}")
+        lines.append(f"replica {replica:12} {load.finished:5.0f} requests, prefix cache {load.hit_rate:6.1%}")
     if s.replicas:
-        loads = [load.requests for load in s.replicas.values()]
+        loads = [load.finished for load in s.replicas.values()]
         lines.append(f"busiest / least busy replica: {max(loads) / max(min(loads), 1):.2f}x (requests)")
     return "\n".join(lines)
 
@@ -226,7 +226,7 @@ _REPLICA_COUNTER = re.compile(
     re.M,
 )
 _REPLICA_FIELDS = {
-    "e2e_request_latency_seconds_count": "requests",
+    "e2e_request_latency_seconds_count": "finished",
     "prefix_cache_queries_total": "queries",
     "prefix_cache_hits_total": "hits",
 }
@@ -248,7 +248,7 @@ def replica_loads(before: str, after: str) -> dict[str, ReplicaLoad] | None:
     zero = ReplicaLoad(0.0, 0.0, 0.0)
     loads = {
         replica: ReplicaLoad(
-            load.requests - start.get(replica, zero).requests,
+            load.finished - start.get(replica, zero).finished,
             load.queries - start.get(replica, zero).queries,
             load.hits - start.get(replica, zero).hits,
         )
