@@ -180,15 +180,20 @@ def test_a_killed_replica_loses_no_waiting_request_and_comes_back(replicas, clie
 
     with ThreadPoolExecutor(16) as pool:
         answers = [pool.submit(complete, i) for i in range(8)] + [pool.submit(stream, i) for i in range(8)]
-        time.sleep(1.0)
-        busiest = max(_replicas(base), key=lambda r: r["num_running"] + r["num_waiting"])
-        assert busiest["num_running"] > 0
+        deadline = time.monotonic() + 60  # a loaded machine may take a while to route the first requests
+        while not (busiest := max(_replicas(base), key=lambda r: r["num_running"]))["num_running"]:
+            assert time.monotonic() < deadline, "no replica started a request within 60 s"
+            time.sleep(0.2)
         os.kill(busiest["pid"], signal.SIGKILL)
         texts = [a.result(timeout=180) for a in answers]
     assert all(texts[:8]), "a non-streaming request was lost"  # retried on the other replica
     assert all(t == "error" or len(t) > 0 for t in texts[8:])
     metrics = _get(base, "/metrics")[1].decode()
     assert "pagedllm:replica_failures_total 0" not in metrics, metrics
-    _wait_healthy(base, replicas[1], 240)  # Ray started a new replica
+    _wait_healthy(base, replicas[1], 240)
+    deadline = time.monotonic() + 240
+    while len(_replicas(base)) < 2:  # Ray starts a new replica in the dead one's place
+        assert time.monotonic() < deadline, "Ray did not bring the killed replica back within 240 s"
+        time.sleep(1)
     found = _wait_all_free(base)
     assert len(found) == 2 and busiest["replica"] not in {r["replica"] for r in found}
