@@ -23,7 +23,6 @@ without speculation.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -186,17 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from pagedllm import LLM, SamplingParams
-    from pagedllm.models.loader import gguf_file
+    from pagedllm.bench.latency import llama_cpp_gguf
 
     peers: dict[str, dict | None] = {}
-    gguf = gguf_file(args.model)
+    gguf = llama_cpp_gguf(parser, args.model) if args.llama_cpp else None
     if args.llama_cpp:
-        if importlib.util.find_spec("llama_cpp") is None:
-            parser.error(
-                "--llama-cpp needs llama-cpp-python (docs/BENCHMARKS.md, Setting up the comparisons)"
-            )
-        if gguf is None:
-            parser.error(f"--llama-cpp runs a GGUF file; model {args.model!r} is not one")
         peers["llama.cpp"] = None
         for n in args.llama_cpp_lookup:
             peers[f"llama.cpp lookup {n}"] = {"max_ngram_size": 2, "num_pred_tokens": n}
