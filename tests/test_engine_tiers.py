@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -96,6 +97,45 @@ def test_disk_tier_survives_a_restart_and_is_never_read_by_another_dtype(model, 
     assert cached[0] == 0 and other.engine.stats().kv_tiers.counters.disk_hit_blocks == 0
     assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2  # a folder per fingerprint
     assert_all_blocks_free(other)
+
+
+def test_a_disk_load_in_flight_does_not_hold_up_other_requests(model, reference, tmp_path):
+    tiered = {**SMALL, "kv_offload_memory": "4MiB", "kv_offload_dir": str(tmp_path)}
+    writer = LLM(model, **tiered)
+    one_by_one(writer)
+    assert_all_blocks_free(writer)
+    del writer
+    short = "Count with me: one, two"  # under one block: nothing of it is on disk
+    decode = SamplingParams(max_tokens=12, temperature=0.0)
+    clean = LLM(model, num_kv_blocks=64, max_model_len=512, enable_prefix_caching=False)
+    want_short = clean.generate([short], decode)[0].outputs[0].token_ids
+    assert_all_blocks_free(clean)
+    engine = LLM(model, **tiered).engine  # restarted: the prompts' blocks are on disk only
+    gate, read = threading.Event(), engine.disk_store.read
+    engine.disk_store.read = lambda key: gate.wait(60) and read(key)  # the disk is slow until the gate opens
+    engine.add_request("decoder", short, decode)
+    engine.step()  # its prefill
+    engine.add_request("loader", PROMPTS[0], GREEDY)
+    tokens: dict[str, list[int]] = {}
+    for _ in range(4):  # the loader's blocks are being read: the decoder steps on meanwhile
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+        assert engine.disk_reader.num_pending == 1 and engine.stats().kv_tiers.reading_blocks > 0
+    assert len(tokens["decoder"]) == 5 and "loader" not in tokens
+    (loader,) = engine.requests["loader"].seqs
+    assert loader.loading_kv and engine.stats().num_waiting == 1
+    gate.set()
+    num_cached = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+            num_cached = out.num_cached_tokens if out.request_id == "loader" else num_cached
+    assert tokens["decoder"] == want_short and tokens["loader"] == reference[0]
+    block = engine.config.block_size
+    assert num_cached == (len(engine.tokenizer.encode(PROMPTS[0])) - 1) // block * block  # all from disk
+    assert engine.stats().kv_tiers.counters.disk_hit_blocks == num_cached // block
+    assert engine.stats().kv_tiers.reading_blocks == 0 and engine.stats().kv_all_free
+    engine.shutdown()
 
 
 def test_a_flipped_byte_and_a_truncated_file_are_detected_and_recomputed(model, reference, tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.kv import PagedAllocator
-from pagedllm.kv.tiers import DISK, HOST, DiskTier, HostPool, PrefixTiers
+from pagedllm.kv.tiers import DISK, HOST, DiskTier, HostPool, Prefetch, PrefixTiers
 
 BS = 2
 
@@ -105,17 +105,23 @@ def test_disk_tier_writes_through_is_bounded_and_prefetch_reports_bad_files():
     moves = tiers.take_moves()
     assert len(moves.persist) == 4 and len(moves.drop) == 1
     assert len(tiers.disk.keys) == 3 and moves.drop[0] not in tiers.disk
-    assert alloc.plan_prefetch(list(range(1, 10))) == []  # the device still has them all
+    assert alloc.plan_prefetch(list(range(1, 10))) == Prefetch()  # the device still has them all
     # A fresh allocator on the same files (a restart): the disk tier knows the keys, nothing else does.
     alloc2, tiers2 = make(num_blocks=8, host=4, disk=4)
     keys = [key for _, key in moves.persist]
     for key in keys[1:]:
         tiers2.disk.add(key)
-    assert alloc2.plan_prefetch(list(range(1, 10))) == []  # its first block is gone: no prefix on disk
+    assert (
+        alloc2.plan_prefetch(list(range(1, 10))) == Prefetch()
+    )  # its first block is gone: no prefix on disk
     tiers2.disk.add(keys[0])
     plan = alloc2.plan_prefetch(list(range(1, 10)))
-    assert [key for key, _ in plan] == keys  # the 4 blocks before the prompt's last token
-    tiers2.prefetched(plan, [True, False] + [True] * (len(plan) - 2))  # the second file failed
+    assert [key for key, _ in plan.reads] == keys and plan.pending  # the 4 blocks before the last token
+    # While they are read: the same prompt, or another sharing its prefix, waits and reads nothing twice.
+    again = alloc2.plan_prefetch(list(range(1, 10)))
+    assert again.reads == [] and again.pending and tiers2.usage().reading_blocks == len(keys)
+    tiers2.prefetched(plan.reads, [True, False] + [True] * (len(plan.reads) - 2))  # the second file failed
+    assert tiers2.reading == {}
     assert keys[1] not in tiers2.disk and tiers2.counters.disk_corrupt_blocks == 1
     assert alloc2.allocate("r", list(range(1, 10)), 1) == BS  # the hit stops before the bad block
     alloc2.free("r")

@@ -7,6 +7,9 @@ block size never opens them. A file is MAGIC, the blake2b digest of the payload,
 block's bytes in logical order, ops.read_block_bytes); it is written to a temporary name and renamed,
 so a reader sees a whole file or none, and a file that is short, long or fails its digest (a torn
 write, a full disk, a flipped bit) is deleted and reported missing: its block is recomputed.
+
+Reads run on a background thread (`DiskReader`): a file read and blake2b release the GIL, so a waiting
+prompt's blocks come up from disk while the engine thread runs other requests' steps.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 
 MAGIC = b"PAGEDKV1"
@@ -112,3 +118,47 @@ class DiskStore:
 
     def delete(self, key: bytes) -> None:
         self.path(key).unlink(missing_ok=True)
+
+
+@dataclass
+class FinishedRead:
+    """One batch of block files read by the DiskReader: the (key, host slot) pairs asked for, each
+    payload (None: missing or damaged, now deleted), and the seconds the reads took."""
+
+    reads: list[tuple[bytes, int]]
+    payloads: list[bytes | None]
+    seconds: float
+
+
+class DiskReader:
+    """Reads a DiskStore's files on one background thread; the engine collects what finished each step."""
+
+    def __init__(self, store: DiskStore):
+        self.store = store
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-kv-read")
+        self._pending: list[Future[FinishedRead]] = []
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def submit(self, reads: list[tuple[bytes, int]]) -> None:
+        self._pending.append(self._pool.submit(self._read, reads))
+
+    def _read(self, reads: list[tuple[bytes, int]]) -> FinishedRead:
+        start = time.perf_counter()
+        payloads = [self.store.read(key) for key, _ in reads]
+        return FinishedRead(reads, payloads, time.perf_counter() - start)
+
+    def finished(self, block: bool = False) -> list[FinishedRead]:
+        """The batches read since the last call, in submission order; `block`: wait for at least one."""
+        if block and self._pending:
+            wait(self._pending, return_when=FIRST_COMPLETED)
+        done, pending = [], []
+        for future in self._pending:  # one look at each: a read finishing meanwhile waits for the next call
+            (done if future.done() else pending).append(future)
+        self._pending = pending
+        return [future.result() for future in done]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

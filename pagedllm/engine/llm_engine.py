@@ -9,7 +9,6 @@ step, which verifies them (engine/speculative.py: n-gram lookup; engine/draft_mo
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 
@@ -23,7 +22,7 @@ from pagedllm.engine.draft_model import DraftModelProposer
 from pagedllm.engine.generation_config import sampling_defaults
 from pagedllm.engine.guided import GrammarCompiler
 from pagedllm.engine.kv_sizing import check_max_model_len, kv_block_bytes, model_kv_groups, num_kv_blocks
-from pagedllm.engine.kv_store import DiskStore, kv_fingerprint
+from pagedllm.engine.kv_store import DiskReader, DiskStore, kv_fingerprint
 from pagedllm.engine.model_cache import load_shared_model
 from pagedllm.engine.model_runner import ModelRunner, StepInputs, calibration_ids
 from pagedllm.engine.parallel.executor import Executor
@@ -120,12 +119,13 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(self.model, *cache, num_host_blocks, prefault, groups)
         self.runner.calibrate_key_smoothing(calibration_ids(model_cfg.vocab_size, self.max_model_len))
-        self.disk_store = None
+        self.disk_store = self.disk_reader = None
         if self.tiers is not None:
             probe = min(8, num_host_blocks, self.num_kv_blocks)
             self.tiers.observe_load(HOST, self.runner.time_host_load(probe), probe)
             if config.kv_offload_dir is not None:
                 self.disk_store = self._open_disk_store(block_bytes)
+                self.disk_reader = DiskReader(self.disk_store)
         self.proposer = self._make_proposer(config.speculative_config)
         self.scheduler = Scheduler(
             self.allocator,
@@ -224,9 +224,11 @@ class LLMEngine:
         return store
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (if any); the engine cannot step afterwards."""
+        """Stop the tensor-parallel workers and the disk reader (if any); the engine cannot step after."""
         if self.executor is not None:
             self.executor.stop()
+        if getattr(self, "disk_reader", None) is not None:  # None too when start-up failed before it
+            self.disk_reader.close()
 
     @property
     def failure(self) -> str | None:
@@ -303,7 +305,7 @@ class LLMEngine:
         only once it is done)."""
         self.num_steps += 1
         clock = _PhaseClock()
-        if self.disk_store is not None:
+        if self.disk_reader is not None:
             self._prefetch()
         out = self.scheduler.schedule()
         moves = self._tier_moves(out)
@@ -339,22 +341,27 @@ class LLMEngine:
     # -- prefix cache tiers -----------------------------------------------------------------------
 
     def _prefetch(self) -> None:
-        """Read the disk tier's blocks of the next waiting prompts into host blocks, each checked against
-        its checksum, so that admitting a prompt loads them instead of computing them."""
-        for seq in itertools.islice(self.scheduler.waiting, PREFETCH_SEQS):
-            if seq.awaiting or seq.needs_prompt_logprobs:
+        """Land the disk reads that finished into host blocks, then start reads of the disk-tier blocks of
+        the next waiting prompts (on the reader's thread); a prompt whose blocks are still being read waits
+        in the queue (`Sequence.loading_kv`) while the others step. With nothing else to run, wait for one."""
+        scheduler = self.scheduler
+        idle = not scheduler.running and not scheduler.swapped
+        idle = idle and all(seq.loading_kv or not seq.admissible for seq in scheduler.waiting)
+        for done in self.disk_reader.finished(block=idle):
+            good = [(slot, data) for (_, slot), data in zip(done.reads, done.payloads, strict=True) if data]
+            if good:
+                rows = torch.frombuffer(bytearray(b"".join(data for _, data in good)), dtype=torch.uint8)
+                self.runner.write_host_blocks([slot for slot, _ in good], rows.view(len(good), -1))
+            self.tiers.observe_load(DISK, done.seconds, len(done.reads))
+            self.tiers.prefetched(done.reads, [data is not None for data in done.payloads])
+        for i, seq in enumerate(scheduler.waiting):
+            if i >= PREFETCH_SEQS or seq.awaiting or seq.needs_prompt_logprobs:
+                seq.loading_kv = False
                 continue
             plan = self.allocator.plan_prefetch(seq.token_ids)
-            if not plan:
-                continue
-            start = time.perf_counter()
-            payloads = [self.disk_store.read(key) for key, _ in plan]
-            good = [(slot, payload) for (_, slot), payload in zip(plan, payloads, strict=True) if payload]
-            if good:
-                rows = torch.frombuffer(bytearray(b"".join(p for _, p in good)), dtype=torch.uint8)
-                self.runner.write_host_blocks([slot for slot, _ in good], rows.view(len(good), -1))
-            self.tiers.observe_load(DISK, time.perf_counter() - start, len(plan))
-            self.tiers.prefetched(plan, [payload is not None for payload in payloads])
+            if plan.reads:
+                self.disk_reader.submit(plan.reads)
+            seq.loading_kv = plan.pending
 
     def _tier_moves(self, out: SchedulerOutput) -> TierMoves | None:
         """The tiers' copies planned since the last step: evicted blocks to host memory go with the swap-

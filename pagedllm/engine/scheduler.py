@@ -20,7 +20,9 @@ by its first chunk, usually one part way through its prefill): by recompute (its
 re-enters the waiting queue and is prefilled again later) or by swap (its blocks move to the host pool
 and come back when room frees up). A beam whose next token waits on a sibling's (`Sequence.awaiting`)
 has nothing to compute: running, it holds its blocks, and when nothing else can run it is freed to make
-room; waiting, it is not admitted until its search has chosen its next token.
+room; waiting, it is not admitted until its search has chosen its next token. A waiting prompt whose
+prefix blocks are being read from the disk tier (`Sequence.loading_kv`) is passed over likewise: the
+prompts behind it are admitted meanwhile.
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ class Scheduler:
         return out
 
     def _has_work_waiting(self) -> bool:
-        return bool(self.swapped) or any(not seq.awaiting for seq in self.waiting)
+        return bool(self.swapped) or any(seq.admissible for seq in self.waiting)
 
     def _schedule_decodes(self, out: SchedulerOutput) -> list[Sequence]:
         """Each running sequence with one token to compute decodes it (the token got its slot when it
@@ -235,8 +237,8 @@ class Scheduler:
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences first come first served while they fit. A beam awaiting its search's
-        choice of its next token has nothing to compute yet: it is passed over."""
-        for seq in [seq for seq in self.waiting if not seq.awaiting]:
+        choice of its next token, or a prompt whose blocks are being read from disk, is passed over."""
+        for seq in [seq for seq in self.waiting if seq.admissible]:
             if (
                 len(self.running) >= self.max_num_seqs
                 or budget <= 0

@@ -40,6 +40,7 @@ class Sequence:
     # but the newest, sampled token, whose K/V the next step computes.
     num_cached_tokens: int = 0
     awaiting: bool = False  # a computed beam whose next token its beam search has not chosen yet
+    loading_kv: bool = False  # waiting while its prefix blocks are read from the disk tier
     # Speculative decoding: tokens proposed to follow it, verified by the next step (the scheduler keeps
     # those it schedules, counted in num_cached_tokens, until update_from_output settles them).
     draft_token_ids: list[int] = field(default_factory=list)
@@ -63,6 +64,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def admissible(self) -> bool:
+        """Waiting, it may be admitted now: not a beam awaiting its search, not waiting for its KV reads."""
+        return not (self.awaiting or self.loading_kv)
 
     @property
     def is_finished(self) -> bool:

@@ -40,7 +40,7 @@ from pagedllm.kv.interface import (
     duplicate,
     unknown,
 )
-from pagedllm.kv.tiers import HostPool, PrefixTiers
+from pagedllm.kv.tiers import HostPool, Prefetch, PrefixTiers
 
 GROWTH_ROOM_TOKENS = 128  # free slots after a sequence's newest block set aside for it (BlockPool.room)
 NO_BLOCK = -1  # a block_tables entry a window group has given back: no query reads that position again
@@ -406,12 +406,12 @@ class PagedAllocator:
                 num_new += max(0, self._peak(window, n) - cold) + self._shared_by(hits[-1])
         return hashes, hits, num_new, loads
 
-    def plan_prefetch(self, prompt_token_ids: Sequence[int]) -> list[tuple[bytes, int]]:
+    def plan_prefetch(self, prompt_token_ids: Sequence[int]) -> Prefetch:
         """With a disk tier: the prompt's blocks after its device and host hits that are on disk, each
-        with a host slot to read it into before the prompt is admitted ((key, slot) pairs; then
-        `tiers.prefetched`)."""
+        with a host slot to read it into before the prompt is admitted (then `tiers.prefetched`), and
+        whether the prompt waits for reads in flight."""
         if self.tiers is None or self.tiers.disk is None:
-            return []
+            return Prefetch()
         hashes = self._prompt_hashes(prompt_token_ids)[: (len(prompt_token_ids) - 1) // self.block_size]
         i = self._num_hit_blocks(hashes)
         while i < len(hashes) and hashes[i] in self.host.cached:

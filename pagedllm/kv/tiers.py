@@ -5,8 +5,9 @@ A full cached block that the device pool evicts moves down to the host tier, key
 device cache gets them loaded back into device blocks before its prefill, and they count as prefix
 hits. With a disk tier every block the device caches is also written to disk after the step that
 computes it (write-through: a restarted process finds it), and a prompt's blocks found only on disk
-are first read into host slots (prefetch, with their checksums checked by the engine) and loaded from
-there. Each tier is bounded by its size in blocks and evicts its least recently used block; swap
+are first read into host slots (prefetch: the engine reads them on a background thread, checks their
+checksums, and the prompt waits in the queue while other requests step) and loaded from there.
+Each tier is bounded by its size in blocks and evicts its least recently used block; swap
 preemption takes its host blocks from the same host pool, evicting cached ones if it must.
 
 Nothing here touches bytes: the allocator asks the tiers where a block is and records the copies to
@@ -47,6 +48,14 @@ class TierCounters:
     disk_corrupt_blocks: int = 0  # files that failed their checksum (deleted, recomputed)
 
 
+@dataclass
+class Prefetch:
+    """A waiting prompt's disk-tier reads: the new ones to start, and whether it must wait for reads."""
+
+    reads: list[tuple[bytes, int]] = field(default_factory=list)  # (key, host slot) to read it into
+    pending: bool = False  # some of its next blocks are being read (these or earlier ones): not admitted yet
+
+
 @dataclass(frozen=True)
 class TierUsage:
     """Each tier's size and what it holds now, in blocks, and the counters (`PrefixTiers.usage()`)."""
@@ -55,6 +64,7 @@ class TierUsage:
     host_cached_blocks: int  # prefix blocks held in host memory
     disk_blocks: int  # the disk tier's size (0: no disk tier)
     disk_cached_blocks: int  # prefix blocks in its files
+    reading_blocks: int  # host slots that disk reads in flight are filling
     counters: TierCounters
     # The cost model's measurements (None: not measured yet): seconds to load a block, to prefill a token.
     host_load_seconds_per_block: float | None = None
@@ -139,6 +149,7 @@ class PrefixTiers:
         self.block_size = block_size
         self.counters = TierCounters()
         self._moves = TierMoves()
+        self.reading: dict[bytes, int] = {}  # key -> host slot, for the disk reads in flight
         # Measured seconds: to load one block from each tier, and to prefill one token (None: not yet).
         self.load_seconds: dict[str, float | None] = {HOST: None, DISK: None}
         self.prefill_seconds_per_token: float | None = None
@@ -189,35 +200,45 @@ class PrefixTiers:
         self._moves.load.append((slot, block_id))
         self.counters.host_hit_blocks += 1
 
-    def plan_prefetch(self, keys: list[bytes]) -> list[tuple[bytes, int]]:
-        """For the leading keys found on disk: host slots to read them into, (key, slot) each."""
-        if self.disk is None or not keys or keys[0] not in self.disk or not self.load_pays(DISK):
-            return []
-        plan = []
+    def plan_prefetch(self, keys: list[bytes]) -> Prefetch:
+        """For the leading keys found on disk (after a prompt's device and host hits): host slots to read
+        the ones not read yet into, and whether the prompt waits for reads in flight."""
+        plan = Prefetch()
+        if self.disk is None or not self.load_pays(DISK):
+            return plan
         for key in keys:
+            if key in self.reading:
+                plan.pending = True  # another prompt's read brings it
+                continue
+            if key in self.host.cached:  # a read landed since the caller looked
+                self.host.touch(key)
+                continue
             if key not in self.disk:
                 break
-            taken = self.host.take()
+            taken = self.host.take()  # a slot taken is neither free nor cached: no one else uses it
             if taken is None:
                 break
             slot, _ = taken
-            self.host.pinned.add(slot)
-            plan.append((key, slot))
+            self.disk.touch(key)  # most recently used: the disk tier must not evict it while it is read
+            self.reading[key] = slot
+            plan.reads.append((key, slot))
+        plan.pending = plan.pending or bool(plan.reads)
         return plan
 
-    def prefetched(self, plan: list[tuple[bytes, int]], ok: list[bool]) -> None:
-        """The engine read `plan`'s files: good blocks are now host-cached, a failed one (missing,
+    def prefetched(self, reads: list[tuple[bytes, int]], ok: list[bool]) -> None:
+        """The engine read these files: good blocks are now host-cached, a failed one (missing,
         truncated, checksum wrong) leaves the disk tier and is recomputed."""
-        for (key, slot), good in zip(plan, ok, strict=True):
+        for (key, slot), good in zip(reads, ok, strict=True):
+            del self.reading[key]
             if good:
                 self.host.cache(key, slot)
                 self.disk.touch(key)
                 self.counters.disk_hit_blocks += 1
             else:
-                self.host.pinned.discard(slot)
                 self.host.give_back([slot])
-                self.disk.forget(key)
-                self.counters.disk_corrupt_blocks += 1
+                if key in self.disk:  # else the disk tier dropped it while it was read: not corrupt
+                    self.disk.forget(key)
+                    self.counters.disk_corrupt_blocks += 1
 
     def take_moves(self) -> TierMoves:
         """The copies planned since the last call; this step's pins end with it."""
@@ -232,6 +253,7 @@ class PrefixTiers:
             len(self.host.cached),
             disk.num_blocks if disk else 0,
             len(disk.keys) if disk else 0,
+            len(self.reading),
             replace(self.counters),
             self.load_seconds[HOST],
             self.load_seconds[DISK],
