@@ -70,7 +70,34 @@ def test_bench_serve_reports_and_compares_with_offline(capsys, tiny_chat_model):
     assert s["itl_ms"]["p50"] <= s["itl_ms"]["p99"] and s["client_cpu_seconds"] > 0
     assert report["offline"]["output_tok_s"] > 0 and report["served_over_offline"] > 0
     # random prompts share no block, and the warm-up request left none of them cached
-    assert s["prefix_cache"] == {"queries": s["prompt_tokens"], "hits": 0}
+    assert s["prefix_cache"] == {"queries": s["prompt_tokens"], "hits": 0, "external_hits": 0}
+
+
+def test_bench_serve_tenants_with_and_without_a_host_tier_side_by_side(capsys, tiny_chat_model):
+    # 6 tenants' 64-token system prompts (4 blocks of 8 KiB each) over a device cache of 16 blocks: it
+    # keeps about one beside the 2 requests running; a host tier of 1 MiB keeps them all.
+    argv = [
+        "--model",
+        str(tiny_chat_model),
+        "--num-prompts",
+        "24",
+        "--input-len",
+        "8-16",
+        "--output-len",
+        "4",
+    ]
+    argv += ["--shared-prefix-len", "64", "--num-shared-prefixes", "6", "--max-concurrency", "2"]
+    argv += ["--ignore-eos", "--kv-cache-memory", "128KiB", "--max-model-len", "256"]
+    code, report = _run_json(capsys, [*argv, "--kv-offload-memory", "none", "1MiB"])
+    without, with_tier = (run["summary"] for run in report["runs"])
+    assert code == 0 and [run["kv_offload_memory"] for run in report["runs"]] == ["none", "1MiB"]
+    assert without["completed"] == with_tier["completed"] == 24
+    assert without["prompt_tokens"] == with_tier["prompt_tokens"]  # the same requests
+    assert without["prefix_cache"]["external_hits"] == 0 < with_tier["prefix_cache"]["external_hits"]
+    assert with_tier["prefix_cache"]["hits"] > without["prefix_cache"]["hits"]
+    code = serve.main([*argv, "--kv-offload-memory", "none", "1MiB", "--num-prompts", "4"])
+    table = capsys.readouterr().out
+    assert code == 0 and "kv offload memory" in table and "\n              1MiB" in table
 
 
 def test_bench_serve_on_a_given_server_with_a_key_over_chat(capsys, tiny_chat_model):
@@ -116,5 +143,5 @@ def test_prefix_cache_counters_are_read_from_pagedllm_and_vllm_metrics():
         'vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 7.0\n'
     )
     assert serve.prefix_cache_counters(pagedllm_text) == serve.PrefixCacheUse(26272.0, 320.0)
-    assert serve.prefix_cache_counters(vllm_text) == serve.PrefixCacheUse(13275.0, 128.0)
+    assert serve.prefix_cache_counters(vllm_text) == serve.PrefixCacheUse(13275.0, 128.0, 7.0)
     assert serve.prefix_cache_counters("other_metric_total 3.0\n") is None

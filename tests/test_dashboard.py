@@ -12,7 +12,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import assert_all_blocks_free, openai_client, running_server
+from helpers import assert_all_blocks_free, openai_client, running_server, wait_until_idle
 
 from pagedllm import SamplingParams
 from pagedllm.engine.kv_snapshot import KVSnapshots
@@ -340,6 +340,58 @@ def test_dashboard_page_draws_contiguous_slabs_and_gaps(server, browser):
         assert [state[k] for k in ("live", "reserved", "external_slots")] == [
             f"{usage[k]:,}" for k in ("live", "reserved", "external")
         ]
+    assert errors == []
+
+
+TIERS_STATE = """() => ({
+  drawn: window.kvDashboard.snap, hidden: document.querySelector('#tiers-panel').hidden,
+  rows: [...document.querySelectorAll('#tiers tbody tr')].map((tr) => [tr.dataset.tier,
+    ...['.used', '.cached', '.loads'].map((k) => tr.querySelector(k).textContent)]),
+  hits: document.querySelector('#tier-hits').textContent,
+})"""
+
+
+@needs_chromium
+def test_dashboard_page_draws_the_prefix_cache_tiers(browser, tmp_path):
+    # 22 device blocks under 4 tenants' prompts of 7 full blocks each, asked twice: the second round loads
+    # what the device evicted from host memory, and every block is written through to disk.
+    app = build_app(
+        MODEL,
+        kv_cache_memory="16MiB",
+        max_model_len=512,
+        kv_offload_memory="64MiB",
+        kv_offload_dir=str(tmp_path),
+    )
+    prompts = [f"Tenant {i}. " + SYSTEM * 2 for i in range(4)]
+    errors = []
+    with running_server(app) as base, openai_client(base, app.state.engine.engine) as client:
+        for prompt in prompts * 2:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        wait_until_idle(app.state.engine.engine)
+        snap = get(f"{base}/v1/kv")  # idle: every later snapshot is of this step
+        page = open_dashboard(browser, base, errors)
+        page.wait_for_function(f"() => window.kvDashboard.snap.step === {snap['step']}")
+        state = page.evaluate(TIERS_STATE)
+    tiers, ref = snap["tiers"], snap["blocks"]["ref"]
+    counters = tiers["counters"]
+    assert counters["host_hit_blocks"] > 0 and counters["persisted_blocks"] > 0
+    assert tiers["host_cached_blocks"] <= tiers["host_used_blocks"] <= tiers["host_blocks"]
+    assert tiers["disk_cached_blocks"] <= tiers["disk_blocks"]
+    device_cached = sum(c and r == 0 for c, r in zip(snap["blocks"]["cached"], ref, strict=True))
+    used = sum(r > 0 for r in ref)
+    rows = [
+        ["device", used, snap["num_blocks"], device_cached, None],
+        ["host", tiers["host_used_blocks"], tiers["host_blocks"], tiers["host_cached_blocks"]],
+        ["disk", tiers["disk_cached_blocks"], tiers["disk_blocks"], tiers["disk_cached_blocks"]],
+    ]
+    rows[1].append(counters["host_hit_blocks"])
+    rows[2].append(counters["disk_hit_blocks"])
+    assert not state["hidden"] and state["rows"] == [
+        [tier, f"{used:,} / {size:,}", f"{held:,}", "–" if loads is None else f"{loads:,}"]
+        for tier, used, size, held, loads in rows
+    ]
+    below = counters["host_hit_blocks"] * BLOCK / snap["counters"]["prefix_cache_queries"]
+    assert f"{100 * below:.1f}% loaded from the tiers" in state["hits"]
     assert errors == []
 
 

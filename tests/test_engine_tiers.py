@@ -73,6 +73,19 @@ def test_host_tier_serves_what_the_device_cache_evicted(model, reference, preemp
     get = metrics.registry.get_sample_value
     assert get("pagedllm:kv_offload_hit_blocks_total", {"tier": "host"}) == counters.host_hit_blocks
     assert get("pagedllm:kv_offload_stored_blocks_total", {"tier": "host"}) == counters.offloaded_blocks
+    cfg = llm.engine.model.config  # a block's bytes from the model's shape: float32 K and V, every layer
+    block_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * llm.engine.config.block_size * 4
+    for transfer, blocks in (
+        ("GPU_to_CPU", counters.offloaded_blocks),
+        ("CPU_to_GPU", counters.host_hit_blocks),
+    ):
+        assert (
+            get("pagedllm:kv_offload_total_bytes_total", {"transfer_type": transfer}) == blocks * block_bytes
+        )
+    block = llm.engine.config.block_size
+    assert get("pagedllm:external_prefix_cache_hits_total") == counters.host_hit_blocks * block
+    assert get("pagedllm:external_prefix_cache_queries_total") == llm.engine.stats().prefix_cache_queries
+    assert get("pagedllm:kv_offload_size_blocks", {"tier": "host"}) == tiers.host_blocks
     assert_all_blocks_free(llm)
 
 

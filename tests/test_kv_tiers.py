@@ -65,6 +65,38 @@ def test_one_copy_per_hash_and_the_host_tier_is_bounded_lru():
     assert alloc.all_free()
 
 
+def test_lru_across_tiers_device_then_host_then_disk_each_within_its_size():
+    # A prompt of 5 tokens caches 2 full blocks and takes 3: the device holds one prompt, the host 2, the
+    # disk 4 (written through as each is computed).
+    alloc, tiers = make(num_blocks=3, host=4, disk=8)
+    prompts = [[10 * i + j for j in range(1, 6)] for i in range(6)]
+    keys = []
+    for i, prompt in enumerate(prompts):
+        run(alloc, f"p{i}", prompt)
+        keys.append([key for _, key in tiers.take_moves().persist])
+        usage = tiers.usage()
+        assert usage.host_cached_blocks <= usage.host_blocks == 4 and usage.host_used_blocks <= 4
+        assert usage.disk_cached_blocks <= usage.disk_blocks == 8
+    assert all(len(k) == 2 for k in keys)
+    where = [
+        [key in tiers.host.cached for key in k] + [key in tiers.disk for key in k] for k in keys
+    ]  # per prompt: its 2 blocks in host memory, then on disk
+    assert where[5] == [False, False, True, True]  # the newest: on the device (and on disk)
+    assert where[4] == where[3] == [True] * 4  # the two evicted last: in host memory and on disk
+    assert where[2] == [False, False, True, True]  # older: dropped by the host, still on disk
+    assert where[1] == where[0] == [False] * 4  # the oldest: gone from every tier
+    assert alloc.allocate("again", prompts[5], 1) == 2 * BS and tiers.take_moves().load == []  # device hit
+    alloc.free("again")
+    assert alloc.allocate("again", prompts[4], 1) == 2 * BS and len(tiers.take_moves().load) == 2  # host
+    alloc.free("again")
+    plan = alloc.plan_prefetch(prompts[2])  # on disk only: read into host blocks before it is admitted
+    assert [key for key, _ in plan.reads] == keys[2]
+    tiers.prefetched(plan.reads, [True, True])
+    assert alloc.plan_prefetch(prompts[0]) == Prefetch()  # nowhere: recomputed
+    tiers.take_moves()
+    assert alloc.all_free()
+
+
 def test_swap_out_takes_host_blocks_from_the_tier_evicting_cached_ones():
     alloc, tiers = make(num_blocks=4, host=3)
     run(alloc, "a", list(range(1, 8)))

@@ -17,7 +17,9 @@ that stays up, a second run of the same `--seed` finds its prompts cached and me
 prefill, so give each run against a long-lived server its own seed. `--compare-offline` then runs
 `LLM.generate` on the same requests in this process (the server stopped first, the same engine
 settings, max_num_seqs capped at the concurrency the server saw) and prints served / offline output
-tokens/s.
+tokens/s. `--kv-offload-memory none 1GiB` runs the same requests against one server per value (without
+and with a host tier under the prefix cache) and prints them side by side: the prefix hit rate, split
+into the device cache's hits and those loaded from the tiers below it, and the latencies.
 
 `--soak` also injects faults (pagedllm.bench.soak): clients that disconnect mid-stream, bad
 parameters, over-long prompts, malformed JSON, at `--max-concurrency` past the server's max_num_seqs;
@@ -82,10 +84,20 @@ class PrefixCacheUse:
 
     queries: float
     hits: float
+    external_hits: float = 0.0  # of the hits, tokens loaded from tiers below the device cache (offload)
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
+
+    @property
+    def external_hit_rate(self) -> float:
+        return self.external_hits / self.queries if self.queries else 0.0
+
+    def since(self, before: PrefixCacheUse) -> PrefixCacheUse:
+        return PrefixCacheUse(
+            self.queries - before.queries, self.hits - before.hits, self.external_hits - before.external_hits
+        )
 
 
 @dataclass
@@ -207,17 +219,24 @@ def format_summary(s: Summary) -> str:
 REPEAT_HIT_RATE = 0.1
 
 _PREFIX_CACHE_COUNTER = re.compile(
-    r"^\w+:prefix_cache_(hits|queries)_total(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M
+    r"^\w+:((?:external_)?prefix_cache_(?:hits|queries))_total(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M
 )
 
 
 def prefix_cache_counters(metrics_text: str) -> PrefixCacheUse | None:
     """The prefix cache's hit and query counters in a Prometheus /metrics text (pagedllm's
-    `pagedllm:prefix_cache_*_total`, vLLM's `vllm:prefix_cache_*_total`), or None if it has none."""
+    `pagedllm:prefix_cache_*_total`, vLLM's `vllm:prefix_cache_*_total`, and the hits of the tiers or
+    KV connector below, `*:external_prefix_cache_hits_total`), or None if it has none."""
     totals: dict[str, float] = {}
     for kind, value in _PREFIX_CACHE_COUNTER.findall(metrics_text):
         totals[kind] = totals.get(kind, 0.0) + float(value)
-    return PrefixCacheUse(totals["queries"], totals.get("hits", 0.0)) if "queries" in totals else None
+    if "prefix_cache_queries" not in totals:
+        return None
+    return PrefixCacheUse(
+        totals["prefix_cache_queries"],
+        totals.get("prefix_cache_hits", 0.0),
+        totals.get("external_prefix_cache_hits", 0.0),
+    )
 
 
 _REPLICA_COUNTER = re.compile(
@@ -279,7 +298,7 @@ def free_port() -> int:
 class ServerProcess:
     """`pagedllm serve` in a subprocess on a free loopback port; `stop()` sends SIGTERM (graceful)."""
 
-    def __init__(self, args):
+    def __init__(self, args, extra_args: list[str] | None = None):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", args.model]
@@ -290,7 +309,7 @@ class ServerProcess:
             argv += ["--max-model-len", str(args.max_model_len)]
         if args.api_key:
             argv += ["--api-key", args.api_key]
-        argv += args.serve_arg
+        argv += args.serve_arg + (extra_args or [])
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-serve-", suffix=".log", delete=False)
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
         self._log_text: str | None = None
@@ -414,6 +433,14 @@ def build_parser() -> argparse.ArgumentParser:
         "int8, fp8, ...; checked there, so that this load generator needs no torch)",
     )
     engine.add_argument("--serve-arg", action="append", default=[], help="one more `pagedllm serve` argument")
+    engine.add_argument(
+        "--kv-offload-memory",
+        nargs="+",
+        default=None,
+        metavar="SIZE",
+        help="one run per value, side by side: `pagedllm serve --kv-offload-memory SIZE` (a host tier under "
+        "the prefix cache), or none (without it)",
+    )
     engine.add_argument("--startup-timeout", type=float, default=600.0)
     load = parser.add_argument_group("load")
     load.add_argument("--dataset", choices=["random", *sorted(WORKLOADS)], default="random")
@@ -487,11 +514,7 @@ async def _serve_load(args, base_url: str, model: str, requests: list[Request]):
         report = await run_load(requests, args.request_rate, args.max_concurrency, args.seed, send)
         metrics_after = read_metrics(base_url, args.api_key)
         before, after = prefix_cache_counters(metrics_before), prefix_cache_counters(metrics_after)
-        used = (
-            PrefixCacheUse(after.queries - before.queries, after.hits - before.hits)
-            if before and after
-            else None
-        )
+        used = after.since(before) if before and after else None
         return report, used, replica_loads(metrics_before, metrics_after)
 
 
@@ -502,28 +525,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the load generator needs httpx2: pip install 'pagedllm[bench]'")
     if args.compare_offline and (args.base_url or args.endpoint != "completions"):
         parser.error("--compare-offline needs the server this bench starts and --endpoint completions")
+    if args.kv_offload_memory and (args.base_url or args.soak or args.compare_offline):
+        parser.error(
+            "--kv-offload-memory starts a server per value: not with --base-url, --soak, --compare-offline"
+        )
     if args.soak:
         args.ignore_eos = True  # every well-formed answer then has exactly the length asked for
-    server = None if args.base_url else ServerProcess(args)
-    try:
-        if server is not None:
-            server.wait_ready(args.startup_timeout)
-        base_url = args.base_url or server.base_url
-        try:
-            served = get_json(base_url, "/v1/models", args.api_key)["data"][0]
-        except urllib.error.HTTPError as error:
-            answer = f"{base_url}/v1/models answered {error.code}: {error.read()!r}"
-            parser.exit(2, f"pagedllm bench serve: error: {answer}\n")
-        model = args.served_model_name or served["id"]
-        max_model_len = served.get("max_model_len") or args.max_model_len
-        tokenizer = _tokenizer(args) if args.endpoint == "chat" else None
-        requests = make_requests(args, _vocab_size(args), max_model_len, tokenizer)
-        report = asyncio.run(_serve_load(args, base_url, model, requests))
-    except BaseException:
-        if server is not None:
-            server.stop()
-        raise
-    exit_code = server.stop() if server is not None else None
+    if args.kv_offload_memory:
+        return _tier_runs(args, parser)
+    server, exit_code, base_url, model, requests, report = _measure(args, parser)
     if args.soak:
         code = soak.report(report, args, exit_code)
         if code != 0 and server is not None:
@@ -533,7 +543,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(results, seconds, cpu)
     summary.prefix_cache, summary.replicas = prefix_cache, summary_replicas
     repeated = prefix_cache is not None and prefix_cache.hit_rate >= REPEAT_HIT_RATE
-    if repeated and args.dataset == "random" and args.endpoint == "completions":
+    if (
+        repeated
+        and args.dataset == "random"
+        and args.endpoint == "completions"
+        and not args.shared_prefix_len
+    ):
         print(
             f"warning: the server's prefix cache already held {prefix_cache.hit_rate:.0%} of these random "
             "prompts' tokens (an earlier run with this --seed): this run measured little prefill; give "
@@ -541,13 +556,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     offline = run_offline(args, requests) if args.compare_offline else None
-    lengths = "{}-{} input tokens, {} output tokens".format(*args.input_len, args.output_len)
-    workload = (
-        f"{args.dataset}, {len(requests)} prompts ({summary.prompt_tokens:,} prompt tokens), "
-        f"{lengths if args.dataset == 'random' else 'lengths from the trace'}"
-        f"{' (EOS ignored)' if args.ignore_eos else ''}, rate {args.request_rate:g}/s, "
-        f"concurrency {args.max_concurrency or 'unlimited'}"
-    )
+    workload = _workload(args, len(requests), summary.prompt_tokens)
     if args.json:
         data = {"config": vars(args) | {"input_len": list(args.input_len)}, "summary": asdict(summary)}
         data["failures"] = [r.error for r in results if not r.ok][:10]
@@ -570,6 +579,87 @@ def main(argv: list[str] | None = None) -> int:
             f"{offline_tok_s:.1f} output tok/s; served / offline = {ratio:.2f}x"
         )
     return 0 if summary.failed == 0 else 1
+
+
+def _workload(args, num_requests: int, prompt_tokens: int) -> str:
+    lengths = "{}-{} input tokens, {} output tokens".format(*args.input_len, args.output_len)
+    if args.shared_prefix_len:
+        lengths += f" after one of {args.num_shared_prefixes} {args.shared_prefix_len}-token system prompts"
+    return (
+        f"{args.dataset}, {num_requests} prompts ({prompt_tokens:,} prompt tokens), "
+        f"{lengths if args.dataset == 'random' else 'lengths from the trace'}"
+        f"{' (EOS ignored)' if args.ignore_eos else ''}, rate {args.request_rate:g}/s, "
+        f"concurrency {args.max_concurrency or 'unlimited'}"
+    )
+
+
+def _measure(args, parser, serve_args: list[str] | None = None):
+    """Start the server (unless --base-url), run the workload against it, stop it: (the server or None,
+    its exit code, base URL, model name, the requests, the load's report)."""
+    server = None if args.base_url else ServerProcess(args, serve_args)
+    try:
+        if server is not None:
+            server.wait_ready(args.startup_timeout)
+        base_url = args.base_url or server.base_url
+        try:
+            served = get_json(base_url, "/v1/models", args.api_key)["data"][0]
+        except urllib.error.HTTPError as error:
+            answer = f"{base_url}/v1/models answered {error.code}: {error.read()!r}"
+            parser.exit(2, f"pagedllm bench serve: error: {answer}\n")
+        model = args.served_model_name or served["id"]
+        max_model_len = served.get("max_model_len") or args.max_model_len
+        tokenizer = _tokenizer(args) if args.endpoint == "chat" else None
+        requests = make_requests(args, _vocab_size(args), max_model_len, tokenizer)
+        report = asyncio.run(_serve_load(args, base_url, model, requests))
+    except BaseException:
+        if server is not None:
+            server.stop()
+        raise
+    exit_code = server.stop() if server is not None else None
+    return server, exit_code, base_url, model, requests, report
+
+
+def _tier_runs(args, parser) -> int:
+    """The same requests against a server per --kv-offload-memory value, one after another, side by side."""
+    runs = []
+    for size in args.kv_offload_memory:
+        extra = [] if size.lower() == "none" else ["--kv-offload-memory", size]
+        server, exit_code, _, _, requests, report = _measure(args, parser, extra)
+        (results, seconds, cpu), prefix_cache, _ = report
+        summary = summarize(results, seconds, cpu)
+        summary.prefix_cache = prefix_cache
+        runs.append((size, summary, exit_code))
+        if exit_code != 0 or summary.failed:
+            print(
+                f"--- the server's log (tail), --kv-offload-memory {size}:\n{server.log_text()}",
+                file=sys.stderr,
+            )
+    if args.json:
+        data = {"config": vars(args) | {"input_len": list(args.input_len)}}
+        data["runs"] = [{"kv_offload_memory": size, "summary": asdict(s)} for size, s, _ in runs]
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        print(f"workload: {_workload(args, len(requests), runs[0][1].prompt_tokens)}")
+        print(f"server: --kv-cache-memory {args.kv_cache_memory}, one per row, started by this bench")
+        print(format_tier_runs(runs))
+    return 0 if all(code == 0 and s.failed == 0 for _, s, code in runs) else 1
+
+
+def format_tier_runs(runs: list[tuple[str, Summary, int | None]]) -> str:
+    """One row per --kv-offload-memory run: prefix hits (all, the device cache's, the tiers'), latencies."""
+    head = (
+        f"{'kv offload memory':>18}{'hit rate':>10}{'device':>9}{'tiers':>8}{'TTFT mean':>11}{'p50':>9}"
+        f"{'p99':>9}{'E2E mean':>10}{'out tok/s':>11}{'failed':>8}"
+    )
+    lines = [head + "   (ms)"]
+    for size, s, _ in runs:
+        pc = s.prefix_cache or PrefixCacheUse(0.0, 0.0)
+        lines.append(
+            f"{size:>18}{pc.hit_rate:10.1%}{pc.hit_rate - pc.external_hit_rate:9.1%}"
+            f"{pc.external_hit_rate:8.1%}{s.ttft_ms.mean:11.0f}{s.ttft_ms.p50:9.0f}{s.ttft_ms.p99:9.0f}"
+            f"{s.e2e_ms.mean:10.0f}{s.output_tok_s:11.1f}{s.failed:8d}"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

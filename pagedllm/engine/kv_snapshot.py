@@ -8,6 +8,7 @@ sizes, model) are computed once per engine.
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.kv import ContiguousAllocator
@@ -55,6 +56,8 @@ class KVSnapshots:
                 "prefix_cache_hits": scheduler.prefix_cache_hits,
             },
         )
+        # The prefix cache's host and disk tiers (kv/tiers.py): sizes, use and counters, in blocks.
+        snapshot["tiers"] = asdict(engine.tiers.usage()) if engine.tiers is not None else None
         if self.contiguous:
             runs = allocator.runs()
             snapshot["runs"] = [[r.start, r.size, r.num_tokens, r.seq_id, int(r.external)] for r in runs]

@@ -61,6 +61,7 @@ class TierUsage:
     """Each tier's size and what it holds now, in blocks, and the counters (`PrefixTiers.usage()`)."""
 
     host_blocks: int  # the host pool (swap preemption's blocks included)
+    host_used_blocks: int  # of them not free: cached prefix blocks, swapped sequences', disk reads' slots
     host_cached_blocks: int  # prefix blocks held in host memory
     disk_blocks: int  # the disk tier's size (0: no disk tier)
     disk_cached_blocks: int  # prefix blocks in its files
@@ -83,6 +84,10 @@ class HostPool:
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack, lowest id on top
         self.cached: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
         self.pinned: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
 
     @property
     def num_reclaimable(self) -> int:
@@ -250,6 +255,7 @@ class PrefixTiers:
         disk = self.disk
         return TierUsage(
             self.host.num_blocks,
+            self.host.num_blocks - self.host.num_free,
             len(self.host.cached),
             disk.num_blocks if disk else 0,
             len(disk.keys) if disk else 0,

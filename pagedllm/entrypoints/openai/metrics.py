@@ -79,9 +79,20 @@ class EngineMetrics:
             registry=reg,
         )
         # Prefix cache tiers (kv/tiers.py): blocks each tier holds, blocks loaded from it, blocks moved
-        # into it, and disk files that failed their checksum.
+        # into it, and disk files that failed their checksum; in vLLM's names where it has them: the
+        # offloading connector's bytes by transfer (its GPU is the device cache here, on any device) and
+        # the KV connector's prefix tokens (every lookup asks the tiers below the device cache too).
         self.tier_blocks = Gauge(
             "pagedllm:kv_offload_cached_blocks", "Prefix blocks held by each tier", ["tier"], registry=reg
+        )
+        self.tier_size = Gauge(
+            "pagedllm:kv_offload_size_blocks", "Blocks each tier holds at most", ["tier"], registry=reg
+        )
+        self.tier_used = Gauge(
+            "pagedllm:kv_offload_used_blocks",
+            "Blocks of each tier in use (host: cached prefix blocks, swapped sequences, disk reads)",
+            ["tier"],
+            registry=reg,
         )
         self.tier_hits = Counter(
             "pagedllm:kv_offload_hit_blocks",
@@ -95,6 +106,22 @@ class EngineMetrics:
         self.tier_corrupt = Counter(
             "pagedllm:kv_offload_corrupt_blocks",
             "Disk tier files that failed their checksum (deleted, recomputed)",
+            registry=reg,
+        )
+        self.tier_bytes = Counter(
+            "pagedllm:kv_offload_total_bytes",
+            "KV bytes moved between tiers (vLLM's transfer types; GPU: the device cache)",
+            ["transfer_type"],
+            registry=reg,
+        )
+        self.external_queries = Counter(
+            "pagedllm:external_prefix_cache_queries",
+            "Prompt tokens looked up in the tiers below the device cache",
+            registry=reg,
+        )
+        self.external_hits = Counter(
+            "pagedllm:external_prefix_cache_hits",
+            "Prompt tokens found in the tiers below the device cache and loaded from them",
             registry=reg,
         )
         self._seen: dict[str, int] = {}  # each counter's engine total when last read
@@ -119,12 +146,28 @@ class EngineMetrics:
         ):
             self._advance(name, counter, getattr(stats, name))
         if stats.kv_tiers is not None:
-            self._observe_tiers(stats.kv_tiers)
+            block_bytes = engine.kv_cache_bytes // engine.num_kv_blocks
+            self._observe_tiers(stats.kv_tiers, block_bytes, engine.config.block_size)
+            self._advance("external_queries", self.external_queries, stats.prefix_cache_queries)
 
-    def _observe_tiers(self, tiers: TierUsage) -> None:
-        self.tier_blocks.labels("host").set(tiers.host_cached_blocks)
-        self.tier_blocks.labels("disk").set(tiers.disk_cached_blocks)
+    def _observe_tiers(self, tiers: TierUsage, block_bytes: int, block_size: int) -> None:
+        for tier, size, used, cached in (
+            ("host", tiers.host_blocks, tiers.host_used_blocks, tiers.host_cached_blocks),
+            ("disk", tiers.disk_blocks, tiers.disk_cached_blocks, tiers.disk_cached_blocks),
+        ):
+            self.tier_size.labels(tier).set(size)
+            self.tier_used.labels(tier).set(used)
+            self.tier_blocks.labels(tier).set(cached)
         counts = tiers.counters
+        # Every block a hit loads comes from host memory (a disk hit is read into it first).
+        self._advance("external_hits", self.external_hits, counts.host_hit_blocks * block_size)
+        for transfer, blocks in (
+            ("GPU_to_CPU", counts.offloaded_blocks),
+            ("CPU_to_GPU", counts.host_hit_blocks),
+            ("GPU_to_DISK", counts.persisted_blocks),
+            ("DISK_to_CPU", counts.disk_hit_blocks),
+        ):
+            self._advance(transfer, self.tier_bytes.labels(transfer), blocks * block_bytes)
         for name, counter, total in (
             ("host_hits", self.tier_hits.labels("host"), counts.host_hit_blocks),
             ("disk_hits", self.tier_hits.labels("disk"), counts.disk_hit_blocks),

@@ -70,6 +70,7 @@ function render(snap) {
   $("#k-empty").textContent = contiguous ? "reserved in a slab, empty" : "empty tail of a block in use";
   if (contiguous) drawRuns(snap); else drawBlocks(snap);
   drawNumbers(snap);
+  drawTiers(snap);
   drawSeqs(snap);
   drawCharts();
   if (state.selected && !snap.seqs.some((s) => s.id === state.selected)) select(null);
@@ -227,6 +228,28 @@ function drawNumbers(snap) {
     snap.prefix_caching ? (c.prefix_cache_queries ? pct(c.prefix_cache_hits / c.prefix_cache_queries) : "–") : "off"]);
   $("#numbers tbody").innerHTML = rows.map(([k, label, share, value]) =>
     `<tr data-k="${k}"><td>${label}</td><td class="n">${share}</td><td class="n v">${value}</td></tr>`).join("");
+}
+
+// The device cache and the host and disk tiers under it: each one's use against its size, the prefix
+// blocks it caches, the blocks loaded from it, and where the prompt tokens found cached came from.
+function drawTiers(snap) {
+  const t = snap.tiers;
+  $("#tiers-panel").hidden = !t;
+  if (!t) return;
+  const ref = snap.blocks.ref, cached = snap.blocks.cached;
+  const deviceUsed = ref.filter((r) => r > 0).length;
+  const deviceCached = cached.filter((c, b) => c && ref[b] === 0).length;
+  const rows = [["device", deviceUsed, snap.num_blocks, deviceCached, "–"],
+    ["host", t.host_used_blocks, t.host_blocks, t.host_cached_blocks, t.counters.host_hit_blocks]];
+  if (t.disk_blocks) rows.push(["disk", t.disk_cached_blocks, t.disk_blocks, t.disk_cached_blocks, t.counters.disk_hit_blocks]);
+  $("#tiers tbody").innerHTML = rows.map(([tier, used, size, held, loads]) =>
+    `<tr data-tier="${tier}"><td>${tier}</td><td><div class="bar"><div style="width:${size ? (100 * used) / size : 0}%">` +
+    `</div></div></td><td class="n used">${fmt(used)} / ${fmt(size)}</td><td class="n cached">${fmt(held)}</td>` +
+    `<td class="n loads">${typeof loads === "number" ? fmt(loads) : loads}</td></tr>`).join("");
+  const c = snap.counters, below = t.counters.host_hit_blocks * snap.block_size;
+  $("#tier-hits").textContent = c.prefix_cache_queries
+    ? `prompt tokens found cached: ${pct(Math.max(0, c.prefix_cache_hits - below) / c.prefix_cache_queries)} on the ` +
+      `device, ${pct(below / c.prefix_cache_queries)} loaded from the tiers` : "no prompt looked up yet";
 }
 
 // One row per sequence, kept across updates (so a hovered or clicked row stays put), in snapshot order.
