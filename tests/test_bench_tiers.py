@@ -11,5 +11,5 @@ def test_bench_tiers_prints_each_length_with_the_same_tokens(tiny_chat_model, ca
     lines = capsys.readouterr().out.splitlines()
     rows = [line.split() for line in lines if line.split() and line.split()[0].isdigit()]
     assert [row[0] for row in rows] == ["40", "100"]
-    assert all(row[6] == "True" for row in rows)
+    assert all(row[8] == "True" for row in rows)  # host, disk and cold disk: the cold run's tokens
     assert list(tmp_path.glob("*/*.kv"))  # the disk tier's files, in the folder asked for

@@ -7,7 +7,12 @@ Per prompt length (random token ids), side by side in one process:
   host       the same engine computes a second prompt of that length, which evicts the first from the
              device cache into host memory, then is asked the first again;
   disk       a second engine started on the same folder (a restart: empty device cache, empty host
-             memory) is asked the first again: its blocks come from the files, checked, via host memory.
+             memory) is asked the first again: its blocks come from the files, checked, via host memory
+             (the files were just written: the operating system's page cache holds them);
+  cold       a third engine on the folder, after one short request (its weights paged in) and with the
+             files evicted from the page cache (a sync, then posix_fadvise DONTNEED on each): the same
+             read from the disk itself.
+A length beyond the model's context (less the 8 tokens generated) is cut to fit it.
 Every run's greedy tokens are compared with the cold run's (`same`). The last columns are the engine's
 own cost model (what it decides with: a tier's block is loaded only if that is faster than prefilling
 its tokens), in seconds for the prompt's blocks, so the lines' crossing can be read off over lengths.
@@ -16,6 +21,7 @@ its tokens), in seconds for the prompt's blocks, so the lines' crossing can be r
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -40,6 +46,21 @@ def timed(engine, request_id: str, prompt: list[int], params) -> tuple[float, li
             if out.finished:
                 tokens = out.outputs[0].token_ids
     return ttft, tokens
+
+
+def evict_from_page_cache(folder: str) -> int:
+    """Write the folder's files out and drop their pages from the page cache; returns how many."""
+    os.sync()
+    count = 0
+    for sub in [entry.path for entry in os.scandir(folder) if entry.is_dir()]:  # a folder per fingerprint
+        for entry in os.scandir(sub):
+            fd = os.open(entry.path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            count += 1
+    return count
 
 
 def run_length(args, length: int, prompts: list[list[int]], folder: str) -> dict:
@@ -67,18 +88,27 @@ def run_length(args, length: int, prompts: list[list[int]], folder: str) -> dict
     disk, disk_tokens = timed(restarted, "disk", prompts[0], params)
     costs = restarted.stats().kv_tiers
     assert restarted.stats().kv_all_free, "KV blocks leaked"
+    del restarted
+    again = LLM(args.model, **settings).engine
+    timed(again, "warm-up", prompts[2], params)  # shorter than a block: nothing of it is cached
+    evict_from_page_cache(folder)
+    cold_disk, cold_tokens = timed(again, "cold", prompts[0], params)
+    cold_costs = again.stats().kv_tiers
+    assert again.stats().kv_all_free, "KV blocks leaked"
     blocks = (length - 1) // args.block_size
     return {
         "tokens": length,
         "recompute": cold,
         "host": host,
         "disk": disk,
-        "same": host_tokens == want and disk_tokens == want,
+        "cold": cold_disk,
+        "same": host_tokens == want and disk_tokens == want and cold_tokens == want,
         "host_hits": stats.kv_tiers.counters.host_hit_blocks,
         "disk_hits": costs.counters.disk_hit_blocks,
         "model_prefill": (stats.kv_tiers.prefill_seconds_per_token or 0.0) * length,
         "model_host": (stats.kv_tiers.host_load_seconds_per_block or 0.0) * blocks,
         "model_disk": (costs.disk_load_seconds_per_block or 0.0) * blocks,
+        "model_cold": (cold_costs.disk_load_seconds_per_block or 0.0) * blocks,
     }
 
 
@@ -87,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagedllm bench tiers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf file")
-    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096, 8000])
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096, 8192])
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--kv-offload-memory", default="2GiB", help="the host tier")
@@ -103,13 +133,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from pagedllm.models.loader import read_config, resolve_checkpoint
 
-    vocab = read_config(resolve_checkpoint(args.model)).vocab_size
+    config = read_config(resolve_checkpoint(args.model))
+    vocab, longest = config.vocab_size, config.max_position_embeddings - OUTPUT_LEN - 1
     rows = []
-    for i, length in enumerate(args.prompt_lens):
+    for i, length in enumerate(min(length, longest) for length in args.prompt_lens):
         folder = args.dir or tempfile.mkdtemp(prefix="pagedllm-tiers-")
         try:
             rows.append(
-                run_length(args, length, make_prompts([length, length], vocab, args.seed + i), folder)
+                run_length(args, length, make_prompts([length, length, 8], vocab, args.seed + i), folder)
             )
         finally:
             if args.dir is None:
@@ -119,15 +150,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.get_num_threads()} threads: time to first token (s) of a prompt asked again"
     )
     head = (
-        f"{'tokens':>7}{'recompute':>11}{'host':>9}{'disk':>9}{'host x':>8}{'disk x':>8}{'same':>6}"
-        f"{'| model: prefill':>17}{'host':>9}{'disk':>9}"
+        f"{'tokens':>7}{'recompute':>11}{'host':>9}{'disk':>9}{'cold':>9}{'host x':>8}{'disk x':>8}"
+        f"{'cold x':>8}{'same':>6}{'| model: prefill':>17}{'host':>9}{'disk':>9}{'cold':>9}"
     )
     print(head)
     for r in rows:
         print(
-            f"{r['tokens']:>7}{r['recompute']:>11.3f}{r['host']:>9.3f}{r['disk']:>9.3f}"
-            f"{r['recompute'] / r['host']:>8.1f}{r['recompute'] / r['disk']:>8.1f}{str(r['same']):>6}"
-            f"{r['model_prefill']:>17.3f}{r['model_host']:>9.4f}{r['model_disk']:>9.4f}"
+            f"{r['tokens']:>7}{r['recompute']:>11.3f}{r['host']:>9.3f}{r['disk']:>9.3f}{r['cold']:>9.3f}"
+            f"{r['recompute'] / r['host']:>8.1f}{r['recompute'] / r['disk']:>8.1f}"
+            f"{r['recompute'] / r['cold']:>8.1f}{str(r['same']):>6}"
+            f"{r['model_prefill']:>17.3f}{r['model_host']:>9.4f}{r['model_disk']:>9.4f}{r['model_cold']:>9.4f}"
         )
     return 0 if all(r["same"] for r in rows) else 1
 
