@@ -346,7 +346,7 @@ class LLMEngine:
         in the queue (`Sequence.loading_kv`) while the others step. With nothing else to run, wait for one."""
         scheduler = self.scheduler
         idle = not scheduler.running and not scheduler.swapped
-        idle = idle and all(seq.loading_kv or not seq.admissible for seq in scheduler.waiting)
+        idle = idle and not any(seq.admissible for seq in scheduler.waiting)
         for done in self.disk_reader.finished(block=idle):
             good = [(slot, data) for (_, slot), data in zip(done.reads, done.payloads, strict=True) if data]
             if good:
