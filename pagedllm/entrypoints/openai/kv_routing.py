@@ -275,4 +275,6 @@ class KVCacheAwareRouter(RequestRouter):
 def _routing_key(pending_request: PendingRequest | None) -> RoutingKey | None:
     if pending_request is None:
         return None
-    return next((arg for arg in pending_request.args if isinstance(arg, RoutingKey)), None)
+    # by its field, as Ray's routers read `prompt`: Serve may hand the router a copy of this module
+    # (cloudpickled by value), whose RoutingKey is not the class the ingress made the key of
+    return next((arg for arg in pending_request.args if hasattr(arg, "block_hashes")), None)
