@@ -28,12 +28,24 @@ from pagedllm.bench.serve import free_port  # noqa: E402
 pytestmark = pytest.mark.manual
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 SLOW_START = {"RAY_agent_register_timeout_ms": "300000", "RAY_raylet_start_wait_time_s": "300"}
+# Ray 2.60's `ray start --head` turns token authentication on, and a node joining without the token is
+# refused; this cluster listens on the loopback only, so every process here runs without it.
+NO_AUTH = {"RAY_AUTH_MODE": "disabled"}
 
 
-def _ray_node(args: list[str], log) -> subprocess.Popen:
-    env = os.environ | SLOW_START
-    argv = [*RAY, "start", "--block", "--num-cpus", "1", "--disable-usage-stats", *args]
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+def _ray_node(args: list[str], log_path) -> subprocess.Popen:
+    """`ray start --block` of one node on the loopback, its output in `log_path`, once it says it runs."""
+    env = os.environ | SLOW_START | NO_AUTH
+    argv = [*RAY, "start", "--block", "--num-cpus", "1", "--node-ip-address", "127.0.0.1"]
+    argv += ["--disable-usage-stats", *args]
+    with open(log_path, "w") as log:
+        node = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while "Ray runtime started" not in log_path.read_text():
+        assert node.poll() is None, f"ray start exited {node.returncode}: {log_path.read_text()[-2000:]}"
+        assert time.monotonic() < deadline, f"ray start {args} did not start within 300 s"
+        time.sleep(1)
+    return node
 
 
 def _stop_group(process: subprocess.Popen) -> None:
@@ -48,13 +60,6 @@ def _stop_group(process: subprocess.Popen) -> None:
             continue
 
 
-def _nodes_alive(address: str) -> int:
-    code = f"import ray; ray.init(address='{address}', logging_level='ERROR'); "
-    code += "print(sum(n['Alive'] for n in ray.nodes()))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else 0
-
-
 def _get(url: str):
     with urllib.request.urlopen(url, timeout=60) as response:
         return json.loads(response.read())
@@ -63,27 +68,24 @@ def _get(url: str):
 def test_two_ray_nodes_on_loopback_each_run_a_replica(tiny_chat_model, tmp_path):
     head_port, port = free_port(), free_port()
     address = f"127.0.0.1:{head_port}"
-    log = open(tmp_path / "ray.log", "w+")  # noqa: SIM115 (closed below)
-    nodes = [_ray_node(["--head", "--port", str(head_port), "--include-dashboard", "false"], log)]
+    log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 (closed below)
+    nodes: list[subprocess.Popen] = []
     serve = None
     try:
+        head = ["--head", "--port", str(head_port), "--include-dashboard", "false"]
+        nodes.append(_ray_node(head, tmp_path / "head.log"))
+        nodes.append(_ray_node(["--address", address], tmp_path / "node.log"))
         deadline = time.monotonic() + 300
-        while _nodes_alive(address) < 1:
-            assert time.monotonic() < deadline, "the head node did not start"
-            time.sleep(2)
-        nodes.append(_ray_node(["--address", address], log))
-        while _nodes_alive(address) < 2:
-            assert time.monotonic() < deadline, "the second node did not join"
-            time.sleep(2)
         argv = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", str(tiny_chat_model)]
         argv += ["--served-model-name", "tiny", "--port", str(port), "--data-parallel-size", "2"]
         argv += ["--cpus-per-replica", "1", "--address", address, "--max-model-len", "256"]
         argv += ["--kv-cache-memory", "8MiB", "--shutdown-timeout", "10"]
-        serve = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env = os.environ | NO_AUTH
+        serve = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         base = f"http://127.0.0.1:{port}"
         while True:
             assert serve.poll() is None, f"pagedllm serve exited with {serve.returncode}"
-            assert time.monotonic() < deadline + 300, "the replicas were not healthy in time"
+            assert time.monotonic() < deadline, "the replicas were not healthy within 300 s"
             try:
                 if urllib.request.urlopen(f"{base}/health", timeout=10).status == 200:
                     break

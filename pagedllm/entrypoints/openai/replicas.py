@@ -492,7 +492,8 @@ def _start_local_ray(cpus: int, runtime_env: dict) -> None:
     os.environ.setdefault("RAY_raylet_start_wait_time_s", "300")
     for attempt in (1, 2):
         try:
-            ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=runtime_env)
+            # address "local": a new node even where `ray start` left a cluster that ray.init would join
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=runtime_env)
             return
         except Exception as error:  # Ray raises a bare Exception when its node does not start
             if attempt == 2 or "timed out during startup" not in str(error):
