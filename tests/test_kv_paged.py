@@ -360,10 +360,13 @@ def test_a_swapped_out_sequence_may_grow_and_gets_the_new_blocks_when_it_is_back
 
 def test_can_allocate_then_allocate_hash_the_prompt_once(monkeypatch):
     """The scheduler asks can_allocate, then allocate, of one prompt: its block hashes are computed once."""
-    from pagedllm.kv import paged
+    from pagedllm.kv import block_pool, paged
 
     calls = []
-    monkeypatch.setattr(paged, "hash_block", lambda parent, tokens: calls.append(0) or bytes([len(calls)]))
+    for module in (paged, block_pool):  # a prompt's chain (block_pool) and a decode's next block (paged)
+        monkeypatch.setattr(
+            module, "hash_block", lambda parent, tokens: calls.append(0) or bytes([len(calls)])
+        )
     kv = PagedAllocator(num_blocks=8, block_size=4, enable_prefix_caching=True)
     prompt = list(range(10))  # two full blocks
     assert kv.can_allocate(prompt, 4) and kv.allocate("a", prompt, 4) == 0

@@ -476,6 +476,15 @@ def build_parser() -> argparse.ArgumentParser:
     soak = parser.add_argument_group("soak (pagedllm.bench.soak)")
     soak.add_argument("--soak", action="store_true", help="inject faults and check the pass criteria")
     soak.add_argument("--fault-rate", type=float, default=0.25, help="share of requests that are faults")
+    soak.add_argument(
+        "--kill-replica-every",
+        type=float,
+        default=None,
+        help="seconds between SIGKILLs of the busiest replica's process (a --data-parallel-size server here)",
+    )
+    soak.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds without an answer that fail a request"
+    )
     return parser
 
 

@@ -13,13 +13,22 @@ Pass criteria, printed at the end: every well-formed request answered completely
 refused with a 4xx and a message; the server alive (/health) once traffic stops; the KV pool back to
 all-free with nothing running or waiting (read from /metrics); and, when the bench started the server,
 a graceful exit (SIGTERM -> exit 0). Preemptions seen are printed (a small KV budget forces them).
+
+`--kill-replica-every S` (a `--data-parallel-size` server on this machine): every S seconds, once every
+replica runs, the process of the replica running most requests (its pid from GET /v1/kv) is SIGKILLed.
+A well-formed request may then also end with a clear error naming the replica (a stream it was serving:
+an error event; a request every attempt of which died: a 503); none may go without an answer for
+`--request-timeout` seconds, and once traffic stops Ray must have brought every replica back with all
+its KV blocks free.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
 from dataclasses import asdict, dataclass, field
 
 from pagedllm.bench.load import Request, run_load
@@ -63,6 +72,7 @@ class SoakReport:
     client_cpu_seconds: float
     state: ServerState
     criteria: list[tuple[str, bool, str]] = field(default_factory=list)
+    killed: list[str] = field(default_factory=list)  # replicas SIGKILLed (--kill-replica-every)
 
 
 def _is_openai_error(status: int, body: bytes) -> tuple[bool, str]:
@@ -147,6 +157,20 @@ async def run(client, args, base_url: str, model: str, requests: list[Request]) 
         plan.append((fault, request, random.Random(rng.random())))
 
     async def send(item) -> Outcome:
+        try:
+            outcome = await asyncio.wait_for(_send(item), args.request_timeout)
+        except TimeoutError:
+            return Outcome(item[0] or "ok", False, f"hung: no answer within {args.request_timeout:g} s")
+        if (
+            args.kill_replica_every
+            and outcome.kind == "ok"
+            and not outcome.passed
+            and "replica" in outcome.detail
+        ):
+            return Outcome("cut", True, outcome.detail)  # a replica died under it and it said so
+        return outcome
+
+    async def _send(item) -> Outcome:
         fault, request, r = item
         path, body = _well_formed(args, model, request, r)
         body["max_tokens"] = max(1, min(body["max_tokens"], max_model_len - request.prompt_len - 1))
@@ -168,53 +192,79 @@ async def run(client, args, base_url: str, model: str, requests: list[Request]) 
         except Exception as error:
             return Outcome(fault or "ok", False, f"client error: {type(error).__name__}: {error}")
 
-    outcomes, seconds, cpu = await run_load(plan, args.request_rate, args.max_concurrency, args.seed, send)
-    state = await _settled_state(client)
-    return SoakReport(outcomes, seconds, cpu, state)
+    killer = None
+    if args.kill_replica_every:
+        killed: list[str] = []
+        killer = asyncio.create_task(_kill_replicas(client, args.kill_replica_every, killed))
+    try:
+        outcomes, seconds, cpu = await run_load(
+            plan, args.request_rate, args.max_concurrency, args.seed, send
+        )
+    finally:
+        if killer is not None:
+            killer.cancel()
+    state = await _settled_state(client, timeout=300.0 if killer else 60.0)
+    return SoakReport(outcomes, seconds, cpu, state, killed=killed if killer else [])
+
+
+async def _kill_replicas(client, every: float, killed: list[str]) -> None:
+    """Every `every` s, SIGKILL the process of the replica running most requests (GET /v1/kv); once all
+    replicas run again (/health 200), so that one is killed while the others serve."""
+    while True:
+        await asyncio.sleep(every)
+        while (await client.get("/health")).status_code != 200:
+            await asyncio.sleep(1)
+        replicas = (await client.get("/v1/kv")).json()["replicas"]
+        busiest = max(replicas, key=lambda r: r["num_running"] + r["num_waiting"])
+        os.kill(busiest["pid"], signal.SIGKILL)
+        killed.append(busiest["replica"])
 
 
 def _metric(text: str, name: str) -> float | None:
-    for line in text.splitlines():
-        for prefix in ("pagedllm:", "vllm:"):
-            if line.startswith(prefix + name + " ") or line.startswith(prefix + name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-    return None
+    """The metric's value, summed over its samples (one per replica behind a replicas' endpoint)."""
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        for prefix in ("pagedllm:", "vllm:")
+        if line.startswith(prefix + name + " ") or line.startswith(prefix + name + "{")
+    ]
+    return sum(values) if values else None
 
 
 async def _settled_state(client, timeout: float = 60.0) -> ServerState:
-    """Poll /metrics until nothing runs or waits (aborts finish on the engine thread), then read it."""
+    """Poll /metrics and /health until nothing runs or waits (aborts finish on the engine thread) and the
+    server is healthy (killed replicas back), or `timeout` s pass; then read them."""
     state = ServerState()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
         try:
             text = (await client.get("/metrics")).text
+            state.healthy = (await client.get("/health")).status_code == 200
         except Exception:
             return state
         state.running = _metric(text, "num_requests_running")
         state.waiting = _metric(text, "num_requests_waiting")
         state.kv_usage = _metric(text, "kv_cache_usage_perc")
         state.preemptions = _metric(text, "num_preemptions_total")
-        if (state.running == 0 and state.waiting == 0 and state.kv_usage == 0) or loop.time() > deadline:
-            break
-        await asyncio.sleep(0.2)
-    try:
-        state.healthy = (await client.get("/health")).status_code == 200
-    except Exception:
-        state.healthy = False
-    return state
+        settled = state.running == 0 and state.waiting == 0 and state.kv_usage == 0 and state.healthy
+        if settled or loop.time() > deadline:
+            return state
+        await asyncio.sleep(0.5)
 
 
 def criteria(report: SoakReport, exit_code: int | None) -> list[tuple[str, bool, str]]:
-    good = [o for o in report.outcomes if o.kind == "ok"]
+    good = [o for o in report.outcomes if o.kind in ("ok", "cut")]
     bad = [o for o in report.outcomes if o.kind in ("bad_params", "too_long", "malformed_json")]
     failed = [o for o in good + bad if not o.passed]
     state = report.state
     rows = [
         (
-            "every well-formed request answered completely",
+            "every well-formed request answered completely"
+            + (" or ended with a clear error when its replica was killed" if report.killed else ""),
             all(o.passed for o in good),
-            f"{sum(o.passed for o in good)}/{len(good)}",
+            f"{sum(o.passed for o in good)}/{len(good)}"
+            + (f" ({sum(o.kind == 'cut' for o in good)} cut by a killed replica)" if report.killed else ""),
         ),
         (
             "every bad request refused with a 4xx and a message",
@@ -233,6 +283,10 @@ def criteria(report: SoakReport, exit_code: int | None) -> list[tuple[str, bool,
             f"kv usage {state.kv_usage}, running {state.running}, waiting {state.waiting}",
         ),
     ]
+    if report.killed:
+        rows.append(
+            ("replicas SIGKILLed, Ray brought back (/health)", state.healthy, ", ".join(report.killed))
+        )
     if exit_code is not None:
         rows.append(("graceful shutdown (SIGTERM -> exit 0)", exit_code == 0, f"exit code {exit_code}"))
     for outcome in failed[:5]:
@@ -244,7 +298,7 @@ def report(report: SoakReport, args, exit_code: int | None) -> int:
     """Print the pass criteria (or JSON); 0 if all hold, else 1."""
     report.criteria = criteria(report, exit_code)
     passed = all(ok for _, ok, _ in report.criteria)
-    counts = {kind: sum(o.kind == kind for o in report.outcomes) for kind in ("ok", *FAULTS)}
+    counts = {kind: sum(o.kind == kind for o in report.outcomes) for kind in ("ok", "cut", *FAULTS)}
     if args.json:
         data = asdict(report)
         data.pop("outcomes")

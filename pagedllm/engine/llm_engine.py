@@ -35,6 +35,7 @@ from pagedllm.engine.speculative import NgramProposer, SpeculativeConfig, accept
 from pagedllm.engine.stats import STEP_PHASES, EngineStats, StepObserver, StepTrace
 from pagedllm.engine.stop_checker import StopChecker
 from pagedllm.kv import ContiguousAllocator, KVAllocator, PagedAllocator
+from pagedllm.kv.events import KVEventLog
 from pagedllm.kv.tiers import DISK, HOST, DiskTier, HostPool, PrefixTiers, TierMoves
 from pagedllm.models.parallel import SINGLE
 from pagedllm.outputs import RequestOutput
@@ -537,6 +538,13 @@ class LLMEngine:
 
     def remove_step_observer(self, observer: StepObserver) -> None:
         self._observers.remove(observer)
+
+    def enable_kv_events(self) -> KVEventLog:
+        """Log the prefix cache's changes from now on as vLLM's KV cache events (kv/events.py: drain them
+        from any thread); the paged layout with prefix caching only."""
+        if not isinstance(self.allocator, PagedAllocator):
+            raise ValueError(f"KV cache events need kv_layout='paged', got {self.config.kv_layout!r}")
+        return self.allocator.enable_events()
 
     def stats(self) -> EngineStats:
         """Queues, counters and KV usage now (call between steps, on the thread that steps)."""

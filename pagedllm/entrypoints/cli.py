@@ -151,7 +151,9 @@ def _replicas_main(args: argparse.Namespace):
     from pagedllm._runtime import usable_cpus
 
     cpus = args.cpus_per_replica or max(1, usable_cpus() // n)
-    settings = replicas.ReplicaSettings(n, cpus, args.routing, args.routing_imbalanced_threshold)
+    settings = replicas.ReplicaSettings(
+        n, cpus, args.routing, args.routing_imbalanced_threshold, args.routing_load_tokens
+    )
     return functools.partial(replicas.main, settings=settings, address=args.address)
 
 
@@ -361,15 +363,22 @@ def _add_replica_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--routing",
-        choices=["prefix", "pow2", "round-robin"],
-        default="prefix",
-        help="request routing: Ray's PrefixCacheAffinityRouter, Serve's power of two choices, or round robin",
+        choices=["kv", "prefix", "pow2", "round-robin"],
+        default="kv",
+        help="request routing: by the replicas' KV cache events, Ray's PrefixCacheAffinityRouter, Serve's "
+        "power of two choices, or round robin",
     )
     group.add_argument(
         "--routing-imbalanced-threshold",
         type=float,
         default=4,
         help="prefix routing: a gap in queue lengths above this routes by load instead of prefix",
+    )
+    group.add_argument(
+        "--routing-load-tokens",
+        type=float,
+        default=128,
+        help="kv routing: uncached prompt tokens that one more request in flight on a replica is worth",
     )
 
 

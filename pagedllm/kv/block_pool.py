@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from pagedllm.kv.interface import NoFreeBlocks
 from pagedllm.kv.tiers import PrefixTiers
+
+if TYPE_CHECKING:
+    from pagedllm.kv.events import KVEventLog
 
 CacheKey = tuple[int, bytes]  # a cached block's KV group and hash: each group's blocks are cached apart
 
@@ -87,6 +91,16 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(repr((parent, tuple(token_ids))).encode()).digest()
 
 
+def block_hash_chain(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The hash chain of the full blocks of `token_ids`: the prefix cache's keys (and KV events' names)."""
+    hashes: list[bytes] = []
+    for i in range(len(token_ids) // block_size):
+        hashes.append(
+            hash_block(hashes[-1] if hashes else None, token_ids[i * block_size : (i + 1) * block_size])
+        )
+    return hashes
+
+
 class BlockPool:
     """Owns every physical block; hands out free ones, evicting least recently used cached blocks first.
 
@@ -105,6 +119,7 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, room: int = 0, tiers: PrefixTiers | None = None):
         self.tiers = tiers  # told of every block cached and evicted (one KV group only)
+        self.events: KVEventLog | None = None  # told of the first KV group's evictions (kv/events.py)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.room_queue = FreeBlockQueue([])  # free blocks set aside for a run's growth, oldest first
@@ -134,6 +149,8 @@ class BlockPool:
             del self.cached[block.block_hash]
             if self.tiers is not None:
                 self.tiers.evicted(block.block_hash[1], block.block_id)
+            if self.events is not None and block.block_hash[0] == 0:
+                self.events.removed(block.block_hash[1])
             block.block_hash = None
         block.ref_cnt, block.num_tokens = 1, 0
         for following in self.blocks[block.block_id + 1 : block.block_id + 1 + self.room]:
@@ -194,10 +211,13 @@ class BlockPool:
         block.num_tokens += num_tokens
         self.live_slots += num_tokens
 
-    def cache(self, block: Block, block_hash: CacheKey) -> None:
-        """Make a full block findable by its hash (an equal block already cached keeps its place)."""
-        if block_hash not in self.cached:
-            self.cached[block_hash] = block
-            block.block_hash = block_hash
-            if self.tiers is not None:
-                self.tiers.cached(block_hash[1], block.block_id)
+    def cache(self, block: Block, block_hash: CacheKey) -> bool:
+        """Make a full block findable by its hash (an equal block already cached keeps its place); whether
+        it was not cached before."""
+        if block_hash in self.cached:
+            return False
+        self.cached[block_hash] = block
+        block.block_hash = block_hash
+        if self.tiers is not None:
+            self.tiers.cached(block_hash[1], block.block_id)
+        return True

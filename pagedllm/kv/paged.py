@@ -30,7 +30,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from pagedllm.kv.block_pool import Block, BlockPool, hash_block
+from pagedllm.kv.block_pool import Block, BlockPool, block_hash_chain, hash_block
+from pagedllm.kv.events import KVEventLog
 from pagedllm.kv.interface import (
     KVUsage,
     NoFreeBlocks,
@@ -123,11 +124,19 @@ class PagedAllocator:
         self._chunked_groups = list(range(self.num_groups)) if self._window_groups else []
         self.tiers = tiers
         self.pool = BlockPool(num_blocks, room=-(-GROWTH_ROOM_TOKENS // block_size), tiers=tiers)
+        self.events: KVEventLog | None = None  # the prefix cache's changes, once enable_events is called
         self.host = tiers.host if tiers is not None else HostPool(num_host_blocks)
         self._seqs: dict[Hashable, _Seq] = {}
         self._resident_slots = 0  # slots the tables of sequences on the device cover (shared: per table)
         self._promised = 0  # free blocks set aside for prefills in progress (the sum of their promises)
         self._hashed: tuple[tuple[int, ...], list[bytes]] = ((), [])  # the last prompt and its block hashes
+
+    def enable_events(self) -> KVEventLog:
+        """Log the prefix cache's changes from now on as vLLM's KV cache events (kv/events.py)."""
+        if not self.enable_prefix_caching:
+            raise ValueError("KV cache events need enable_prefix_caching=True")
+        self.events = self.pool.events = KVEventLog(self.block_size)
+        return self.events
 
     # -- capacity --------------------------------------------------------------------------------------
 
@@ -280,7 +289,7 @@ class PagedAllocator:
         for i in range(seq.num_cached_blocks, end):
             for g, table in enumerate(seq.tables):
                 if i < len(table) and table[i] is not None:
-                    self.pool.cache(table[i], (g, seq.block_hashes[i]))
+                    self._cache(seq, g, i)
         seq.num_cached_blocks = max(seq.num_cached_blocks, end)
 
     def prefill_room(self, seq_id: Hashable, start: int, num_tokens: int, *, keep_free: int = 0) -> int:
@@ -450,10 +459,7 @@ class PagedAllocator:
         asks can_allocate and then allocate of the same prompt, and a waiting one again each step."""
         key = tuple(prompt)
         if self._hashed[0] != key:
-            bs, hashes = self.block_size, []
-            for i in range(len(prompt) // bs):
-                hashes.append(hash_block(hashes[-1] if hashes else None, prompt[i * bs : (i + 1) * bs]))
-            self._hashed = (key, hashes)
+            self._hashed = (key, block_hash_chain(prompt, self.block_size))
         return list(self._hashed[1])
 
     def _take_blocks(self, group: int, blocks: list[Block | None], first: int = 0) -> list[Block | None]:
@@ -489,7 +495,18 @@ class PagedAllocator:
         bs, block = self.block_size, seq.tables[group][i]
         self.pool.write(block, min(bs, len(seq.token_ids) - i * bs))
         if i < seq.num_cached_blocks:
-            self.pool.cache(block, (group, seq.block_hashes[i]))
+            self._cache(seq, group, i)
+
+    def _cache(self, seq: _Seq, group: int, i: int) -> None:
+        """Make block i of a group's table findable by its hash; a first-group block newly cached is an
+        event of the log, if one is set."""
+        if (
+            self.pool.cache(seq.tables[group][i], (group, seq.block_hashes[i]))
+            and group == 0
+            and self.events is not None
+        ):
+            bs, parent = self.block_size, seq.block_hashes[i - 1] if i else None
+            self.events.stored(seq.block_hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
 
     def _slots_held(self, seq: _Seq) -> int:
         return sum(block.num_tokens for table in seq.tables for block in table if block is not None)

@@ -5,9 +5,10 @@ server, the API key and limits) calls the `EngineReplica` deployment through a D
 replica runs its own engine and the OpenAI handlers of `server.Serving`, and streams back either the
 response object or its server-sent events. Ray places the replicas (each with `num_cpus` CPUs, on this
 machine or any node of a Ray cluster), restarts one that dies, and routes each request with the
-deployment's request router: by default Ray's own `PrefixCacheAffinityRouter`, which sends requests
-sharing a prompt prefix to the replica that served it while the load is balanced. That router matches
-the `prompt` attribute of a call's arguments, so every call carries a `RoutingKey` first.
+deployment's request router: by default `KVCacheAwareRouter` (kv_routing.py), which sends a request to
+the replica whose prefix cache holds most of its prompt, as the replicas' KV cache events tell, unless
+that replica is much busier; or Ray's own `PrefixCacheAffinityRouter` (the prompt text each replica was
+sent). Every call carries a `RoutingKey` first: the prompt as text and its block hashes.
 
 What the ingress adds to Ray: a request whose replica died before it sent anything back is retried on
 another replica; a stream cut by a dying replica ends with an error event; /health, /metrics and /v1/kv
@@ -38,9 +39,11 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from pagedllm.engine.config import EngineConfig
 from pagedllm.entrypoints.openai import protocol as p
 from pagedllm.entrypoints.openai.dashboard import kv_payload
 from pagedllm.entrypoints.openai.errors import APIError, error_body, error_response, install_error_handlers
+from pagedllm.entrypoints.openai.kv_routing import KVEventPublisher, PromptBlocks, RoutingKey
 from pagedllm.entrypoints.openai.limits import Admission, LimitsMiddleware, ServerLimits
 from pagedllm.entrypoints.openai.server import PROMETHEUS_TEXT, build_serving, log_kv_at_stop, openai_routes
 from pagedllm.entrypoints.openai.streams import until_disconnected
@@ -51,6 +54,7 @@ logger = logging.getLogger(__name__)
 # imports the KV-aware router, whose configuration module refuses to load without vLLM or SGLang.
 PREFIX_ROUTER = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router"
 ROUTERS = {
+    "kv": "pagedllm.entrypoints.openai.kv_routing.KVCacheAwareRouter",  # the replicas' KV cache events
     "prefix": f"{PREFIX_ROUTER}.PrefixCacheAffinityRouter",  # Ray's prefix-cache affinity
     "pow2": None,  # Serve's default: the less loaded of two random replicas
     "round-robin": f"{__name__}.RoundRobinRouter",  # the baseline a cache-blind balancer gives
@@ -62,14 +66,7 @@ QUEUE_LENGTH_DEADLINES = {
 MAX_ATTEMPTS = 3  # replicas a request may be sent to when each dies before answering
 
 
-@dataclass(frozen=True)
-class RoutingKey:
-    """What a request router reads: `prompt`, the text a request's KV blocks start with."""
-
-    prompt: str
-
-
-def routing_key(route: str, request: BaseModel | None) -> RoutingKey:
+def prompt_text(route: str, request: BaseModel | None) -> str:
     """The request's prompt as text (chat: its tools and messages as JSON, in the order the chat template
     renders them; token ids as digits); a request without one is keyed by its route."""
     text = ""
@@ -78,7 +75,7 @@ def routing_key(route: str, request: BaseModel | None) -> RoutingKey:
         text = json.dumps([tools, [m.model_dump(exclude_none=True) for m in request.messages]])
     elif getattr(request, "prompt", None) is not None:
         text = request.prompt if isinstance(request.prompt, str) else json.dumps(request.prompt)
-    return RoutingKey(text or route)
+    return text or route
 
 
 class RoundRobinRouter(RequestRouter):
@@ -101,13 +98,26 @@ class RoundRobinRouter(RequestRouter):
 class EngineReplica:
     """One engine and its OpenAI handlers in a Ray Serve replica (made a deployment by `build_replicas`)."""
 
-    def __init__(self, model: str, served_model_name: str | None, limits: ServerLimits, num_cpus: int, **kw):
+    def __init__(
+        self,
+        model: str,
+        served_model_name: str | None,
+        limits: ServerLimits,
+        num_cpus: int,
+        kv_events: bool,
+        **kw,
+    ):
         import torch
 
         torch.set_num_threads(num_cpus)  # Ray reserved num_cpus CPUs for this replica: its matmuls use them
         self.serving = build_serving(model, served_model_name, limits, **kw)
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.publisher = None  # the KV cache events, for KVCacheAwareRouter
+        if kv_events:
+            log = self.serving.engine.engine.enable_kv_events()
+            self.publisher = KVEventPublisher(log, self.replica_id, context.app_name)
         self.serving.engine.start()
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
         logger.info("replica %s (pid %d) serves %s on %d CPUs", self.replica_id, os.getpid(), model, num_cpus)
 
     async def call(self, key: RoutingKey, route: str, request: BaseModel | None) -> AsyncIterator:
@@ -151,6 +161,8 @@ class EngineReplica:
             raise RuntimeError(failure)
 
     def __del__(self) -> None:  # Ray Serve's graceful shutdown of the replica
+        if getattr(self, "publisher", None) is not None:
+            self.publisher.stop()
         engine = getattr(getattr(self, "serving", None), "engine", None)
         if engine is not None:
             engine.stop()
@@ -168,8 +180,9 @@ class ReplicaFailure(APIError):
 class ReplicaClient:
     """server.Serving's five methods, each a call to an engine replica chosen by the request router."""
 
-    def __init__(self, engines: DeploymentHandle):
+    def __init__(self, engines: DeploymentHandle, blocks: PromptBlocks | None = None):
         self.engines = engines.options(stream=True)
+        self.blocks = blocks  # the prompt's block hashes, for a router that reads them
         self.failures = self.retries = 0  # calls a dead replica failed; of those, sent again elsewhere
 
     async def completions(self, request: p.CompletionRequest, raw_request: Request | None = None):
@@ -190,7 +203,8 @@ class ReplicaClient:
     async def _call(self, route: str, request: BaseModel | None, raw_request: Request | None = None):
         """The replica's response object, or an SSE stream; a replica that dies before its first item is
         replaced by another (nothing was sent to the client yet), up to MAX_ATTEMPTS replicas."""
-        key = routing_key(route, request)
+        text = prompt_text(route, request)
+        key = self.blocks.key(text, request) if self.blocks is not None else RoutingKey(text)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             events = self.engines.call.remote(key, route, request)
             try:
@@ -234,9 +248,11 @@ def _cause(error: RayTaskError) -> Exception:
     return cause if isinstance(cause, Exception) else RuntimeError(str(error))
 
 
-def build_ingress_app(engines: DeploymentHandle, limits: ServerLimits, app_name: str) -> FastAPI:
+def build_ingress_app(
+    engines: DeploymentHandle, limits: ServerLimits, app_name: str, blocks: PromptBlocks | None = None
+) -> FastAPI:
     """The one endpoint in front of the replicas: OpenAI routes, limits, and every replica's state."""
-    client = ReplicaClient(engines)
+    client = ReplicaClient(engines, blocks)
     app = FastAPI(title="pagedllm (replicas)")
     app.add_middleware(LimitsMiddleware, limits=limits, admission=Admission())
     install_error_handlers(app)
@@ -335,11 +351,21 @@ def _merge_families(texts: list[str]) -> str:
 class Ingress:
     """The HTTP endpoint (one replica unless told otherwise); the app is built in the replica."""
 
-    def __init__(self, engines: DeploymentHandle, limits: ServerLimits, app_name: str):
+    def __init__(
+        self, engines: DeploymentHandle, limits: ServerLimits, app_name: str, hashed: tuple[str, int] | None
+    ):
+        """`hashed`: (model, block size) when the router reads the prompts' block hashes."""
         self.engines, self.limits, self.app_name = engines, limits, app_name
+        self.blocks = None
+        if hashed is not None:
+            from pagedllm.models.loader import resolve_checkpoint
+            from pagedllm.models.tokenizer import load_tokenizer
+
+            model, block_size = hashed
+            self.blocks = PromptBlocks(load_tokenizer(resolve_checkpoint(model)), model, block_size)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_ingress_app(self.engines, self.limits, self.app_name)
+        return build_ingress_app(self.engines, self.limits, self.app_name, self.blocks)
 
 
 # -- building and running -----------------------------------------------------------------------------
@@ -351,8 +377,9 @@ class ReplicaSettings:
 
     num_replicas: int = 2
     cpus_per_replica: int = 1
-    routing: str = "prefix"
+    routing: str = "kv"
     imbalanced_threshold: float = 4  # prefix routing: queue-length gap beyond which load wins over cache
+    load_tokens: float = 128  # kv routing: uncached prompt tokens one more request in flight is worth
     app_name: str = "pagedllm"
 
     def __post_init__(self) -> None:
@@ -364,9 +391,12 @@ class ReplicaSettings:
             raise ValueError(f"routing must be one of {sorted(ROUTERS)}, got {self.routing!r}")
 
     def router_config(self) -> RequestRouterConfig:
-        kwargs = {"imbalanced_threshold": self.imbalanced_threshold} if self.routing == "prefix" else {}
         if ROUTERS[self.routing] is None:
             return RequestRouterConfig()
+        kwargs = {
+            "prefix": {"imbalanced_threshold": self.imbalanced_threshold},
+            "kv": {"load_tokens": self.load_tokens},
+        }.get(self.routing, {})
         return RequestRouterConfig(request_router_class=ROUTERS[self.routing], request_router_kwargs=kwargs)
 
 
@@ -382,6 +412,13 @@ def build_replicas(
     `serve.run(app, name=settings.app_name, route_prefix="/")`. engine_kwargs are EngineConfig fields."""
     settings = settings or ReplicaSettings()
     limits = limits or ServerLimits()
+    kv_events = settings.routing == "kv"  # the replicas publish them, the ingress hashes the prompts
+    if kv_events and (
+        engine_kwargs.get("kv_layout") == "contiguous" or not engine_kwargs.get("enable_prefix_caching", True)
+    ):
+        raise ValueError(
+            "routing 'kv' reads the replicas' prefix caches: it needs kv_layout='paged' and prefix caching"
+        )
     engines = serve.deployment(
         EngineReplica,
         num_replicas=settings.num_replicas,
@@ -391,14 +428,18 @@ def build_replicas(
         request_router_config=settings.router_config(),
         graceful_shutdown_timeout_s=shutdown_timeout,
         health_check_period_s=2,
-    ).bind(model, served_model_name, limits, settings.cpus_per_replica, **engine_kwargs)
+    ).bind(
+        model, served_model_name, limits, settings.cpus_per_replica, settings.routing == "kv", **engine_kwargs
+    )
     ingress = serve.deployment(
         Ingress,
         ray_actor_options={"num_cpus": 0},  # it forwards bytes; the CPUs are the engines'
         max_ongoing_requests=limits.max_concurrent_requests,
         graceful_shutdown_timeout_s=shutdown_timeout,
     )
-    return ingress.bind(engines, limits, settings.app_name)
+    block_size = engine_kwargs.get("block_size") or EngineConfig.block_size
+    hashed = (model, block_size) if kv_events else None
+    return ingress.bind(engines, limits, settings.app_name, hashed)
 
 
 def main(
@@ -451,7 +492,8 @@ def _start_local_ray(cpus: int, runtime_env: dict) -> None:
     os.environ.setdefault("RAY_raylet_start_wait_time_s", "300")
     for attempt in (1, 2):
         try:
-            ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=runtime_env)
+            # address "local": a new node even where `ray start` left a cluster that ray.init would join
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=runtime_env)
             return
         except Exception as error:  # Ray raises a bare Exception when its node does not start
             if attempt == 2 or "timed out during startup" not in str(error):

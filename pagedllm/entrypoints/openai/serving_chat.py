@@ -160,18 +160,17 @@ def chat_prompt(
     engine: LLMEngine, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
 ) -> list[int]:
     """The conversation's token ids through the tokenizer's chat template (runs on the engine thread)."""
-    return engine.tokenizer.encode(
-        chat_text(engine, messages, add_generation_prompt, tools), add_special_tokens=False
-    )
+    text = chat_text(engine.tokenizer, engine.config.model, messages, add_generation_prompt, tools)
+    return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
 def chat_text(
-    engine: LLMEngine, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None
+    tokenizer, model: str, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None
 ) -> str:
-    """The conversation rendered by the chat template, as text (`tools` passed as transformers does)."""
-    tokenizer = engine.tokenizer
+    """The conversation rendered by `model`'s tokenizer's chat template, as text (`tools` passed as
+    transformers does)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise APIError(f"model {engine.config.model!r} has no chat template", param="messages")
+        raise APIError(f"model {model!r} has no chat template", param="messages")
     extra = {} if tools is None else {"tools": tools}
     try:
         return tokenizer.apply_chat_template(

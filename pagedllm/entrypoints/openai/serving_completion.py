@@ -38,7 +38,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 param="prompt_logprobs",
             )
         guided = await self.guided_params(request)
-        prompts = _prompts(request.prompt)
+        prompts = prompts_of(request.prompt)
         response_id = p.random_id("cmpl")
         # As vLLM: max_tokens 0 runs one token (sampled from the prefill's last logits), then drops it.
         max_tokens = 1 if request.max_tokens == 0 else request.max_tokens
@@ -166,7 +166,7 @@ async def _prompt_only(outputs: Outputs) -> Outputs:
         await outputs.aclose()
 
 
-def _prompts(prompt: str | list) -> list[Prompt]:
+def prompts_of(prompt: str | list) -> list[Prompt]:
     """The request's prompts: one text, one list of token ids, or a list of either."""
     is_ids = isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int))
     return [prompt] if isinstance(prompt, str) or is_ids else prompt
