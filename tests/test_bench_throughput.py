@@ -112,13 +112,13 @@ def test_profile_reports_phases_gemm_floor_and_top_ops(capsys, smollm2_llm):
         assert shares["work"] == pytest.approx(100 - shares["forward"], abs=0.2)
     assert profile[3].startswith("  decode step at batch ~3: median") and "step / GEMMs = " in profile[3]
     assert "prefill: " in profile[4] and "whole run: " in profile[5]
-    assert profile[6] == "  top ops over decode steps (self CPU time):"
-    ops = [line.split() for line in profile[7:-1]]
+    assert profile[6] == "  top ops over the profiled decode steps (self CPU time):"
+    ops = [line.split() for line in profile[7:15]]
     assert len(ops) == 8 and all(cells[-1] == "ms/step" for cells in ops)
     # The bench's float weights, as the fixture loads them: the op its linear method runs is a top op.
     assert linear_op(smollm2_llm.engine) in [cells[0] for cells in ops]
     rate, share, read = re.search(
-        r"read ([\d.]+) GB/s of K/V, (\d+)% of the ([\d.]+) GB/s", profile[-1]
+        r"read ([\d.]+) GB/s of K/V, (\d+)% of the ([\d.]+) GB/s", profile[15]
     ).groups()
     rate, read = float(rate), float(read)
     assert rate > 0 and read > 0
@@ -126,19 +126,26 @@ def test_profile_reports_phases_gemm_floor_and_top_ops(capsys, smollm2_llm):
     assert (
         100 * (rate - 0.05) / (read + 0.05) - 0.5 <= int(share) <= 100 * (rate + 0.05) / (read - 0.05) + 0.5
     )
+    # Then the profiled decode steps op by op, at the workload's batch (tests/test_op_profile.py checks
+    # the numbers), against the rates this process measured: the same read rate as the K/V line's.
+    assert profile[16].startswith("  3 decode steps profiled at batch 3: ")
+    assert profile[18].startswith("    matmul float32 (121 layers)")
+    assert profile[-2].startswith(f"  this process measures: memory read {read:.1f} GB/s")
+    assert " of the float32 GEMM rate" in profile[-1]
 
 
 def test_profiled_attention_bytes_are_every_layers_context_of_each_step():
     """K/V bytes the profiled decode steps' attention reads: per step, each sequence's prompt plus the
-    tokens generated so far, for K and V of every layer (SmolLM2: 30 layers, 3 KV heads of 64, fp32)."""
+    tokens generated so far (the prefill's token and the step that finishes it: 2 before the first), for K
+    and V of every layer (SmolLM2: 30 layers, 3 KV heads of 64, fp32)."""
     from pagedllm import LLM
-    from pagedllm.bench.profile import top_ops
+    from pagedllm.bench.profile import kv_bytes_read, profile_decode
 
     llm = LLM("smollm2-135m", kv_cache_memory="8MiB", max_model_len=64)
     prompts = make_prompts([(4, 20)] * 3, 49152, seed=1)
-    profiled = top_ops(llm.engine, prompts, decode_steps=3)
-    contexts = sum(len(p) + step for p in prompts for step in (1, 2, 3))
-    assert profiled.kv_bytes == contexts * 2 * 30 * 3 * 64 * 4
+    profiled = profile_decode(llm.engine, prompts, decode_steps=3)
+    contexts = sum(len(p) + step for p in prompts for step in (2, 3, 4))
+    assert kv_bytes_read(llm.engine, profiled) == contexts * 2 * 30 * 3 * 64 * 4
     assert profiled.attention_seconds > 0
     assert_all_blocks_free(llm)
 

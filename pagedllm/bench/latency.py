@@ -11,6 +11,7 @@ thread count, its llama-bench batch defaults and its float16 K/V cache (`--kv-ca
 gives pagedllm's cache the same size). Printed: a row per system and prompt length, then
 decode tokens/s and TTFT ratios of every pagedllm row against every llama.cpp row, measured in this run.
 `same` counts the leading greedy tokens equal to the first pagedllm row's for the same prompt.
+`--profile` adds, per pagedllm run, where a decode step after the first prompt goes (bench/profile.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.bench.profile import MachineRates, profile_decode, step_breakdown
 from pagedllm.bench.workload import first_difference, make_prompts
 from pagedllm.engine.config import KV_CACHE_DTYPES
 
@@ -54,18 +56,24 @@ class System:
     name: str
     weight_mib: float
     runs: list[Run]
+    profile: list[str] = field(default_factory=list, repr=False)  # --profile: the decode step op by op
 
 
-def run_pagedllm(args, quantization: str, prompts: list[list[int]], warmup: list[int]) -> System:
+def run_pagedllm(
+    args, quantization: str, prompts: list[list[int]], warmup: list[int], rates: MachineRates | None
+) -> System:
+    """pagedllm's runs of the prompts, one at a time; with `rates` (--profile), then decode steps after
+    the first prompt, op by op."""
     from pagedllm import LLM, SamplingParams
 
+    room = PROFILED_STEPS + 2 if rates is not None else 0  # profile_decode's steps after the prompt
     llm = LLM(
         args.model,
         dtype=args.dtype,
         quantization=quantization,
         kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype,
-        max_model_len=max(len(p) for p in [*prompts, warmup]) + args.output_len,
+        max_model_len=max(len(p) for p in [*prompts, warmup]) + args.output_len + room,
         max_num_seqs=1,
     )
     engine = llm.engine
@@ -81,9 +89,17 @@ def run_pagedllm(args, quantization: str, prompts: list[list[int]], warmup: list
             stamps.append(time.perf_counter())
             tokens = outputs[0].outputs[0].token_ids if outputs else tokens
         runs.append(Run(len(prompt), stamps[0] - start, _gaps(stamps), list(tokens)))
+    profile = []
+    if rates is not None:
+        ops = profile_decode(engine, prompts[:1], PROFILED_STEPS)
+        itl = statistics.median(runs[0].itl_s)
+        profile = step_breakdown(ops, rates, engine.config.torch_dtype, unprofiled_step_s=itl)
     assert engine.stats().kv_all_free, "KV blocks leaked"
     name = f"pagedllm {engine.loaded_model.linear_method}"
-    return System(name, engine.weight_bytes / 2**20, runs)
+    return System(name, engine.weight_bytes / 2**20, runs, profile)
+
+
+PROFILED_STEPS = 8  # --profile: decode steps profiled after the first prompt
 
 
 def _gaps(stamps: list[float]) -> list[float]:
@@ -226,6 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--threads", type=int, default=None, help="threads for both (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print, for each pagedllm run, where a decode step after the first prompt goes: matmuls "
+        "by weight type (time, bytes, GB/s), attention, the rest, against the read and GEMM rates",
+    )
     parser.add_argument("--json", action="store_true")
     return parser
 
@@ -243,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab = read_config(resolve_checkpoint(args.model)).vocab_size
     prompts = make_prompts(args.prompt_lens, vocab, args.seed)
     warmup = make_prompts([16], vocab, args.seed + 1)[0]
-    systems = [run_pagedllm(args, q, prompts, warmup) for q in args.quantization]
+    rates = MachineRates.measure() if args.profile else None
+    systems = [run_pagedllm(args, q, prompts, warmup, rates) for q in args.quantization]
     if args.llama_cpp:
         systems += [run_llama_cpp(args, gguf, t, prompts, warmup) for t in args.llama_cpp_types]
     if args.json:
@@ -255,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     for line in report(systems):
         print(line)
+    for system in systems:
+        if system.profile:
+            print(f"profile ({system.name}, after the {args.prompt_lens[0]}-token prompt):")
+            print("\n".join(system.profile))
     return 0
 
 

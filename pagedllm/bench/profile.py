@@ -4,8 +4,10 @@ Three views of the same engine, all measured in the process that ran the benchma
   phases  wall time of each engine phase per step (schedule, building the step's inputs, the model
           forward, sampling, the rest: block tables, appending tokens, detokenizing, outputs), split
           into steps that prefill and decode-only steps; host work = everything but the forward
-  ops     torch.profiler's top operators over a few decode steps at the workload's batch size, and
-          the rate paged attention read K/V at there against a read of memory in order (a sum)
+  ops     the engine's op profile (LLMEngine.profile_ops) of a few decode steps at the workload's batch
+          size: matmuls by weight kind (time, bytes, GB/s, GFLOP/s), attention, the other ops and the
+          host's work, against the read rate (a sum) and GEMM rate (torch.mm) this process measures;
+          the top operators; the rate paged attention read K/V at
   GEMMs   the model's own linear layers timed alone at the step's row counts: their sum is the floor
           a step cannot go below, and model FLOPs / time is the rate to hold against their rate
 """
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.engine.op_profile import OpProfile
 from pagedllm.engine.stats import STEP_PHASES, StepTrace
 from pagedllm.models.linear import Linear
 
@@ -48,42 +51,133 @@ def record_phases(engine) -> Iterator[PhaseProfile]:
         engine.remove_step_observer(profile.steps.append)
 
 
-@dataclass
-class OpProfile:
-    """torch.profiler's view of a few decode steps."""
-
-    ops: list[tuple[str, float, float]]  # the top operators: name, share of CPU time, ms per step
-    attention_seconds: float  # self time of the paged attention op over the steps
-    kv_bytes: int  # K/V bytes that attention had to read over the steps (every layer's context)
-
-
-def top_ops(engine, prompts: list[list[int]], decode_steps: int = 3, limit: int = 8) -> OpProfile:
-    """The top operators over a few decode steps of the given prompts (their prefill runs first,
-    unprofiled), and what paged attention read in them."""
-    from torch.profiler import ProfilerActivity, profile
-
+def profile_decode(engine, prompts: list[list[int]], decode_steps: int = 3) -> OpProfile:
+    """The engine's op profile (LLMEngine.profile_ops) of `decode_steps` decode steps of all the given
+    prompts at once: their prefills run first, unprofiled, then the profiled steps, then the requests
+    are aborted."""
     from pagedllm.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=decode_steps + 2, temperature=0, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"profile-{i}", ids, params)
-    while engine.stats().num_waiting:  # prefill every prompt first
+    room = engine.max_model_len - decode_steps - 2  # the prefill's token and one step to finish chunks
+    if any(len(prompt) > room for prompt in prompts):
+        longest = max(len(prompt) for prompt in prompts)
+        raise ValueError(
+            f"max_model_len {engine.max_model_len} leaves no room for {decode_steps} profiled steps "
+            f"after a {longest}-token prompt"
+        )
+    ids = [f"profile-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        params = SamplingParams(max_tokens=engine.max_model_len - len(prompt), temperature=0, ignore_eos=True)
+        engine.add_request(request_id, prompt, params)
+    while engine.stats().num_waiting:
         engine.step()
-    token_bytes = engine.kv_cache_bytes // (engine.num_kv_blocks * engine.config.block_size)
-    with record_phases(engine) as steps, profile(activities=[ProfilerActivity.CPU]) as prof:
+    while _one_step(engine).prefill_tokens:  # the last prompt's chunks
+        pass
+    with engine.profile_ops() as recording:
         for _ in range(decode_steps):
             engine.step()
-    context_tokens = sum(trace.context_tokens for trace in steps.steps)
-    while engine.has_unfinished_requests():
+    for request_id in ids:
+        engine.abort_request(request_id)
+    return recording.result
+
+
+def _one_step(engine) -> StepTrace:
+    """Run one step; its trace."""
+    traces: list[StepTrace] = []
+    engine.add_step_observer(traces.append)
+    try:
         engine.step()
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in events)
-    attention = sum(e.self_cpu_time_total for e in events if e.key.endswith("::paged_attention")) / 1e6
-    ops = [
-        (e.key, e.self_cpu_time_total / total, e.self_cpu_time_total / 1e3 / decode_steps)
-        for e in events[:limit]
+    finally:
+        engine.remove_step_observer(traces.append)
+    return traces[0]
+
+
+def kv_bytes_read(engine, ops: OpProfile) -> int:
+    """K/V bytes attention had to read over the profiled steps: every layer's context of each sequence."""
+    token_bytes = engine.kv_cache_bytes // (engine.num_kv_blocks * engine.config.block_size)
+    return sum(trace.context_tokens for trace in ops.steps) * token_bytes
+
+
+@dataclass(frozen=True)
+class MachineRates:
+    """What this process measures the machine does: a read of memory in order, and a large GEMM."""
+
+    read_gb_s: float  # a sum over 512 MiB of float32
+    gemm_gflop_s: dict[torch.dtype, float]  # torch.mm of two 2048 x 2048 matrices, per dtype
+
+    @classmethod
+    def measure(cls, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> MachineRates:
+        from pagedllm.bench.kernel import read_bandwidth_gb_s
+
+        return cls(read_bandwidth_gb_s(torch.device("cpu")), {d: gemm_gflop_s(d) for d in dtypes})
+
+
+def gemm_gflop_s(dtype: torch.dtype, n: int = 2048, reps: int = 3) -> float:
+    """GFLOP/s of torch.mm on two n x n matrices of `dtype` (best of reps)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n**3 / best / 1e9
+
+
+def step_breakdown(
+    ops: OpProfile, rates: MachineRates, dtype: torch.dtype, unprofiled_step_s: float | None = None
+) -> list[str]:
+    """Where the profiled decode steps' time went: matmuls by weight kind (time, bytes, GB/s, GFLOP/s),
+    attention, the other ops of the forward pass and the host's work, against the machine's rates."""
+    steps = len(ops.steps)
+    rows = sum(trace.decode_seqs for trace in ops.steps)  # activation rows of every matmul, all steps
+    step_s = ops.step_seconds / steps
+    unprofiled = f", {unprofiled_step_s * 1e3:.1f} unprofiled" if unprofiled_step_s else ""
+    lines = [
+        f"  {steps} decode steps profiled at batch {rows / steps:g}: {step_s * 1e3:.1f} ms a step "
+        f"profiled{unprofiled}",
+        f"    {'':<38} {'ms/step':>8} {'share':>6} {'MiB/step':>9} {'GB/s':>6} {'GFLOP/s':>8}",
     ]
-    return OpProfile(ops, attention, context_tokens * token_bytes)
+
+    def line(name: str, seconds: float, nbytes: float | None = None, flops: float | None = None) -> str:
+        per_step = seconds / steps
+        cells = [f"    {name:<38} {per_step * 1e3:8.2f} {seconds / ops.step_seconds:6.1%}"]
+        if nbytes is not None and seconds > 0:
+            cells.append(
+                f"{nbytes / 2**20:9.1f} {nbytes * steps / seconds / 1e9:6.1f} {flops / seconds / 1e9:8.0f}"
+            )
+        return " ".join(cells)
+
+    for m in ops.matmuls:
+        lines.append(
+            line(
+                f"matmul {m.kind} ({m.layers} layer{'s' if m.layers > 1 else ''})",
+                m.seconds,
+                m.weight_bytes,
+                m.flops_per_row * rows,
+            )
+        )
+    weight_bytes = sum(m.weight_bytes for m in ops.matmuls)
+    flops = sum(m.flops_per_row for m in ops.matmuls) * rows
+    if ops.unmatched_matmul_seconds:
+        lines.append(line("matmuls not matched to layers", ops.unmatched_matmul_seconds))
+    lines.append(line("matmuls, all", ops.matmul_seconds, weight_bytes, flops))
+    lines.append(line(f"attention ({ops.attention_calls // steps} calls a step)", ops.attention_seconds))
+    other = ops.forward_seconds - ops.matmul_seconds - ops.attention_seconds
+    lines.append(line("other ops of the forward pass", other))
+    lines.append(line("host: schedule, inputs, sample, rest", ops.step_seconds - ops.forward_seconds))
+    gemm = " / ".join(f"{str(d)[6:]} {rate:.0f}" for d, rate in rates.gemm_gflop_s.items())
+    lines.append(
+        f"  this process measures: memory read {rates.read_gb_s:.1f} GB/s (a sum over 512 MiB); "
+        f"GEMM {gemm} GFLOP/s (2048 x 2048 x 2048)"
+    )
+    read = weight_bytes * steps / ops.matmul_seconds / 1e9
+    compute = flops / ops.matmul_seconds / 1e9
+    lines.append(
+        f"  the matmuls read the weights at {read:.1f} GB/s = {read / rates.read_gb_s:.0%} of the read rate, "
+        f"and compute {compute:.0f} GFLOP/s = {compute / rates.gemm_gflop_s[dtype]:.0%} of the "
+        f"{str(dtype)[6:]} GEMM rate"
+    )
+    return lines
 
 
 @dataclass
@@ -155,8 +249,11 @@ def model_flops(model: torch.nn.Module, tokens: int, logit_rows: int) -> float:
     return per_token * tokens + 2.0 * head.in_features * head.out_features * logit_rows
 
 
-def report(engine, profile: PhaseProfile, ops: OpProfile, dtype: torch.dtype) -> list[str]:
-    """The --profile section of `bench throughput`, as printed lines."""
+def report(
+    engine, profile: PhaseProfile, ops: OpProfile, dtype: torch.dtype, rates: MachineRates
+) -> list[str]:
+    """The --profile section of `bench throughput`, as printed lines: the run's phases, its GEMM floor,
+    and the profiled decode steps (profile_decode) op by op."""
     model = engine.model
     lines = ["profile (paged):"]
     for prefill, label in ((True, "steps with a prefill"), (False, "decode-only steps")):
@@ -198,14 +295,19 @@ def report(engine, profile: PhaseProfile, ops: OpProfile, dtype: torch.dtype) ->
         f"  whole run: {model_flops(model, all_tokens, logit_rows) / 1e12:.2f} TFLOP of matmuls in "
         f"{seconds:.1f} s = {model_flops(model, all_tokens, logit_rows) / seconds / 1e9:.0f} GFLOP/s"
     )
-    lines.append("  top ops over decode steps (self CPU time):")
-    lines += [f"    {name:<40} {share:6.1%} {ms:8.2f} ms/step" for name, share, ms in ops.ops]
+    steps = len(ops.steps)
+    lines.append("  top ops over the profiled decode steps (self CPU time):")
+    lines += [
+        f"    {name:<40} {seconds / ops.step_seconds:6.1%} {seconds * 1e3 / steps:8.2f} ms/step"
+        for name, seconds in ops.top_ops[:8]
+    ]
     if ops.attention_seconds:
-        from pagedllm.bench.kernel import read_bandwidth_gb_s
-
-        rate, read = ops.kv_bytes / ops.attention_seconds / 1e9, read_bandwidth_gb_s(torch.device("cpu"))
+        rate = kv_bytes_read(engine, ops) / ops.attention_seconds / 1e9
         lines.append(
-            f"  paged attention over those steps read {rate:.1f} GB/s of K/V, {rate / read:.0%} of the "
-            f"{read:.1f} GB/s a sum over 512 MiB reads here"
+            f"  paged attention over those steps read {rate:.1f} GB/s of K/V, "
+            f"{rate / rates.read_gb_s:.0%} of the {rates.read_gb_s:.1f} GB/s a sum over 512 MiB reads here"
         )
-    return lines
+    batch = ops.steps[0].decode_seqs
+    same_batch = [sum(s.seconds.values()) for s in decode_steps if s.decode_seqs == batch]
+    unprofiled = statistics.median(same_batch) if same_batch else None
+    return lines + step_breakdown(ops, rates, dtype, unprofiled)

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pagedllm.bench.profile import record_phases, top_ops
+from pagedllm.bench.profile import MachineRates, profile_decode, record_phases
 from pagedllm.bench.profile import report as profile_report
 from pagedllm.bench.workload import first_difference, make_prompts, parse_range
 from pagedllm.engine.config import KV_CACHE_DTYPES, EngineConfig
@@ -158,8 +158,9 @@ def _measure(
     hit_rate = (after.prefix_cache_hits - before.prefix_cache_hits) / queried if queried else None
     profile_lines = []
     if profiling:  # after the counters above: it runs the same prompts again
-        ops = top_ops(engine, prompts)
-        profile_lines = profile_report(engine, phases, ops, engine.config.torch_dtype)
+        ops = profile_decode(engine, prompts)
+        rates = MachineRates.measure()
+        profile_lines = profile_report(engine, phases, ops, engine.config.torch_dtype, rates)
         assert engine.stats().kv_all_free, "KV blocks leaked"
     tokens = [outputs[f"bench-{i}"] for i in range(len(prompts))]
     total = sum(len(t) for t in tokens)
@@ -418,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="also print where paged's time went: phases per step, host work, top ops, GEMM floor",
+        help="also print where paged's time went: phases per step, host work, GEMM floor, and decode "
+        "steps op by op (matmuls by weight type, attention, the rest) against the read and GEMM rates",
     )
     parser.add_argument("--json", action="store_true")
     return parser

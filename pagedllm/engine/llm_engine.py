@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -25,6 +26,7 @@ from pagedllm.engine.kv_sizing import check_max_model_len, kv_block_bytes, model
 from pagedllm.engine.kv_store import DiskReader, DiskStore, kv_fingerprint
 from pagedllm.engine.model_cache import load_shared_model
 from pagedllm.engine.model_runner import ModelRunner, StepInputs, calibration_ids
+from pagedllm.engine.op_profile import OpRecording, profile_ops
 from pagedllm.engine.parallel.executor import Executor
 from pagedllm.engine.parallel.runner import ParallelModelRunner
 from pagedllm.engine.request import Request, check_prompt
@@ -545,6 +547,12 @@ class LLMEngine:
         if not isinstance(self.allocator, PagedAllocator):
             raise ValueError(f"KV cache events need kv_layout='paged', got {self.config.kv_layout!r}")
         return self.allocator.enable_events()
+
+    def profile_ops(self) -> AbstractContextManager[OpRecording]:
+        """Profile the steps run inside the block, op by op: `with engine.profile_ops() as rec: ...`, then
+        `rec.result` (engine/op_profile.py: matmuls by weight kind, attention, phases). Costs nothing
+        while unused."""
+        return profile_ops(self)
 
     def stats(self) -> EngineStats:
         """Queues, counters and KV usage now (call between steps, on the thread that steps)."""
