@@ -78,6 +78,8 @@ def test_accepted_length_stops_at_the_first_rejected_draft():
             "prompt_lookup_min 3 exceeds prompt_lookup_max 2",
         ),
         ("ngram", "must be a dict"),
+        ({"model": "x", "num_speculative_tokens": 2, "draft_vocab_size": 0}, "draft_vocab_size must"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft_vocab_size": 8}, "needs 'model'"),
     ],
 )
 def test_bad_speculative_config_is_refused_naming_it(config, message):
@@ -171,6 +173,33 @@ def test_the_target_as_its_own_draft_model_accepts_nearly_every_draft(smollm2_ll
     spec = check_lossless(smollm2_llm, 48, logprobs_atol=1e-4, speculative_config=draft("smollm2-135m"))
     stats = spec.engine.stats()
     assert stats.spec_acceptance_rate > 0.9 and stats.spec_mean_accepted_length > 3.5
+
+
+def test_a_draft_over_part_of_the_vocabulary_is_lossless_and_proposes_only_from_it(smollm2_llm):
+    """The target as its own draft with an LM head of SmolLM2's first 1,024 tokens and its special ones
+    (FR-Spec): every draft is from the subset, a token outside it is never proposed (so fewer drafts are
+    accepted than the > 90% of the whole head), and the output stays the target's."""
+    config = {**draft("smollm2-135m"), "draft_vocab_size": 1024}
+    spec = LLM(**{**vars(smollm2_llm.engine.config), "speculative_config": config})
+    proposer = spec.engine.proposer
+    subset = set(proposer.vocab_ids.tolist())
+    assert set(range(1024)) <= subset and smollm2_llm.engine.eos_token_ids <= subset and len(subset) < 1100
+    proposed: list[int] = []
+    propose_batch = proposer.propose_batch
+
+    def recording(*args):
+        drafts = propose_batch(*args)
+        proposed.extend(t for d in drafts for t in d.token_ids)
+        return drafts
+
+    proposer.propose_batch = recording
+    requests = mixed_requests(48)
+    same_outputs(run(spec.engine, requests), run(smollm2_llm.engine, requests), logprobs_atol=1e-4)
+    outputs = {t for out in run(smollm2_llm.engine, requests) for o in out for t in o.token_ids}
+    assert proposed and set(proposed) <= subset and outputs - subset  # the target wrote tokens beyond it
+    assert 0.2 < spec.engine.stats().spec_acceptance_rate < 0.9
+    assert_all_blocks_free(spec)
+    assert_all_blocks_free(smollm2_llm)
 
 
 def test_a_random_draft_model_of_the_same_vocabulary_is_lossless(smollm2_llm, tiny_chat_model):
