@@ -326,7 +326,7 @@ def chi_square_p(llm, prompt, n, temperature, expected) -> float:
     return chisquare(observed.numpy(), wanted.numpy()).pvalue
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+@pytest.mark.parametrize("proposer", ["ngram", "draft", "draft-subset"])
 def test_sampling_with_speculation_keeps_the_target_distribution(
     proposer, tiny_vocab_model, tiny_vocab_draft, monkeypatch
 ):
@@ -334,8 +334,9 @@ def test_sampling_with_speculation_keeps_the_target_distribution(
     always proposes from the second step on; the draft model proposes from the first, drawn from its own
     q; each draft is accepted or rejected at random) against the exact joint distribution: a chi-square
     test over the 64 cells, passed by the engine with and without speculation, and failed by far by a rule
-    that accepts every draft. (Taking a draft model's q one-hot would keep the distribution too, accepting
-    less: the sampler test below.)"""
+    that accepts every draft; also with the draft's LM head over 3 of the 4 tokens (FR-Spec: its q is 0
+    at the fourth, which only the residual (p - q)+ gives). (Taking a draft model's q one-hot would keep
+    the distribution too, accepting less: the sampler test below.)"""
     from pagedllm.engine import sampler
 
     folder, hf = tiny_vocab_model
@@ -343,10 +344,14 @@ def test_sampling_with_speculation_keeps_the_target_distribution(
     expected = exact_joint(hf, prompt, temperature).double()
     expected /= expected.sum()  # float32 rounding
     config = NGRAM if proposer == "ngram" else draft(tiny_vocab_draft, 3)
+    if proposer == "draft-subset":  # tokens 0, 1 and EOS (2): q renormalised over them, 3 never drafted
+        config["draft_vocab_size"] = 2
     plain = LLM(str(folder), kv_cache_memory="16MiB", enable_prefix_caching=False)
     spec = LLM(str(folder), kv_cache_memory="16MiB", enable_prefix_caching=False, speculative_config=config)
     assert chi_square_p(plain, prompt, n, temperature, expected) > 1e-3
     assert chi_square_p(spec, prompt, n, temperature, expected) > 1e-3
+    if proposer == "draft-subset":
+        assert spec.engine.proposer.vocab_ids.tolist() == [0, 1, 2]
     stats = spec.engine.stats()
     assert stats.spec_draft_tokens >= n and 0.1 < stats.spec_acceptance_rate < 0.9
     draw = sampler._draw
