@@ -145,3 +145,16 @@ def test_speculative_with_a_draft_model_reports_each_k(capsys):
     assert [line.split("  ")[0] for line in lines[2:5]] == ["no speculation", "draft k=2", "draft k=3"]
     for k, line in zip((2, 3), lines[5:], strict=True):
         assert line.startswith(f"draft k={k}: speed-up ") and line.endswith("same tokens: True")
+
+
+def test_speculative_with_a_draft_vocabulary_reports_it_beside_the_whole_head(capsys):
+    from pagedllm.bench import speculative
+
+    argv = ["--model", "smollm2-135m", "--draft-model", "smollm2-135m", "--num-speculative-tokens", "2"]
+    argv += ["--draft-vocab-size", "1024", "--output-len", "12", "--repeats", "1"]
+    argv += ["--kv-cache-memory", "32MiB"]
+    assert speculative.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    names = [line.split("  ")[0] for line in lines[2:5]]
+    assert names == ["no speculation", "draft k=2", "draft k=2 vocab 1024"]
+    assert lines[-1].startswith("draft k=2 vocab 1024: speed-up ") and lines[-1].endswith("same tokens: True")

@@ -12,7 +12,15 @@ from models_helpers import GGUF_TYPES as TYPES
 from models_helpers import random_blocks
 
 from pagedllm.models.gguf_quants import KEPT_TYPES, GGUFBlocks
-from pagedllm.models.linear import DenseLinear, KernelLinear, Linear, process_linear_layers, weight_bytes
+from pagedllm.models.linear import (
+    DenseLinear,
+    KernelLinear,
+    Linear,
+    OneDNNLinear,
+    process_linear_layers,
+    take_rows,
+    weight_bytes,
+)
 from pagedllm.models.quantization import (
     GGUFLinear,
     Int4Linear,
@@ -132,6 +140,28 @@ def test_kernel_methods_compute_dense_linear_on_their_stored_weight(method, dtyp
     torch.testing.assert_close(layer(x, residual), expected.to(dtype), **tolerance)
     ids = torch.tensor([39, 0, 5])  # the same storage serves a tied embedding's lookups
     torch.testing.assert_close(layer.method.embedding(layer, ids), stored[ids].to(dtype))
+
+
+@pytest.mark.parametrize("method", [DenseLinear, OneDNNLinear, *METHODS], ids=lambda m: m.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_taken_from_a_layer_compute_its_outputs_at_those_rows(method, dtype):
+    """A draft model's LM head over part of the vocabulary: the same storage's rows (GGUF: of both of the
+    fused layer's shards, still in their blocks), so the outputs equal the whole layer's there."""
+    if method is OneDNNLinear and not torch.backends.mkldnn.is_available():
+        pytest.skip("torch without oneDNN")
+    layer = _layer(method(), dtype=dtype)
+    process_linear_layers(layer)
+    ids = torch.tensor([0, 3, 15, 16, 17, 30, 39])  # GGUF: Q8_0 rows 0-15, Q4_1 rows 16-39
+    rows = take_rows(layer, ids)
+    if method is not DenseLinear and method is not OneDNNLinear:
+        held = sum(t.nbytes for t in rows.stored.tensors())
+        assert held <= sum(t.nbytes for t in layer.stored.tensors())  # float32 panels: 48 rows at least
+    tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+    for m in (1, 5):  # another row of W would be off by ~1 (outputs of W's 0.1-scaled random rows)
+        x = torch.randn(m, 64).to(dtype)
+        torch.testing.assert_close(rows(x), layer(x)[:, ids], **tolerance)
+    with pytest.raises(ValueError, match="distinct ascending row ids"):
+        take_rows(layer, torch.tensor([3, 3]))
 
 
 def test_weight_bytes_counts_the_stored_formats():

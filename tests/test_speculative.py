@@ -78,6 +78,8 @@ def test_accepted_length_stops_at_the_first_rejected_draft():
             "prompt_lookup_min 3 exceeds prompt_lookup_max 2",
         ),
         ("ngram", "must be a dict"),
+        ({"model": "x", "num_speculative_tokens": 2, "draft_vocab_size": 0}, "draft_vocab_size must"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft_vocab_size": 8}, "needs 'model'"),
     ],
 )
 def test_bad_speculative_config_is_refused_naming_it(config, message):
@@ -171,6 +173,33 @@ def test_the_target_as_its_own_draft_model_accepts_nearly_every_draft(smollm2_ll
     spec = check_lossless(smollm2_llm, 48, logprobs_atol=1e-4, speculative_config=draft("smollm2-135m"))
     stats = spec.engine.stats()
     assert stats.spec_acceptance_rate > 0.9 and stats.spec_mean_accepted_length > 3.5
+
+
+def test_a_draft_over_part_of_the_vocabulary_is_lossless_and_proposes_only_from_it(smollm2_llm):
+    """The target as its own draft with an LM head of SmolLM2's first 1,024 tokens and its special ones
+    (FR-Spec): every draft is from the subset, a token outside it is never proposed (so fewer drafts are
+    accepted than the > 90% of the whole head), and the output stays the target's."""
+    config = {**draft("smollm2-135m"), "draft_vocab_size": 1024}
+    spec = LLM(**{**vars(smollm2_llm.engine.config), "speculative_config": config})
+    proposer = spec.engine.proposer
+    subset = set(proposer.vocab_ids.tolist())
+    assert set(range(1024)) <= subset and smollm2_llm.engine.eos_token_ids <= subset and len(subset) < 1100
+    proposed: list[int] = []
+    propose_batch = proposer.propose_batch
+
+    def recording(*args):
+        drafts = propose_batch(*args)
+        proposed.extend(t for d in drafts for t in d.token_ids)
+        return drafts
+
+    proposer.propose_batch = recording
+    requests = mixed_requests(48)
+    same_outputs(run(spec.engine, requests), run(smollm2_llm.engine, requests), logprobs_atol=1e-4)
+    outputs = {t for out in run(smollm2_llm.engine, requests) for o in out for t in o.token_ids}
+    assert proposed and set(proposed) <= subset and outputs - subset  # the target wrote tokens beyond it
+    assert 0.2 < spec.engine.stats().spec_acceptance_rate < 0.9
+    assert_all_blocks_free(spec)
+    assert_all_blocks_free(smollm2_llm)
 
 
 def test_a_random_draft_model_of_the_same_vocabulary_is_lossless(smollm2_llm, tiny_chat_model):
@@ -297,7 +326,7 @@ def chi_square_p(llm, prompt, n, temperature, expected) -> float:
     return chisquare(observed.numpy(), wanted.numpy()).pvalue
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+@pytest.mark.parametrize("proposer", ["ngram", "draft", "draft-subset"])
 def test_sampling_with_speculation_keeps_the_target_distribution(
     proposer, tiny_vocab_model, tiny_vocab_draft, monkeypatch
 ):
@@ -305,8 +334,9 @@ def test_sampling_with_speculation_keeps_the_target_distribution(
     always proposes from the second step on; the draft model proposes from the first, drawn from its own
     q; each draft is accepted or rejected at random) against the exact joint distribution: a chi-square
     test over the 64 cells, passed by the engine with and without speculation, and failed by far by a rule
-    that accepts every draft. (Taking a draft model's q one-hot would keep the distribution too, accepting
-    less: the sampler test below.)"""
+    that accepts every draft; also with the draft's LM head over 3 of the 4 tokens (FR-Spec: its q is 0
+    at the fourth, which only the residual (p - q)+ gives). (Taking a draft model's q one-hot would keep
+    the distribution too, accepting less: the sampler test below.)"""
     from pagedllm.engine import sampler
 
     folder, hf = tiny_vocab_model
@@ -314,10 +344,14 @@ def test_sampling_with_speculation_keeps_the_target_distribution(
     expected = exact_joint(hf, prompt, temperature).double()
     expected /= expected.sum()  # float32 rounding
     config = NGRAM if proposer == "ngram" else draft(tiny_vocab_draft, 3)
+    if proposer == "draft-subset":  # tokens 0, 1 and EOS (2): q renormalised over them, 3 never drafted
+        config["draft_vocab_size"] = 2
     plain = LLM(str(folder), kv_cache_memory="16MiB", enable_prefix_caching=False)
     spec = LLM(str(folder), kv_cache_memory="16MiB", enable_prefix_caching=False, speculative_config=config)
     assert chi_square_p(plain, prompt, n, temperature, expected) > 1e-3
     assert chi_square_p(spec, prompt, n, temperature, expected) > 1e-3
+    if proposer == "draft-subset":
+        assert spec.engine.proposer.vocab_ids.tolist() == [0, 1, 2]
     stats = spec.engine.stats()
     assert stats.spec_draft_tokens >= n and 0.1 < stats.spec_acceptance_rate < 0.9
     draw = sampler._draw

@@ -10,7 +10,9 @@ yields; `same` says whether the two outputs are token for token equal.
 
 `--draft-model M` measures a draft model instead (speculative_config {"model": M, ...}) on general chat
 prompts, each run answering every one of CHAT_PROMPTS in turn: one speculating engine per k of
-`--num-speculative-tokens`, all side by side with the engine without speculation.
+`--num-speculative-tokens`, all side by side with the engine without speculation (and, with
+`--draft-vocab-size N`, one per k whose draft's LM head covers only N tokens). The forward and propose
+columns are means over the steps that computed no prompt tokens: a decode step, or a verify pass.
 
 With `--llama-cpp` (a GGUF model, llama-cpp-python installed) llama.cpp answers the same prompts on the
 same file in a child process after pagedllm's engines in every round, without speculation and with its
@@ -128,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--num-speculative-tokens", type=int, nargs="+", default=[3], help="with --draft-model: each k"
     )
+    parser.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        nargs="*",
+        default=[],
+        help="with --draft-model: also each k with the draft's LM head over this many tokens (FR-Spec)",
+    )
     parser.add_argument("--quantization", default="auto", help="weight storage (auto: a GGUF's own blocks)")
     parser.add_argument("--output-len", type=int, default=400, help="greedy tokens at most (EOS ends)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each engine, alternating")
@@ -201,8 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     configs = {"speculative": args.speculative_config}
     if args.draft_model:
         configs = {
-            f"draft k={k}": {"model": args.draft_model, "num_speculative_tokens": k}
+            f"draft k={k}" + (f" vocab {n}" if n else ""): {
+                "model": args.draft_model,
+                "num_speculative_tokens": k,
+                **({"draft_vocab_size": n} if n else {}),
+            }
             for k in args.num_speculative_tokens
+            for n in [None, *args.draft_vocab_size]
         }
     systems = {"no speculation": LLM(args.model, **common)}
     systems.update({name: LLM(args.model, speculative_config=c, **common) for name, c in configs.items()})
@@ -236,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{sum(map(len, tokens['no speculation']))} output tokens), {torch.get_num_threads()} threads, "
         f"{args.repeats} runs each, speculative_config {spec_text}"
     )
-    columns = ("forward ms/step", "propose ms/step")
+    columns = ("forward ms/step", "propose ms/step")  # means over the steps that prefilled nothing
     print(
         f"{'system':<22}{'decode tok/s':>14}{'runs':>22}"
         + "".join(f"{c:>17}" for c in columns)
@@ -245,11 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in rates:
         runs = " ".join(f"{r:.1f}" for r in rates[name])
         phases = ("forward", "propose")
-        steps = (
-            [1e3 * statistics.mean(t.seconds[p] for t in traces[name]) for p in phases]
-            if name in traces
-            else []
-        )
+        decodes = [t for t in traces.get(name, []) if not t.prefill_tokens]  # prompts' steps left out
+        steps = [1e3 * statistics.mean(t.seconds[p] for t in decodes) for p in phases] if decodes else []
         step_text = "".join(f"{ms:>17.1f}" for ms in steps) or f"{'-':>17}{'-':>17}"
         same = "yes" if tokens[name] == tokens["no speculation"] else "no"
         print(f"{name:<22}{statistics.median(rates[name]):>14.1f}{runs:>22}{step_text}{same:>6}")
@@ -258,8 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         drafts = stats.spec_draft_tokens - before[name].spec_draft_tokens
         accepted = stats.spec_accepted_tokens - before[name].spec_accepted_tokens
         verifies = stats.spec_verifies - before[name].spec_verifies
+        pairs = [s / b for s, b in zip(rates[name], rates["no speculation"], strict=True)]
         print(
-            f"{name}: speed-up {statistics.median(rates[name]) / base:.2f}x; acceptance rate "
+            f"{name}: speed-up {statistics.median(rates[name]) / base:.2f}x "
+            f"(per run {min(pairs):.2f}-{max(pairs):.2f}x); acceptance rate "
             f"{accepted / max(drafts, 1):.1%} ({accepted} of {drafts} drafts), mean accepted length "
             f"{1 + accepted / max(verifies, 1):.2f} tokens per verify pass; "
             f"same tokens: {tokens[name] == tokens['no speculation']}"

@@ -9,6 +9,15 @@ target accepted (`append` takes their slots) and `release_lookahead` gives back 
 scheduler does for the target. A greedy sequence's drafts are the draft model's argmax; a sampled one's
 are drawn from the draft's distribution q, kept for the rejection-sampling rule (engine/sampler.py).
 
+With `draft_vocab_size` N the draft's LM head is that of its vocabulary's most frequent tokens alone
+(FR-Spec, Zhao et al., 2025: the head of a 0.5B model is a third of the bytes one of its steps reads):
+the first N ids, which a byte-level BPE vocabulary numbers in merge order, most frequent pairs first (FR-
+Spec counts a corpus instead), and every added (special) token and EOS. Its logits elsewhere are -inf:
+a greedy draft is the argmax over the subset, a sampled one is drawn from q renormalised over it, and
+the rejection rule with that q keeps the target's distribution, as it does for any q (the residual
+(p - q)+ covers the tokens the draft cannot propose). The target verifies every draft, so the output
+is the same; only the acceptance can drop.
+
 The draft's pool has as many blocks of block_size tokens as the target's (its own blocks are smaller:
 fewer layers and heads), so whatever the target holds the draft can hold too; its memory comes on top
 of kv_cache_memory and is logged. A sequence the draft cannot hold at the moment just does not
@@ -31,6 +40,7 @@ from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.engine.sequence import Sequence
 from pagedllm.engine.speculative import Draft, SpeculativeConfig
 from pagedllm.kv import PagedAllocator
+from pagedllm.models.linear import take_rows
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +76,10 @@ class DraftModelProposer:
         self.max_model_len = cfg.max_position_embeddings
         groups = model_kv_groups(cfg, hybrid=False)  # no window groups: a draft's prefill is never chunked
         self.allocator = PagedAllocator(num_blocks, config.block_size, num_host_blocks=0)
+        self.vocab_size, self.vocab_ids, head = vocab_size, None, None
+        if spec.draft_vocab_size is not None and spec.draft_vocab_size < vocab_size:
+            self.vocab_ids = frequent_token_ids(loaded, spec.draft_vocab_size)
+            head = take_rows(loaded.model.lm_head, self.vocab_ids)  # the shared model's own head stays
         self.runner = ModelRunner(
             loaded.model,
             num_blocks,
@@ -74,6 +88,7 @@ class DraftModelProposer:
             config.device,
             prefault_kv_cache=config.prefault_kv_cache,
             groups=groups,
+            lm_head=head,
         )
         self.runner.calibrate_key_smoothing(calibration_ids(cfg.vocab_size, self.max_model_len))
         block_bytes = kv_block_bytes(cfg, loaded.model.num_kv_heads, config.kv_torch_dtype, config.block_size)
@@ -111,6 +126,9 @@ class DraftModelProposer:
                 draft.num_cached_tokens = draft.num_tokens
             tables = [self.allocator.block_tables(draft.seq_id) for _, draft, _ in batch]
             logits = self.runner.execute_step(self.runner.prepare_inputs(out, tables))
+            if self.vocab_ids is not None:  # the subset's logits in place, -inf elsewhere: q is 0 there
+                full = logits.new_full((len(logits), self.vocab_size), float("-inf"))
+                logits = full.index_copy_(1, self.vocab_ids, logits)
             rows = [SampleRow(seqs[i].params, generators[i]) for i, _, _ in batch]
             for (i, draft, _), token, q in zip(batch, *sample_drafts(logits, rows), strict=True):
                 draft.token_ids.append(token)
@@ -154,3 +172,11 @@ class DraftModelProposer:
 
     def all_free(self) -> bool:
         return self.allocator.all_free()
+
+
+def frequent_token_ids(loaded, size: int) -> torch.Tensor:
+    """The draft vocabulary: ids below `size` (a BPE vocabulary's earliest merges), the tokenizer's added
+    tokens and EOS, ascending."""
+    added = loaded.tokenizer.added_token_ids() if loaded.tokenizer is not None else []
+    extra = {t for t in [*added, *loaded.eos_token_ids] if size <= t < loaded.model.config.vocab_size}
+    return torch.tensor([*range(size), *sorted(extra)], dtype=torch.int64)

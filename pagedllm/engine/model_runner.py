@@ -80,8 +80,10 @@ class ModelRunner:
         num_host_blocks: int = 0,
         prefault_kv_cache: bool = True,
         groups: KVGroups | None = None,
+        lm_head: torch.nn.Module | None = None,
     ):
         self.model = model
+        self.lm_head = lm_head  # None: the model's own; a draft's may be over part of the vocabulary
         self.device = torch.device(device)
         self.num_blocks, self.block_size, self.num_host_blocks = num_blocks, block_size, num_host_blocks
         self.kv_dtype, self.prefault_kv_cache = dtype, prefault_kv_cache
@@ -161,7 +163,7 @@ class ModelRunner:
         hidden = self.model(self._tensor(step.input_ids), self._tensor(step.positions), meta)
         if int(step.num_logits.sum()) < len(hidden):  # some rows need no logits: keep the others
             hidden = hidden[self._tensor(logits_rows(step.query_start_loc, step.num_logits))]
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, self.lm_head)
 
     def prepare_inputs(self, out: SchedulerOutput, block_tables: list[list[list[int]]]) -> StepInputs:
         """The step's arrays for the scheduled sequences, whose KV blocks are given by `block_tables` (per

@@ -36,6 +36,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     model: str | None = None  # the draft model: a built-in name, a folder or a .gguf file, as the target's
+    # The draft's LM head over the vocabulary's first draft_vocab_size tokens and its special ones (FR-Spec,
+    # engine/draft_model.py); None: the whole vocabulary.
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -46,6 +49,10 @@ class SpeculativeConfig:
                 "method 'draft_model' (or no method) and needs 'model'; 'ngram' takes no model"
             )
         _check_positive("num_speculative_tokens", self.num_speculative_tokens)
+        if self.draft_vocab_size is not None:
+            _check_positive("draft_vocab_size", self.draft_vocab_size)
+            if self.model is None:
+                raise ValueError("speculative_config draft_vocab_size is a draft model's: it needs 'model'")
         # vLLM's defaults: either bound alone sets both; neither: 5.
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         lo, hi = (lo or hi or 5), (hi or lo or 5)

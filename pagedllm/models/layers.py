@@ -180,10 +180,11 @@ class CausalLM(nn.Module):
     def finish_loading(self) -> None:
         """After the weights are loaded and every linear method has prepared its storage (load_model)."""
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """[N, hidden] final hidden states -> [N, vocab] float32 logits (on rank 0; None on the others)."""
-        logits = self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor | None:
+        """[N, hidden] final hidden states -> [N, vocab] float32 logits (on rank 0; None on the others).
+        `lm_head`: another head of one rank, over part of the vocabulary ([N, its rows]; a draft model's)."""
+        logits = (lm_head or self.lm_head)(hidden).float()
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return self.tp.gather(logits, self.config.vocab_size)
+        return logits if lm_head is not None else self.tp.gather(logits, self.config.vocab_size)

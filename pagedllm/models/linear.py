@@ -87,6 +87,10 @@ class LinearMethod:
         """The tensors holding the layer's weight in this method's storage (for memory accounting)."""
         return [layer.weight]
 
+    def take_rows(self, layer: Linear, ids: torch.Tensor, into: Linear) -> None:
+        """Give `into` rows `ids` of the processed layer's weight, in this method's storage."""
+        into.weight = nn.Parameter(layer.weight.detach()[ids], requires_grad=False)
+
 
 def dense_tensor(tensor) -> torch.Tensor:
     """A checkpoint tensor as a torch tensor: a still-quantized one (with .dequantize(), e.g. GGUF blocks)
@@ -133,6 +137,10 @@ class OneDNNLinear(LinearMethod):
 
     def tensors(self, layer: Linear) -> list[torch.Tensor]:
         return [layer.packed_weight, *([layer.weight] if hasattr(layer, "weight") else [])]
+
+    def take_rows(self, layer: Linear, ids: torch.Tensor, into: Linear) -> None:
+        dense = layer.weight if hasattr(layer, "weight") else layer.packed_weight.to_dense()
+        into.packed_weight = torch.ops.mkldnn._reorder_linear_weight(dense.detach()[ids].contiguous())
 
     def kernel_args(self, layer: Linear) -> tuple:
         """The layer as the one-call decoder layer takes it (csrc/decoder.cpp): the packed weight and the
@@ -217,6 +225,32 @@ class KernelLinear(LinearMethod):
     def tensors(self, layer: Linear) -> list[torch.Tensor]:
         return layer.stored.tensors()
 
+    def take_rows(self, layer: Linear, ids: torch.Tensor, into: Linear) -> None:
+        w = layer.stored
+        if w.format == "gguf":
+            into.stored = _gguf_rows(w, ids, layer.in_features)
+        elif w.data.dim() == 3:  # float32 panels
+            into.stored = StoredWeight(cpu.pack_panels(cpu.panel_rows(w.data, ids)), group_size=len(ids))
+        else:  # one stored row per weight row, and its scales' and mins' rows
+            into.stored = w.with_tensors([t[ids].contiguous() for t in w.tensors()])
+        into.params_dtype = layer.params_dtype
+
+
+def _gguf_rows(w: StoredWeight, ids: torch.Tensor, cols: int) -> StoredWeight:
+    """Rows `ids` (ascending) of GGUF blocks: each shard's rows among them, still in its blocks."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    pieces, layout, first, offset = [], [], 0, 0
+    for rows, qtype in w.scales.tolist():
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        row_bytes = cols // block * size
+        mine = ids[(ids >= first) & (ids < first + rows)] - first
+        if len(mine):
+            pieces.append(w.data[offset : offset + rows * row_bytes].view(rows, row_bytes)[mine].reshape(-1))
+            layout.append([len(mine), qtype])
+        first, offset = first + rows, offset + rows * row_bytes
+    return StoredWeight(torch.cat(pieces), torch.tensor(layout, dtype=torch.int64))
+
 
 LINEAR_METHODS: dict[str, type[LinearMethod]] = {
     "dense": DenseLinear,
@@ -251,6 +285,22 @@ def default_linear_method(
 def few_rows(max_num_seqs: int | None) -> bool:
     """Whether every decode step multiplies few enough rows for the kernel's streaming regime."""
     return max_num_seqs is not None and max_num_seqs <= KernelLinear.STREAM_ROWS
+
+
+def take_rows(layer: Linear, ids: torch.Tensor) -> Linear:
+    """A Linear computing outputs `ids` (ascending, distinct) of the processed `layer`: its weight's rows
+    (and bias entries) in the layer's own storage, a quantized weight still quantized (a draft model's LM
+    head over part of the vocabulary)."""
+    if len(ids) == 0 or not bool((ids[1:] > ids[:-1]).all()) or ids[0] < 0 or ids[-1] >= layer.out_features:
+        bound = layer.out_features
+        raise ValueError(f"take_rows needs distinct ascending row ids in [0, {bound}), got {ids}")
+    rows = Linear(layer.in_features, len(ids), bias=False)
+    del rows.weight
+    rows.method = layer.method
+    if layer.bias is not None:
+        rows.bias = nn.Parameter(layer.bias.detach()[ids], requires_grad=False)
+    layer.method.take_rows(layer, ids, rows)
+    return rows
 
 
 def linear_layers(model: nn.Module) -> list[Linear]:

@@ -50,6 +50,10 @@ class Tokenizer:
         token = self.special_tokens["eos_token"]
         return None if token is None else self._tokenizer.token_to_id(token)
 
+    def added_token_ids(self) -> list[int]:
+        """The tokens added to the model's vocabulary (special and chat-template tokens), ascending."""
+        return sorted(self._tokenizer.get_added_tokens_decoder())
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
