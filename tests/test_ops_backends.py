@@ -155,15 +155,68 @@ def backend(request, monkeypatch):
     assert launches, "the test passed without launching a Triton kernel"
 
 
+def _int8_query_codes(backend, k_cache: torch.Tensor) -> bool:
+    """Whether the backend's decode meets this cache's key codes with int8 query codes (the cpu kernels
+    on an int8 cache): it then equals the reference on reference.int8_decode_query's query."""
+    return backend.__name__ == "pagedllm.ops.cpu" and k_cache.dtype == INT8
+
+
+def _attended_query(backend, b, scale: float) -> torch.Tensor:
+    """The query the backend attends with: b.q, but for the cpu kernels over an int8 cache each decode
+    row's (a sequence's only query row, in any batch) is reference.int8_decode_query's."""
+    if not _int8_query_codes(backend, b.k_cache):
+        return b.q
+    q = b.q.float().clone()
+    starts = b.query_start_loc.tolist()
+    rows = [lo for lo, hi in zip(starts, starts[1:], strict=False) if hi - lo == 1]
+    q[rows] = reference.int8_decode_query(b.q[rows], b.k_cache, scale)
+    return q
+
+
 @pytest.mark.parametrize("case", DECODE.values(), ids=DECODE.keys())
 def test_decode_matches_reference(backend, case):
     b = _batch(case)
     scale = 1 / math.sqrt(case.head_dim)
     args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale, case.window)
     out = backend.paged_decode_attention(*args)
-    expected = reference.paged_decode_attention(*args)
+    expected = reference.paged_decode_attention(_attended_query(backend, b, scale), *args[1:]).to(case.dtype)
     assert out.dtype == case.dtype and out.shape == b.q.shape
     torch.testing.assert_close(out, expected, **_tolerance(case.dtype))
+
+
+INT8_DECODE = {name: case for name, case in DECODE.items() if case.kv_dtype == INT8}
+
+
+@pytest.mark.parametrize("case", INT8_DECODE.values(), ids=INT8_DECODE.keys())
+def test_int8_query_codes_move_the_output_within_their_bound(backend, case):
+    """The cpu kernels' int8 decode rounds each query head (q * scale * key factor, the vector that meets
+    the smoothed key codes times their scales, k_t) to int8 codes of scale s = max |q| / 127: each element
+    moves by at most s / 2, so each score by at most delta = s / 2 * max_t |k_t|_1, each softmax weight by
+    a factor within exp(+-2 delta), and the output by at most (exp(2 delta) - 1) max_t |v_t| per head
+    against attention on the float query. The bound holds, and the codes do move the output."""
+    if not _int8_query_codes(backend, torch.empty(0, dtype=INT8)):
+        pytest.skip("only the cpu kernels quantize the query")
+    b = _batch(case)
+    scale = 1 / math.sqrt(case.head_dim)
+    args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale, case.window)
+    out = backend.paged_decode_attention(*args).float()
+    exact = reference.paged_decode_attention(b.q.float(), *args[1:])
+    group = case.num_heads // case.num_kv_heads
+    factor = key_smoothing(b.k_cache)[1].repeat_interleave(group, dim=0)
+    q_scale = (b.q.float() * scale * factor).abs().amax(dim=-1) / 127  # [S, H]
+    block_size = case.block_size
+    for s, n in enumerate(b.context_lens.tolist()):
+        ids = b.block_tables[s, : -(-n // block_size)].long()
+        k, v = (
+            reference.dequantize(c[ids], kv_scales(c)[ids]).flatten(0, 1)[:n] for c in (b.k_cache, b.v_cache)
+        )  # [n, Hkv, D]: the smoothed keys the query meets, and the values
+        if case.window is not None:
+            k, v = k[-case.window :], v[-case.window :]
+        delta = q_scale[s] / 2 * k.abs().sum(-1).amax(0).repeat_interleave(group)  # [H]
+        bound = (torch.exp(2 * delta) - 1) * v.abs().amax(dim=(0, 2)).repeat_interleave(group)
+        error = (out[s] - exact[s]).abs().amax(-1)
+        assert (error <= bound + 1e-5).all(), (s, error, bound)
+    assert not torch.equal(out, exact)
 
 
 @pytest.mark.parametrize("case", PREFILL.values(), ids=PREFILL.keys())
@@ -172,7 +225,7 @@ def test_prefill_matches_reference(backend, case):
     scale = 1 / math.sqrt(case.head_dim)
     args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.context_lens, scale, case.window)
     out = backend.paged_prefill_attention(*args)
-    expected = reference.paged_prefill_attention(*args)
+    expected = reference.paged_prefill_attention(_attended_query(backend, b, scale), *args[1:]).to(case.dtype)
     assert out.dtype == case.dtype and out.shape == b.q.shape
     torch.testing.assert_close(out, expected, **_tolerance(case.dtype))
 

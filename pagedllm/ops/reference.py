@@ -58,6 +58,15 @@ def smooth_keys(key: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
     return (key.float() - mean) / factor
 
 
+def int8_decode_query(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [S, H, D] as the cpu kernels' decode over an int8 cache meets the keys' codes in integers: each
+    head's q * scale * its kv head's key smoothing factor quantized as a cache row is (quantize: int8 codes,
+    one scale), back in q's units (float32). Attention on it equals theirs up to float reordering."""
+    factor = key_smoothing(k_cache)[1].repeat_interleave(q.shape[1] // k_cache.shape[2], dim=0)
+    codes, q_scale = quantize(q.float() * scale * factor, torch.int8)
+    return dequantize(codes, q_scale) / (scale * factor)
+
+
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "int8_scores.h"
 #include "simd.h"
 #include "threads.h"
 
@@ -479,6 +480,68 @@ inline void scale_by_rows(float* x, const float* scale, int64_t stride, int64_t 
   for (int64_t t = 0; t < count; ++t) x[t] *= scale[t * stride];
 }
 
+// count floats p[0], p[stride], ... in the first lanes of a vector (zeros after).
+inline VecF load_strided(const float* p, int64_t stride, int count) {
+  if (stride == 1) return load(p, count);
+  alignas(64) float lanes[VecF::kWidth] = {};
+  for (int t = 0; t < count; ++t) lanes[t] = p[t * stride];
+  return VecF::load(lanes);
+}
+
+// An int8 decode's query heads as int8 codes: each row of scaled (and key-factor-multiplied) query values
+// quantized as a cache row is (quantize_row: a float scale, codes rounded to nearest), once per step, as
+// the patterns int8_scores::dot_rows reads, with the codes' sum.
+struct QueryCodes {
+  using VecI = int8_scores::VecI;
+  std::vector<VecI> patterns;
+  std::vector<float> scale;
+  std::vector<int32_t> sum;
+  int64_t chunks = 0;
+
+  void build(const float* query, int64_t heads, int64_t d) {
+    chunks = (d + int8_scores::kBytes - 1) / int8_scores::kBytes;
+    patterns.resize(heads * per_head());
+    scale.resize(heads);
+    sum.resize(heads);
+    std::vector<int8_t> row(chunks * int8_scores::kBytes, 0);  // past d: zeros
+    for (int64_t h = 0; h < heads; ++h) {
+      quantize_row(query + h * d, row.data(), &scale[h], d);
+      sum[h] = 0;
+      for (int64_t i = 0; i < d; ++i) sum[h] += row[i];
+      int8_scores::QueryPatterns::build(row.data(), chunks, patterns.data() + h * per_head());
+    }
+  }
+  int64_t per_head() const { return chunks * int8_scores::QueryPatterns::kPerChunk; }
+  const VecI* of(int64_t head) const { return patterns.data() + head * per_head(); }
+};
+
+// scores[m * s_stride + t] for query heads first .. first + heads - 1 (rows m = 0 ..) and count int8 key
+// rows of one block (k, k_stride apart; their scales k_scale, ks_stride apart): the integer dot product of
+// the codes times the query's scale and the key's. Exact up to that float rounding: the query's own
+// rounding to codes is the only difference from scoring the float query against the dequantized keys.
+inline void int8_block_scores(float* scores, int64_t s_stride, const QueryCodes& q, int64_t first, int64_t heads,
+                              const int8_t* k, int64_t k_stride, const float* k_scale, int64_t ks_stride,
+                              int64_t count, int64_t d) {
+  namespace is = int8_scores;
+  for (int64_t t = 0; t < count; t += is::kRowsAtOnce) {
+    const int n_keys = static_cast<int>(std::min<int64_t>(is::kRowsAtOnce, count - t));
+    const VecF key_scale = load_strided(k_scale + t * ks_stride, ks_stride, n_keys);
+    for (int64_t m0 = 0; m0 < heads; m0 += kRows) {
+      with_count<kRows>(heads - m0, [&](auto n) {
+        const is::VecI* patterns[n];
+        for (int r = 0; r < n; ++r) patterns[r] = q.of(first + m0 + r);
+        is::VecI dots[n];
+        is::dot_rows<n>(dots, patterns, k + t * k_stride, k_stride, n_keys, d);
+        for (int r = 0; r < n; ++r) {
+          const int64_t head = first + m0 + r;
+          const VecF dot = is::to_float(is::sub(dots[r], is::set1(128 * q.sum[head])));
+          store(dot * (key_scale * VecF::set1(q.scale[head])), scores + (m0 + r) * s_stride + t, n_keys);
+        }
+      });
+    }
+  }
+}
+
 // One query row (a decode step's, or a prompt tile's when it holds one) against the item's kv heads, both
 // passes over its keys blockwise, every kv head's rows of a block in turn. Writes the row to out, or for a
 // part of a split row, its partial sums to `partial`. A quantized cache's scales multiply each key's
@@ -507,21 +570,34 @@ void decode_row(const Batch<TQ, TKV>& b, const WorkItem& it, float* partial) {
   const PagedRows<TKV> paged = b.paged(it.seq, it.kv_head, it.kv_heads);
 
   // Pass 1: scores of every head against every key of [lo, hi). Each block of keys is loaded once and
-  // scored against all its kv head's query heads, kRows at a time.
-  paged.for_each_block(b.k_cache, lo, hi, [&](int64_t t0, int64_t t1, const TKV* k_rows, const float* k_scales) {
-    for (int64_t hl = 0; hl < it.kv_heads; ++hl) {
-      for (int64_t m0 = hl * group; m0 < (hl + 1) * group; m0 += kRows) {
-        with_count<kRows>((hl + 1) * group - m0, [&](auto n) {
-          score_rows<n, C>(&scores[m0 * span + t0 - lo], span, &query[m0 * d], k_rows + hl * b.head_stride,
-                           b.slot_stride, t1 - t0, d);
-        });
+  // scored against all its kv head's query heads, kRows at a time; a decode step's row (its sequence's
+  // only query row) over an int8 cache, in integers (int8_block_scores).
+  if (std::is_same_v<TKV, int8_t> && b.q_len(it.seq) == 1) {
+    thread_local QueryCodes codes;
+    codes.build(query.data(), heads, d);
+    paged.for_each_block(b.k_cache, lo, hi, [&](int64_t t0, int64_t t1, const TKV* k_rows, const float* k_scales) {
+      if constexpr (std::is_same_v<TKV, int8_t>)
+        for (int64_t hl = 0; hl < it.kv_heads; ++hl)
+          int8_block_scores(&scores[hl * group * span + t0 - lo], span, codes, hl * group, group,
+                            k_rows + hl * b.head_stride, b.slot_stride, k_scales + hl * b.scales.head_stride,
+                            b.scales.slot_stride, t1 - t0, d);
+    });
+  } else {
+    paged.for_each_block(b.k_cache, lo, hi, [&](int64_t t0, int64_t t1, const TKV* k_rows, const float* k_scales) {
+      for (int64_t hl = 0; hl < it.kv_heads; ++hl) {
+        for (int64_t m0 = hl * group; m0 < (hl + 1) * group; m0 += kRows) {
+          with_count<kRows>((hl + 1) * group - m0, [&](auto n) {
+            score_rows<n, C>(&scores[m0 * span + t0 - lo], span, &query[m0 * d], k_rows + hl * b.head_stride,
+                             b.slot_stride, t1 - t0, d);
+          });
+        }
+        if constexpr (kScaled<TKV>)
+          for (int64_t m = hl * group; m < (hl + 1) * group; ++m)
+            scale_by_rows(&scores[m * span + t0 - lo], k_scales + hl * b.scales.head_stride,
+                          b.scales.slot_stride, t1 - t0);
       }
-      if constexpr (kScaled<TKV>)
-        for (int64_t m = hl * group; m < (hl + 1) * group; ++m)
-          scale_by_rows(&scores[m * span + t0 - lo], k_scales + hl * b.scales.head_stride, b.scales.slot_stride,
-                        t1 - t0);
-    }
-  });
+    });
+  }
   // Softmax: the row sees every key of [lo, hi).
   for (int64_t i = 0; i < heads; ++i) {
     float* s = &scores[i * span];
