@@ -18,8 +18,10 @@ caches lie in memory as the engine allocates them (head-major, huge pages: ops/k
 `--kv-dtype` stores the caches in another dtype than the queries' (float32, bfloat16, or int8 / fp8 codes
 with their scales, as kv_cache_dtype does); the dense baseline then attends over the values the cache
 holds, and K/V bytes are what the cache holds (ops.kv_block_bytes: a quantized cache's scales included).
-`--kv-sweep` times decode with every sequence at each `--contexts` length, the caches in each
-`--kv-dtype` side by side (interleaved in one run), each checked against the reference first.
+The cpu kernels' decode over an int8 cache is checked against the reference on the query codes it
+attends with (attended_query). `--kv-sweep` times decode with every sequence at each `--contexts`
+length, the caches in each `--kv-dtype` side by side (interleaved in one run), each checked against the
+reference first.
 """
 
 from __future__ import annotations
