@@ -7,6 +7,7 @@ tiny models as GGUF files the way llama.cpp names them.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -183,6 +184,7 @@ def write_gguf(hf_model, path, arch: str = "llama", qtype=None, names_of: str | 
         writer.add_expert_count(experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         writer.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", cfg.intermediate_size))
+    _write_rope_factors(writer, cfg, head_dim)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[(names_of or arch).upper()], cfg.num_hidden_layers)
     for name, tensor in _llama_cpp_tensors(hf_model):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -205,6 +207,34 @@ def write_gguf(hf_model, path, arch: str = "llama", qtype=None, names_of: str | 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _write_rope_factors(writer, cfg, head_dim: int) -> None:
+    """RoPE scaling as llama.cpp's converter writes it: Llama 3's as a rope_freqs tensor of the factor
+    each pair's frequency is divided by (computed pair by pair, as convert_hf_to_gguf.py does), Phi-3's
+    longrope as its two factor tensors with the original context and the attention factor as keys."""
+    rope = cfg.rope_parameters
+    if rope["rope_type"] == "llama3":
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old_context = rope["original_max_position_embeddings"]
+        factors = []
+        for i in range(0, head_dim, 2):
+            wavelen = 2 * math.pi * rope["rope_theta"] ** (i / head_dim)
+            if wavelen < old_context / high:
+                factors.append(1.0)
+            elif wavelen > old_context / low:
+                factors.append(factor)
+            else:
+                smooth = (old_context / wavelen - low) / (high - low)
+                factors.append(1 / ((1 - smooth) / factor + smooth))
+        writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+    elif rope["rope_type"] == "longrope":
+        original = rope["original_max_position_embeddings"]
+        scale = cfg.max_position_embeddings / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
 
 def _llama_cpp_tensors(hf_model):

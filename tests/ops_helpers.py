@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 
-def int16_blocks(x: torch.Tensor) -> torch.Tensor:
-    """x rounded as int16 blocks of 32 columns, scale max |x| / 32767 each (float32 arithmetic)."""
-    blocks = x.float().reshape(x.shape[0], -1, 32)
+def int16_blocks(x: torch.Tensor, size: int = 32) -> torch.Tensor:
+    """x rounded as int16 blocks of `size` columns, scale max |x| / 32767 each (float32 arithmetic)."""
+    blocks = x.float().reshape(x.shape[0], -1, size)
     d = blocks.abs().amax(dim=-1, keepdim=True) / 32767
     inverse = torch.where(d > 0, 1 / d, 0)
     return (torch.round(blocks * inverse) * d).reshape(x.shape)

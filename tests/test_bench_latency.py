@@ -126,7 +126,22 @@ def test_speculative_reports_both_engines_acceptance_and_equal_tokens(capsys):
     rows = {line.split("  ")[0]: line for line in out.splitlines()[2:4]}
     assert set(rows) == {"no speculation", "speculative"}
     last = out.splitlines()[-1]
-    assert last.startswith("speed-up ") and "acceptance rate" in last and last.endswith("same tokens: True")
+    assert last.startswith("speculative: speed-up ") and "acceptance rate" in last
+    assert last.endswith("same tokens: True")
     with pytest.raises(SystemExit):
         speculative.main(["--speculative-config", "[3]"])
     assert "--speculative-config must be a JSON object" in capsys.readouterr().err
+
+
+def test_speculative_with_a_draft_model_reports_each_k(capsys):
+    """The target as its own draft, on the chat prompts: every draft accepted, the same tokens."""
+    from pagedllm.bench import speculative
+
+    argv = ["--model", "smollm2-135m", "--draft-model", "smollm2-135m", "--num-speculative-tokens", "2", "3"]
+    argv += ["--output-len", "12", "--repeats", "1", "--kv-cache-memory", "32MiB"]
+    assert speculative.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "general chat requests" in lines[0] and "draft model smollm2-135m" in lines[0]
+    assert [line.split("  ")[0] for line in lines[2:5]] == ["no speculation", "draft k=2", "draft k=3"]
+    for k, line in zip((2, 3), lines[5:], strict=True):
+        assert line.startswith(f"draft k={k}: speed-up ") and line.endswith("same tokens: True")

@@ -10,6 +10,7 @@ import torch
 from helpers import assert_all_blocks_free
 
 from pagedllm import BeamSearchParams, SamplingParams
+from pagedllm.engine.speculative import SpeculativeConfig
 from pagedllm.entrypoints import cli
 
 PROMPT = "The capital of France is"
@@ -122,6 +123,10 @@ def _error_line(capsys, argv: list[str]) -> str:
             ["generate", "hi", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
             "num_speculative_tokens must be a positive integer, got 0",
         ),
+        (
+            ["serve", "--speculative-config", '{"method": "draft_model", "num_speculative_tokens": 2}'],
+            "method 'draft_model' with model None",
+        ),
     ],
 )
 def test_bad_input_is_named_before_the_model_loads(capsys, no_model_loads, argv, words):
@@ -181,6 +186,11 @@ def test_speculative_config_reaches_the_engine_and_keeps_the_greedy_text(capsys,
         "num_speculative_tokens": 3,
         "prompt_lookup_max": 2,
     }
+    draft = '{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 2}'
+    kwargs = cli._engine_kwargs(parse(["serve", "--speculative-config", draft]))
+    assert SpeculativeConfig.from_dict(kwargs["speculative_config"]) == SpeculativeConfig(
+        "draft_model", 2, model="qwen2.5-coder-0.5b"
+    )
     prompt = "one two three, one two three, one two three,"
     texts = []
     for extra in ([], ["--speculative-config", spec]):

@@ -104,14 +104,65 @@ def test_the_window_groups_hold_far_less_than_full_history(tiny_gemma3):
     used = {}
     for hybrid in (True, False):
         llm = _llm(tiny_gemma3, hybrid=hybrid)
-        engine, most = llm.engine, [0]
-
-        def measure(trace, engine=engine, most=most) -> None:  # decode steps: each holds more
-            if trace.prefill_tokens == 0:
-                free = engine.stats().kv_usage.free_slots // engine.config.block_size
-                most.append((engine.num_kv_blocks - free) * engine.kv_cache_bytes // engine.num_kv_blocks)
-
-        engine.add_step_observer(measure)
+        most = _decode_kv_bytes(llm)
         _tokens(llm, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), prompts)
         used[hybrid] = max(most)
     assert used[True] < 0.6 * used[False]
+
+
+def _decode_kv_bytes(llm: LLM) -> list[int]:
+    """A list that gets the KV bytes in use after each decode step of the engine (each holds more)."""
+    engine, most = llm.engine, [0]
+
+    def measure(trace) -> None:
+        if trace.prefill_tokens == 0:
+            free = engine.stats().kv_usage.free_slots // engine.config.block_size
+            most.append((engine.num_kv_blocks - free) * engine.kv_cache_bytes // engine.num_kv_blocks)
+
+    engine.add_step_observer(measure)
+    return most
+
+
+def test_gemma2_alternating_windows_use_the_groups_and_match_hf_beyond_the_window(tmp_path):
+    """Gemma 2 (sliding and full layers alternating, attention logits soft-capped): the same KV groups
+    (a full group and a window group of 2 layers each), the window's blocks given back while it decodes,
+    and greedy tokens equal to transformers' and to the full-history engine's, prompts 3-8x the window
+    computed in chunks of 16."""
+    from models_helpers import hf_greedy
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    config = Gemma2Config(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        sliding_window=9,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=1.5,
+        final_logit_softcapping=5.0,
+    )
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize(hf)
+    hf.save_pretrained(tmp_path)
+    prompts = [[random.Random(30 + i).randrange(384) for _ in range(n)] for i, n in enumerate((27, 40, 72))]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    got, held = {}, {}
+    for hybrid in (True, False):
+        llm = LLM(
+            str(tmp_path),
+            block_size=4,
+            max_num_batched_tokens=16,
+            num_kv_blocks=400,
+            disable_hybrid_kv_cache_manager=not hybrid,
+        )
+        assert llm.engine.kv_groups.windows == ((None, 9) if hybrid else (None,))
+        most = _decode_kv_bytes(llm)
+        got[hybrid], held[hybrid] = [t[0] for t in _tokens(llm, params, prompts)], max(most)
+    assert got[True] == got[False] == hf_greedy(hf, prompts, 16)
+    assert held[True] < 0.7 * held[False]  # the sliding half of the layers holds 3-4 blocks, not up to 22

@@ -17,7 +17,7 @@ from hypothesis.stateful import invariant, precondition, rule
 from kv_helpers import free_order, group_slots
 from test_kv_properties import PagedMachine, prompts
 
-from pagedllm.kv import NO_BLOCK, PagedAllocator, kv_groups
+from pagedllm.kv import NO_BLOCK, NoFreeBlocks, PagedAllocator, kv_groups
 
 WINDOW, BS, CHUNK = 3, 2, 3  # tokens
 
@@ -35,7 +35,7 @@ class HybridMachine(PagedMachine):
             enable_prefix_caching=True,
             num_host_blocks=16,
             windows=(None, WINDOW, WINDOW),
-            max_prefill_tokens=CHUNK,
+            prefill_chunk=CHUNK,
         )
 
     def write(self, seq_id: int, start: int) -> None:
@@ -81,10 +81,38 @@ class HybridMachine(PagedMachine):
     @precondition(lambda self: self.computable())
     @rule(data=st.data())
     def cache_blocks(self, data):
-        """One step of a sequence: a prompt chunk, or the token it grew by; never fails."""
+        """One step of a sequence: a prompt chunk, or the token it grew by. A chunk within prefill_room never
+        fails; a longer one may find no free block (NoFreeBlocks, having only given back what left the
+        window of its start), as vLLM v1's admission by the first chunk allows."""
         seq_id = data.draw(st.sampled_from(self.computable()))
         start = self.computed[seq_id]
-        end = data.draw(st.integers(start + 1, min(len(self.tokens[seq_id]), start + CHUNK)))
+        left = len(self.tokens[seq_id]) - start
+        end = data.draw(st.integers(start + 1, start + min(left, CHUNK)))
+        fits = end - start <= self.kv.prefill_room(seq_id, start, left)
+        try:
+            self.kv.cache_blocks(seq_id, end, start=start)
+        except NoFreeBlocks:
+            assert not fits
+            self.started[seq_id] = start
+            return
+        self.computed[seq_id], self.started[seq_id] = end, start
+        self.write(seq_id, start)
+
+    @precondition(lambda self: self.computable())
+    @rule(data=st.data(), keep_free=st.integers(0, 6))
+    def cache_blocks_by_room(self, data, keep_free):
+        """A prompt chunk as long as prefill_room allows (the scheduler's way): never fails. With every group
+        taking a prompt's blocks chunk by chunk, the room may be none (the scheduler then waits or
+        preempts), but never while each group has a free block to take beyond keep_free."""
+        seq_id = data.draw(st.sampled_from(self.computable()))
+        start = self.computed[seq_id]
+        left = len(self.tokens[seq_id]) - start
+        room = self.kv.prefill_room(seq_id, start, left, keep_free=keep_free)
+        assert 0 <= room <= left
+        assert room > 0 or self.kv.num_free_blocks - keep_free < self.kv.num_groups
+        if room == 0:
+            return
+        end = data.draw(st.integers(start + 1, start + room))
         self.kv.cache_blocks(seq_id, end, start=start)
         self.computed[seq_id], self.started[seq_id] = end, start
         self.write(seq_id, start)
@@ -148,6 +176,17 @@ class HybridMachine(PagedMachine):
     # -- invariants --------------------------------------------------------------------------------
 
     @invariant()
+    def every_sequence_reads_back_its_tokens(self):
+        """The full group reads back every computed token (a prompt's blocks come chunk by chunk)."""
+        for seq_id in self.resident():
+            computed = self.computed[seq_id]
+            pairs = group_slots(self.kv, seq_id, 0)[:computed]
+            expected = list(enumerate(self.tokens[seq_id]))[:computed]
+            assert [self.device.get(slot) for _, slot in pairs] == expected
+        for seq_id, toks in self.tokens.items():
+            assert self.kv.num_tokens(seq_id) == len(toks) and seq_id in self.kv
+
+    @invariant()
     def every_group_reads_back_what_its_queries_read(self):
         """Full group: every token. Window group: from the first key the next step's first query reads up
         to the tokens it has slots for, and nothing before the window of the last step it was told of."""
@@ -162,7 +201,7 @@ class HybridMachine(PagedMachine):
                 assert all(slot is None for _, slot in pairs[:told]), "held before the window"
                 read = [(t, self.device.get(slot)) for t, slot in pairs[first:]]
                 assert all(got == (t, toks[t]) for t, got in read)
-                covered = len(toks) if window is None or start == len(toks) else start
+                covered = len(toks) if start == len(toks) else start
                 assert len(pairs) >= min(covered, len(toks)) and len(pairs) <= len(toks)
         for seq_id, toks in self.tokens.items():
             assert self.kv.num_tokens(seq_id) == len(toks)
@@ -252,35 +291,71 @@ def test_a_prefix_hit_needs_the_whole_prefix_in_full_groups_and_the_last_window_
     assert kv.all_free()
 
 
-def test_a_chunked_prefill_takes_window_blocks_chunk_by_chunk_from_a_promise():
-    """Admission sets aside only what a window group's prefill can hold at once (its window and a chunk):
-    three 100-token prompts fit in 105 blocks (whole, they would take 150)."""
-    kv = PagedAllocator(3 * 25 + 3 * 10, block_size=4, windows=(None, 8), max_prefill_tokens=16)
+def test_a_prompt_is_admitted_by_its_first_chunk_and_takes_every_groups_blocks_chunk_by_chunk():
+    """Admission sets aside a window group's prefill only what it holds at once (its window and a chunk)
+    and takes a full group's blocks as chunks are computed (vLLM v1's rule): three 100-token prompts take
+    84 of 105 blocks, and a fourth is admitted into the rest and computed as far as it fits."""
+    kv = PagedAllocator(3 * 25 + 3 * 10, block_size=4, windows=(None, 8), prefill_chunk=16)
     for seq_id in "abc":
         prompt = [ord(seq_id)] * 100
-        assert kv.num_blocks_needed(prompt) == 25 + 7  # window 8 + chunk 16 span at most 7 blocks
+        assert kv.num_blocks_needed(prompt) == 4 + 7  # a first chunk: 16 tokens; window 8 + chunk 16: 7
         assert kv.can_allocate(prompt, 4)
         kv.allocate(seq_id, prompt, 4, num_computed=0)
+        assert kv.block_tables(seq_id) == [[], []]
         for start in range(0, 100, 16):
             kv.cache_blocks(seq_id, min(100, start + 16), start=start)
+            assert len(kv.block_tables(seq_id)[0]) == -(-min(100, start + 16) // 4)
             assert len([b for b in kv.block_tables(seq_id)[1] if b != NO_BLOCK]) <= 7
-    assert kv.num_free_blocks == 105 - 3 * 25 - 3 * 3 and not kv.can_allocate([1] * 100, 4)
-    for seq_id in "abc":
+    assert kv.num_free_blocks == 105 - 3 * 25 - 3 * 3
+    kv.allocate("d", [1] * 100, 4, num_computed=0)  # 7 promised, 14 free beyond it
+    assert kv.prefill_room("d", 0, 100) == 40  # 10 blocks: 10 full, 7 from the promise and 3 free
+    kv.cache_blocks("d", 40, start=0)
+    assert kv.num_free_blocks == 1
+    assert kv.prefill_room("d", 40, 60) == 16  # window blocks 0..7 left its window: 4 more blocks fit
+    kv.cache_blocks("d", 56, start=40)
+    assert kv.num_free_blocks == 0 and kv.prefill_room("d", 56, 44) == 0  # what goes back refills the promise
+    with pytest.raises(NoFreeBlocks, match="needs 1 free blocks beyond its promise for its chunk, 0 free"):
+        kv.cache_blocks("d", 60, start=56)
+    for seq_id in "abcd":
+        kv.free(seq_id)
+    assert kv.all_free()
+    assert not kv.can_allocate([1] * 400, 4)  # its lasting need is more than the whole pool
+
+
+def test_prefill_room_is_the_longest_chunk_whose_blocks_fit():
+    """Window 8, block 4, chunks of 4 promised (4 blocks: 7 keys back and 4 new tokens span at most 4): a
+    prefill may compute as far as the free blocks (less keep_free) reach, its window group drawing on its
+    promise first, and the blocks that left its window fund its next chunk."""
+    kv = PagedAllocator(46, block_size=4, windows=(None, 8), prefill_chunk=4)
+    kv.allocate("a", [1] * 60, 4, num_computed=0)  # 1 full block needed, 4 promised
+    assert kv.prefill_room("a", 0, 60) == 60  # alone: all 15 blocks of each group fit
+    kv.cache_blocks("a", 60, start=0)
+    kv.allocate("b", [2] * 40, 4, num_computed=0)  # 4 promised: 12 free
+    assert kv.num_free_blocks == 12
+    assert kv.prefill_room("b", 0, 40) == 32  # 8 full blocks, 8 window ones (4 of them promised)
+    assert kv.prefill_room("b", 0, 40, keep_free=1) == 28
+    assert kv.prefill_room("b", 0, 40, keep_free=5) == 20
+    assert kv.prefill_room("b", 0, 40, keep_free=12) == 0
+    with pytest.raises(NoFreeBlocks, match="needs 14 free blocks beyond its promise for its chunk, 12 free"):
+        kv.cache_blocks("b", 33, start=0)
+    kv.cache_blocks("b", 32, start=0)
+    assert kv.num_free_blocks == 0
+    assert kv.prefill_room("b", 32, 8) == 8  # keys from 25 on: window blocks 0..5 go back, the rest fits
+    kv.cache_blocks("b", 40, start=32)
+    for seq_id in "ab":
         kv.free(seq_id)
     assert kv.all_free()
 
 
 def test_a_prompt_part_way_through_its_prefill_cannot_grow_or_fork_or_skip_its_chunks():
-    kv = PagedAllocator(64, block_size=4, windows=(None, 8), max_prefill_tokens=16)
+    kv = PagedAllocator(64, block_size=4, windows=(None, 8), prefill_chunk=16)
     kv.allocate("s", [1] * 40, 4, num_computed=0)
     kv.cache_blocks("s", 16, start=0)
     with pytest.raises(ValueError, match="'s' is still being prefilled"):
         kv.append("s", 2)
     with pytest.raises(ValueError, match="'s' is still being prefilled"):
         kv.fork("s", "t")
-    with pytest.raises(
-        ValueError, match="computes 40 prompt tokens in one step, more than max_prefill_tokens=16"
-    ):
+    with pytest.raises(ValueError, match="computes 40 prompt tokens in one step, more than prefill_chunk=16"):
         kv.allocate("u", [1] * 40, 4)
     kv.free("s")
     assert kv.all_free()

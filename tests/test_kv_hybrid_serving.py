@@ -47,6 +47,21 @@ def test_at_128mib_eight_1600_token_requests_run_four_at_a_time_where_full_histo
     assert hybrid.steps < full.steps and full.preemptions == hybrid.preemptions == 0
 
 
+def test_at_256mib_4k_token_requests_run_six_decoding_and_a_seventh_prefilling_where_full_history_runs_one(
+    gemma3_config,
+):
+    """Admission asks a prompt's first chunk (vLLM v1's rule), and chunks take the blocks that are free:
+    six 4k requests decode while a seventh fills the rest of the pool with its prompt, preempted when a
+    decode needs a block, so the slots live while requests wait are nearly all of the pool."""
+    geometry = Geometry(gemma3_config, torch.float32)
+    full = serve_at_once(geometry, False, 256 * MiB, 8, 3840, 256)
+    hybrid = serve_at_once(geometry, True, 256 * MiB, 8, 3840, 256)
+    assert full.max_running == 1 and hybrid.max_running == 7 and full.preemptions == 0
+    assert 0 < hybrid.preemptions <= 2  # the seventh, each time its partial prompt meets a decode's block
+    # One 4k request decoding holds 256 + 5 * 34 of 2,730 blocks (hybrid), 256 of 455 (full history).
+    assert full.live_share < 0.6 and hybrid.live_share > 0.94
+
+
 def test_bench_memory_hybrid_prints_both_tables(capsys):
     argv = ["--hybrid", "--context-lens", "1024", "--hybrid-requests", "3", "--prompt-len", "600"]
     assert memory.main([*argv, "--output-len", "8", "--kv-cache-memory", "48MiB"]) == 0

@@ -115,7 +115,16 @@ def test_a_cache_without_room_for_its_scales_is_refused():
     for isa in cpu.supported_isas():
         with pytest.raises(RuntimeError, match="allocate_kv_caches"):
             cpu.kernels(isa).paged_attention(
-                torch.empty_like(q), q, plain, plain, tables, torch.arange(2, dtype=torch.int32), lens, 1.0, 0
+                torch.empty_like(q),
+                q,
+                plain,
+                plain,
+                tables,
+                torch.arange(2, dtype=torch.int32),
+                lens,
+                1.0,
+                0,
+                0.0,
             )
         with pytest.raises(RuntimeError, match="allocate_kv_caches"):
             cpu.kernels(isa).write_kv(q, q, plain, plain, torch.zeros(1, dtype=torch.int64))

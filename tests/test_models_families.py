@@ -187,7 +187,79 @@ def test_engine_batch_of_two_prompts_matches_hf_generate(checkpoint):
     assert_all_blocks_free(llm)
 
 
+# Phi-3's longrope (Phi-3-mini-128k's form): per-pair factors, short below original_max_position_embeddings
+# and long above, cos and sin times sqrt(1 + ln(1024 / 64) / ln 64) = 1.29.
+LONGROPE_ORIGINAL = 64
+LONGROPE = dict(
+    rope_type="longrope",
+    rope_theta=10000.0,
+    short_factor=[1.0 + 0.3 * i for i in range(8)],  # head_dim 16: 8 rotated pairs
+    long_factor=[1.5 + 2.0 * i for i in range(8)],
+    original_max_position_embeddings=LONGROPE_ORIGINAL,
+)
+
+
+def longrope_config() -> Phi3Config:
+    return Phi3Config(
+        **COMMON,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        original_max_position_embeddings=LONGROPE_ORIGINAL,
+        rope_parameters=LONGROPE,
+    )
+
+
+@pytest.fixture(scope="module")
+def longrope_checkpoint(tmp_path_factory):
+    """(HF model, folder) of a tiny Phi-3 with longrope RoPE."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(longrope_config(), dtype=torch.float32)
+    randomize(hf)
+    folder = tmp_path_factory.mktemp("phi3-longrope")
+    hf.save_pretrained(folder)
+    return hf.eval(), folder
+
+
+@pytest.mark.parametrize(
+    ("max_model_len", "prompt_lens"),
+    [
+        (LONGROPE_ORIGINAL, [5, 30, 64]),  # short factors: transformers' at every sequence of <= 64 tokens
+        (None, [65, 90, 300]),  # long factors: transformers' once a sequence passes 64 tokens
+    ],
+)
+def test_phi3_longrope_logits_and_greedy_match_hf(longrope_checkpoint, max_model_len, prompt_lens):
+    """An engine of at most 64 tokens a sequence rotates by the short factors, one of the model's 1024 by
+    the long ones (as vLLM and llama.cpp choose): both equal transformers where it uses the same set, i.e.
+    on prompts (and generations) that stay below original_max_position_embeddings and ones past it."""
+    hf, folder = longrope_checkpoint
+    model = load_model(str(folder), max_model_len=max_model_len).model
+    assert model.config.rope_scaling["long"] == (max_model_len is None)
+    batch = prompts(prompt_lens, model.config.vocab_size, seed=8)
+    cache = PagedCache.create(model.config, 64, 16, seed=1)
+    logits = forward_chunks(model, cache, [(i, p, 0) for i, p in enumerate(batch)])
+    torch.testing.assert_close(logits, torch.cat([hf_logits(hf, p) for p in batch]), atol=1e-4, rtol=1e-4)
+    new_tokens = LONGROPE_ORIGINAL - max(prompt_lens[:2]) if max_model_len else 32  # 34 below: 30 + 34 = 64
+    expected = hf_greedy(hf, batch[:2], new_tokens)
+    assert greedy_generate(model, batch[:2], new_tokens) == expected
+
+
+def test_phi3_longrope_engines_of_either_context_get_a_model_each(longrope_checkpoint):
+    """Two engines in one process, of 64 and 1024 tokens, get a model each (the loaded-model cache keys on
+    the factor set), and each generates transformers' tokens."""
+    hf, folder = longrope_checkpoint
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    short, long = prompts([40], hf.config.vocab_size, seed=9), prompts([100], hf.config.vocab_size, seed=9)
+    engines = [LLM(str(folder), num_kv_blocks=32, block_size=8, max_model_len=n) for n in (64, 1024)]
+    assert engines[0].engine.model is not engines[1].engine.model
+    for llm, batch in zip(engines, (short, long), strict=True):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy)
+        assert [out.outputs[0].token_ids for out in outputs] == hf_greedy(hf, batch, 20)
+        assert_all_blocks_free(llm)
+
+
 GGUF_ARCHITECTURES = {
+    "llama": "llama",  # Llama 3.1's RoPE scaling as llama.cpp writes it: a rope_freqs tensor
     "qwen3": "qwen3",
     "phi3": "phi3",
     "gemma2": "gemma2",
@@ -199,8 +271,26 @@ GGUF_ARCHITECTURES = {
 @pytest.mark.parametrize("family", list(GGUF_ARCHITECTURES))
 def test_gguf_in_llama_cpp_names_loads_in_place_and_matches_hf(family, tmp_path, monkeypatch):
     """A Q8_0 GGUF written under llama.cpp's names (gguf-py's map; Phi-3's fused attn_qkv and ffn_up,
-    Qwen3-MoE's and Mixtral's stacked experts, Gemma's (1 + w) norms and soft-capping metadata) loads
-    with its blocks kept, and its logits equal HF's on the same weights rounded through Q8_0."""
+    Qwen3-MoE's and Mixtral's stacked experts, Gemma's (1 + w) norms and soft-capping metadata, Llama 3's
+    rope_freqs) loads with its blocks kept, and its logits equal HF's on the same weights rounded through
+    Q8_0."""
+    config = FAMILIES[family]()
+    if family == "gemma2":  # a GGUF has no field for it: llama.cpp scales by head_dim^-1/2 (but on 27B)
+        config.query_pre_attn_scalar = config.head_dim
+    if family == "qwen3-moe":  # llama.cpp's qwen3moe routes in every layer
+        config.mlp_only_layers = []
+    check_gguf_against_hf(config, GGUF_ARCHITECTURES[family], tmp_path, monkeypatch, [5, 23])
+
+
+def test_gguf_phi3_longrope_factors_load_and_match_hf(tmp_path, monkeypatch):
+    """Phi-3's longrope in a GGUF (rope_factors_long / _short, the original context and attention factor
+    as keys): past the original context the long factors, as transformers rotates those prompts."""
+    check_gguf_against_hf(longrope_config(), "phi3", tmp_path, monkeypatch, [70, 100])
+
+
+def check_gguf_against_hf(config, arch: str, tmp_path, monkeypatch, prompt_lens: list[int]) -> None:
+    """A random HF model of `config` written as a Q8_0 GGUF of llama.cpp's `arch`: the loaded file keeps
+    its blocks and its logits on prompts of `prompt_lens` tokens equal HF's on the rounded weights."""
     import copy
 
     from gguf import GGMLQuantizationType
@@ -208,16 +298,11 @@ def test_gguf_in_llama_cpp_names_loads_in_place_and_matches_hf(family, tmp_path,
     from models_helpers import write_gguf
 
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
-    config = FAMILIES[family]()
-    if family == "gemma2":  # a GGUF has no field for it: llama.cpp scales by head_dim^-1/2 (but on 27B)
-        config.query_pre_attn_scalar = config.head_dim
-    if family == "qwen3-moe":  # llama.cpp's qwen3moe routes in every layer
-        config.mlp_only_layers = []
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     randomize(hf)
-    path = tmp_path / f"tiny-{family}.gguf"
-    write_gguf(hf, path, arch=GGUF_ARCHITECTURES[family], qtype=GGMLQuantizationType.Q8_0)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(hf, path, arch=arch, qtype=GGMLQuantizationType.Q8_0)
     loaded = load_model(str(path))
     assert loaded.linear_method == "gguf"
     assert not [name for name, p in loaded.model.named_parameters() if p.dim() > 1]  # all still blocks
@@ -227,8 +312,8 @@ def test_gguf_in_llama_cpp_names_loads_in_place_and_matches_hf(family, tmp_path,
             if param.dim() > 1:
                 q8 = quantize(param.numpy(), GGMLQuantizationType.Q8_0)
                 param.copy_(torch.from_numpy(dequantize(q8, GGMLQuantizationType.Q8_0)))
-    batch = prompts([5, 23], hf.config.vocab_size, seed=7)
-    cache = PagedCache.create(loaded.config, 16, 8)
+    batch = prompts(prompt_lens, hf.config.vocab_size, seed=7)
+    cache = PagedCache.create(loaded.config, 32, 8)
     got = forward_chunks(loaded.model, cache, [(i, p, 0) for i, p in enumerate(batch)])
     expected = torch.cat([hf_logits(rounded, p) for p in batch])
     # The kernel's integer path rounds activations to int16 blocks: a little more than float32's 1e-4.

@@ -66,7 +66,10 @@ def test_prefill_logits_and_greedy_match_hf(gemma3, hf_gemma3, prompt_ids):
     cache = PagedCache.create(model.config, 64, 16, seed=2)
     logits = forward_chunks(model, cache, [(i, p, 0) for i, p in enumerate(prompt_ids)], tail=4)
     expected = torch.cat([hf_logits(hf_gemma3, p, tail=4) for p in prompt_ids])
-    torch.testing.assert_close(logits, expected, atol=2e-3, rtol=1e-4)
+    # The file's Q4_K / Q6_K blocks multiply activations rounded to int16 with one scale per 256 values
+    # (llama.cpp's Q8_K rounds them to int8 per 256): logits move up to 8.8e-3 from float32 activations here.
+    atol = 1e-2 if gemma3.linear_method == "gguf" else 2e-3
+    torch.testing.assert_close(logits, expected, atol=atol, rtol=1e-4)
     got = greedy_generate(model, prompt_ids, 8)
     assert got == hf_greedy(hf_gemma3, prompt_ids, 8)
     assert "France" in gemma3.tokenizer.decode(
@@ -102,7 +105,9 @@ def _readme_prompts(tokenizer, lengths: tuple[int, ...]) -> list[list[int]]:
     return prompts
 
 
-def _engine_greedy(prompts: list[list[int]], hybrid: bool, max_tokens: int) -> tuple[list[list[int]], int]:
+def _engine_greedy(
+    prompts: list[list[int]], hybrid: bool, max_tokens: int, kv_cache_memory: str
+) -> tuple[list[list[int]], int]:
     """Greedy tokens of the float32 engine, prompts prefilled in 512-token chunks (so later chunks and
     every decode read tables whose early sliding-window entries were given back), and the most KV bytes
     a decode step found in use."""
@@ -113,7 +118,7 @@ def _engine_greedy(prompts: list[list[int]], hybrid: bool, max_tokens: int) -> t
     llm = LLM(
         "gemma3-270m",
         quantization=None,
-        kv_cache_memory="256MiB",
+        kv_cache_memory=kv_cache_memory,
         max_model_len=4200,
         max_num_batched_tokens=512,
         disable_hybrid_kv_cache_manager=not hybrid,
@@ -133,10 +138,14 @@ def _engine_greedy(prompts: list[list[int]], hybrid: bool, max_tokens: int) -> t
     return [out.outputs[0].token_ids for out in outs], used_bytes
 
 
-def _check_hybrid_equals_hf_and_full_history(hf_gemma3, lengths: tuple[int, ...]) -> None:
+def _check_hybrid_equals_hf_and_full_history(
+    hf_gemma3, lengths: tuple[int, ...], kv_cache_memory: str
+) -> None:
+    """`kv_cache_memory` fits every prompt at once with full history (else the hybrid cache, running more of
+    them at a time, may hold more bytes at its busiest decode step)."""
     prompts = _readme_prompts(load_model("gemma3-270m").tokenizer, lengths)
-    hybrid, hybrid_bytes = _engine_greedy(prompts, hybrid=True, max_tokens=64)
-    full, full_bytes = _engine_greedy(prompts, hybrid=False, max_tokens=64)
+    hybrid, hybrid_bytes = _engine_greedy(prompts, True, 64, kv_cache_memory)
+    full, full_bytes = _engine_greedy(prompts, False, 64, kv_cache_memory)
     assert hybrid == full
     assert hybrid == [hf_greedy(hf_gemma3, [p], 64)[0] for p in prompts]
     # While decoding, the 15 sliding layers hold only their window: here about half of the KV bytes.
@@ -146,9 +155,9 @@ def _check_hybrid_equals_hf_and_full_history(hf_gemma3, lengths: tuple[int, ...]
 def test_hybrid_kv_cache_greedy_equals_hf_and_full_history_beyond_the_window(hf_gemma3):
     """Sliding layers that hold only their window give the same 64 greedy tokens as transformers and as
     the engine keeping every layer's full history, for prompts of 600 and 1,900 tokens (window 512)."""
-    _check_hybrid_equals_hf_and_full_history(hf_gemma3, (600, 1900))
+    _check_hybrid_equals_hf_and_full_history(hf_gemma3, (600, 1900), "256MiB")
 
 
 @pytest.mark.manual
 def test_hybrid_kv_cache_greedy_equals_hf_and_full_history_on_long_prompts(hf_gemma3):
-    _check_hybrid_equals_hf_and_full_history(hf_gemma3, (1000, 2600, 4000))
+    _check_hybrid_equals_hf_and_full_history(hf_gemma3, (1000, 2600, 4000), "384MiB")

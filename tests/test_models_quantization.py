@@ -112,7 +112,7 @@ METHODS = [KernelLinear, Int8Linear, Int4Linear, GGUFLinear]
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 4, 5, 64])
+@pytest.mark.parametrize("rows", [1, 4, 5, 16, 64])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_kernel_methods_compute_dense_linear_on_their_stored_weight(method, dtype, rows, with_residual):
     layer = _layer(method(), dtype=dtype)
@@ -125,8 +125,8 @@ def test_kernel_methods_compute_dense_linear_on_their_stored_weight(method, dtyp
     reference.weight.data, reference.bias.data = stored, layer.bias.data.float()
     expected = DenseLinear().apply(reference, x.float(), None if residual is None else residual.float())
     tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
-    if method is not KernelLinear and rows <= KernelLinear.STREAM_ROWS:
-        # 1-4 rows meet codes as int16 blocks: each value off by at most 1 / 65534 of its block's max
+    if method is not KernelLinear and rows <= method.STREAM_ROWS:
+        # few rows meet codes as int16 blocks: each value off by at most 1 / 65534 of its block's max
         block_max = x.float().abs().reshape(rows, 2, 32).amax(dim=-1).repeat_interleave(32, dim=1)
         tolerance["atol"] += (block_max @ stored.abs().T).max().item() / 65534
     torch.testing.assert_close(layer(x, residual), expected.to(dtype), **tolerance)

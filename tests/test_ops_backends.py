@@ -35,6 +35,7 @@ class Case:
     dtype: torch.dtype = torch.float32
     head_major: bool = False  # cache memory order as pagedllm allocates it on the CPU
     kv_dtype: torch.dtype | None = None  # the caches' dtype when it is not q's (kv_cache_dtype)
+    softcap: float | None = None  # Gemma 2's soft-capped scores (small enough to bend these random ones)
 
 
 INT8, FP8 = torch.int8, torch.float8_e4m3fn  # the quantized caches: codes, a scale per token and kv head
@@ -73,6 +74,10 @@ DECODE = {
     "bf16-q-fp8-cache-split": Case(
         6, 2, 64, 16, (2100,), dtype=torch.bfloat16, kv_dtype=FP8, head_major=True
     ),
+    "softcap-gqa3": Case(6, 2, 32, 8, (9, 40, 17, 64), softcap=0.5),
+    "softcap-bf16-window": Case(4, 1, 64, 4, (70, 3, 22), window=16, dtype=torch.bfloat16, softcap=0.5),
+    "softcap-int8": Case(6, 2, 64, 16, (9, 40, 17, 64), kv_dtype=INT8, head_major=True, softcap=0.5),
+    "softcap-one-long-row": Case(9, 3, 64, 16, (3000,), head_major=True, softcap=0.5),
 }
 PREFILL = {
     "prompt": Case(6, 2, 16, 8, (20, 5), (20, 5)),
@@ -106,6 +111,9 @@ PREFILL = {
     "bf16-q-fp8-cache-window": Case(
         8, 2, 16, 4, (40, 24), (17, 24), window=8, dtype=torch.bfloat16, kv_dtype=FP8
     ),
+    "softcap-tiles-gqa3-d64": Case(9, 3, 64, 16, (70, 37, 300), (70, 21, 300), head_major=True, softcap=0.5),
+    "softcap-bf16-window": Case(8, 2, 16, 4, (40, 24), (17, 24), window=8, dtype=torch.bfloat16, softcap=0.5),
+    "softcap-fp8-mixed": Case(9, 3, 16, 8, (30, 40, 9, 4, 21), (1, 19, 1, 4, 0), kv_dtype=FP8, softcap=0.5),
 }
 
 
@@ -173,11 +181,17 @@ def _attended_query(backend, b, scale: float) -> torch.Tensor:
     return q
 
 
+def _skip_softcap_on_sdpa(backend, case: Case) -> None:
+    if case.softcap is not None and backend.__name__.endswith(".sdpa"):
+        pytest.skip("SDPA cannot soft-cap: pagedllm.ops sends soft-capped attention to the reference")
+
+
 @pytest.mark.parametrize("case", DECODE.values(), ids=DECODE.keys())
 def test_decode_matches_reference(backend, case):
+    _skip_softcap_on_sdpa(backend, case)
     b = _batch(case)
     scale = 1 / math.sqrt(case.head_dim)
-    args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale, case.window)
+    args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale, case.window, case.softcap)
     out = backend.paged_decode_attention(*args)
     expected = reference.paged_decode_attention(_attended_query(backend, b, scale), *args[1:]).to(case.dtype)
     assert out.dtype == case.dtype and out.shape == b.q.shape
@@ -221,9 +235,11 @@ def test_int8_query_codes_move_the_output_within_their_bound(backend, case):
 
 @pytest.mark.parametrize("case", PREFILL.values(), ids=PREFILL.keys())
 def test_prefill_matches_reference(backend, case):
+    _skip_softcap_on_sdpa(backend, case)
     b = _batch(case)
     scale = 1 / math.sqrt(case.head_dim)
     args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.context_lens, scale, case.window)
+    args += (case.softcap,)
     out = backend.paged_prefill_attention(*args)
     expected = reference.paged_prefill_attention(_attended_query(backend, b, scale), *args[1:]).to(case.dtype)
     assert out.dtype == case.dtype and out.shape == b.q.shape

@@ -1,9 +1,10 @@
 """The C++ linear kernel on GGUF blocks as the file stores them (ops/csrc/quants.h), every block type on
 every instruction-set build this CPU runs, against the `gguf` package's dequantizer and float64 matmuls.
 
-Up to 4 rows of x are rounded to int16 blocks of 32 (scale max |x| / 32767) and meet the codes in integer
-arithmetic: there the reference rounds x the same way, written here independently. More rows multiply
-the dequantized values in float32.
+x is rounded to int16 blocks (scale max |x| / 32767) and meets the codes in integer arithmetic: at any
+number of rows in blocks of 256 for Q4_K and Q6_K (their integer sub-scales), at up to 16 rows in blocks of
+32 for the other types (more rows multiply their dequantized values in float32); the reference rounds x
+the same way, written here independently.
 """
 
 import numpy as np
@@ -28,8 +29,14 @@ def storage(parts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return data, layout, w
 
 
-def expected(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return (int16_blocks(x) if x.shape[0] <= 4 else x).double() @ w.T
+STREAMED_ROWS = 16  # linear.cpp's kBlockStreamRows
+INTEGER_SCALES = {"Q4_K", "Q6_K"}  # quants.h's kIntegerScales
+
+
+def expected(x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
+    if name in INTEGER_SCALES:
+        return int16_blocks(x, 256).double() @ w.T
+    return (int16_blocks(x) if x.shape[0] <= STREAMED_ROWS else x).double() @ w.T
 
 
 def tolerance(x: torch.Tensor, w: torch.Tensor) -> float:
@@ -49,13 +56,22 @@ def _cases():
 
 
 @pytest.mark.parametrize("name,cols", list(_cases()))
-@pytest.mark.parametrize("rows", [1, 3, 4, 17, 64])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 11, 16, 17, 64, 300])
 def test_each_block_type_matches_the_reference(kernels, name, cols, rows):
     data, layout, w = storage([random_blocks(GGMLQuantizationType[name], 37, cols, seed=rows)])
     x = torch.randn(rows, cols) * torch.logspace(-2, 2, cols)[torch.randperm(cols)]  # blocks of mixed size
     out = kernels.linear(x, data, layout)
     assert out.shape == (rows, 37) and out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), expected(x, w), atol=tolerance(x, w), rtol=0)
+    torch.testing.assert_close(out.double(), expected(x, w, name), atol=tolerance(x, w), rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(INTEGER_SCALES))
+def test_integer_scales_give_a_row_the_same_bits_in_any_batch(kernels, name):
+    data, layout, _ = storage([random_blocks(GGMLQuantizationType[name], 40, 2304)])
+    x = torch.randn(300, 2304)
+    alone = kernels.linear(x[:1], data, layout)
+    for rows in (5, 300):
+        assert torch.equal(kernels.linear(x[:rows], data, layout)[:1], alone)
 
 
 @pytest.mark.parametrize("types", [("Q5_0", "Q5_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K")], ids="-".join)
@@ -68,18 +84,18 @@ def test_mixed_shards_of_a_fused_projection_with_bias_and_residual(kernels, type
     data, layout, w = storage(parts)
     x, bias, residual = torch.randn(rows, cols), torch.randn(56), torch.randn(rows, 56)
     out = kernels.linear(x, data, layout, None, 0, bias, residual)
-    want = expected(x, w) + bias.double() + residual.double()
+    want = expected(x, w, types[0]) + bias.double() + residual.double()
     torch.testing.assert_close(out.double(), want, atol=tolerance(x, w), rtol=0)
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 17])
 def test_bf16_activations_in_and_out(kernels, rows):
     data, layout, w = storage([random_blocks(GGMLQuantizationType.Q4_K, 24, 256)])
     x = torch.randn(rows, 256).bfloat16()
     out = kernels.linear(x, data, layout)
     assert out.dtype == torch.bfloat16
     scale = (x.double().abs() @ w.abs().T).max().item()
-    torch.testing.assert_close(out.double(), expected(x, w), atol=1e-2 * scale, rtol=1e-2)
+    torch.testing.assert_close(out.double(), expected(x, w, "Q4_K"), atol=1e-2 * scale, rtol=1e-2)
 
 
 @pytest.mark.parametrize("name", GGUF_TYPES)

@@ -61,13 +61,15 @@ def test_attention_kernel_compiles_for_sm90(dtype, group, head_dim, block_size, 
     from pagedllm.ops import triton_ops
 
     data = {name: f"*{dtype}" for name in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
-    data.update(k_scale_ptr=f"*{dtype}", v_scale_ptr=f"*{dtype}", k_factor_ptr=f"*{dtype}")  # stand-ins
+    stand_ins = ("k_scale_ptr", "v_scale_ptr", "k_mean_ptr", "k_factor_ptr")
+    data.update({name: f"*{dtype}" for name in stand_ins})
     if form:  # a quantized cache: its bytes, its float32 scales and key smoothing factor
         data.update(
             k_cache_ptr="*u8",
             v_cache_ptr="*u8",
             k_scale_ptr="*fp32",
             v_scale_ptr="*fp32",
+            k_mean_ptr="*fp32",
             k_factor_ptr="*fp32",
         )
     index = {
@@ -79,7 +81,7 @@ def test_attention_kernel_compiles_for_sm90(dtype, group, head_dim, block_size, 
         GROUP_PAD=max(triton.next_power_of_2(group), 16 // block_q), BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=triton_ops._BLOCK_N, PRECISION="ieee" if dtype == "fp32" else "tf32", WIDEN=False, FORM=form,
     )  # fmt: skip
-    types = {**data, **index, "scale": "fp32", "stride_kb": "i64"}  # other strides and sizes: i32
+    types = {**data, **index, "scale": "fp32", "softcap": "fp32", "stride_kb": "i64"}  # the rest: i32
     compiled = _compile_sm90(triton_ops._paged_attention_kernel, types, constexprs)
     assert len(compiled.asm["cubin"]) > 0
     assert ".target sm_90" in compiled.asm["ptx"]

@@ -7,7 +7,11 @@ allocator and scheduler run without a forward pass (every step "samples" token 7
   max_num_batched_tokens, then one decode step; the KV bytes its blocks take while it decodes, and the
   most they took during its prefill.
 - At a fixed KV budget: `--num-requests` equal requests sent at once; the most and the mean running at a
-  time, the steps all took (fewer: larger batches), and the preemptions.
+  time, the steps all took (fewer: larger batches), the preemptions, and the share of the KV slots that
+  are live while a request waits (memory is the bottleneck; `bench memory`'s steps): a slot is live when it
+  holds the K/V of a computed token that a later query of its layers reads, so a block's empty tail, the
+  tokens of a window group's oldest block that left the window, a prompt's slots whose chunk is not
+  computed yet, promised and free blocks all are not.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ class Geometry:
             enable_prefix_caching=False,
             num_host_blocks=0,
             windows=groups.windows,
-            max_prefill_tokens=self.max_num_batched_tokens,
+            prefill_chunk=self.block_size,  # as the engine's allocator (LLMEngine._make_allocator)
         )
 
     def block_bytes(self, hybrid: bool) -> int:
@@ -62,12 +66,28 @@ class Served:
     mean_running: float
     steps: int
     preemptions: int
+    live_share: float  # mean over steps with a request waiting of live slots / all slots
 
 
 def _step(scheduler: Scheduler) -> None:
     """Schedule one step and hand back what its forward pass would: token 7 for each finished row."""
     out = scheduler.schedule()
     scheduler.update_from_output([(seq, Sample(7)) for _, seq in out.ready()])
+
+
+def live_slots(allocator: PagedAllocator, running: list[Sequence]) -> int:
+    """Slots holding the K/V of a computed token that a later query reads: in a full group every computed
+    token, in a window group the last window's (the next query is at the first uncomputed position)."""
+    bs, tokens, live = allocator.block_size, allocator.block_states().num_tokens, set()
+    for seq in running:
+        computed = seq.num_cached_tokens
+        for window, table in zip(allocator.windows, allocator.block_tables(seq.seq_id), strict=True):
+            first = 0 if window is None else max(0, computed + 1 - window)
+            for i, block in enumerate(table):
+                lo, hi = max(first, i * bs), min(computed, i * bs + tokens[block])
+                if block >= 0 and lo < hi:
+                    live.update(block * bs + p % bs for p in range(lo, hi))
+    return len(live)
 
 
 def request_bytes(geometry: Geometry, hybrid: bool, context_len: int) -> tuple[int, int]:
@@ -99,13 +119,23 @@ def serve_at_once(
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     for i in range(num_requests):
         scheduler.add(Sequence(str(i), str(i), 0, [1 + i] * prompt_len, params))
-    running, steps = [], 0
+    running, steps, live = [], 0, []
     while scheduler.running or scheduler.waiting or scheduler.swapped:
         _step(scheduler)
         running.append(len(scheduler.running))
         steps += 1
+        if scheduler.waiting:
+            live.append(
+                live_slots(allocator, scheduler.running) / (allocator.num_total_blocks * allocator.block_size)
+            )
     assert allocator.all_free()
-    return Served(max(running), sum(running) / len(running), steps, scheduler.num_preemptions)
+    return Served(
+        max(running),
+        sum(running) / len(running),
+        steps,
+        scheduler.num_preemptions,
+        sum(live) / max(len(live), 1),
+    )
 
 
 def run(args: argparse.Namespace, config: ModelConfig) -> str:
@@ -141,12 +171,19 @@ def run(args: argparse.Namespace, config: ModelConfig) -> str:
         f"{args.hybrid_requests} requests of {prompt} + {output} tokens sent at once, "
         f"{args.kv_cache_memory} of KV:"
     )
-    table = [["KV cache", "max running", "mean running", "steps", "preemptions"]]
+    table = [["KV cache", "max running", "mean running", "steps", "preemptions", "live KV"]]
     served = {}
     for hybrid in (False, True):
         s = served[hybrid] = serve_at_once(geometry, hybrid, budget, args.hybrid_requests, prompt, output)
         name = "hybrid" if hybrid else "full history"
-        table.append([name, str(s.max_running), f"{s.mean_running:.2f}", str(s.steps), str(s.preemptions)])
+        row = [
+            str(s.max_running),
+            f"{s.mean_running:.2f}",
+            str(s.steps),
+            str(s.preemptions),
+            f"{s.live_share:.1%}",
+        ]
+        table.append([name, *row])
     lines += aligned(table)
     full, hybrid = served[False], served[True]
     lines.append(

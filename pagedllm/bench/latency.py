@@ -104,6 +104,18 @@ def _peer(job: dict) -> object:
     return json.loads(done.stdout)
 
 
+def llama_cpp_gguf(parser: argparse.ArgumentParser, model: str) -> Path:
+    """The GGUF file a --llama-cpp run gives llama.cpp, or a parser error saying what is missing."""
+    from pagedllm.models.loader import gguf_file
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        parser.error("--llama-cpp needs llama-cpp-python (pip install llama-cpp-python; docs/BENCHMARKS.md)")
+    gguf = gguf_file(model)
+    if gguf is None:
+        parser.error(f"--llama-cpp runs a GGUF file; model {model!r} is not one")
+    return gguf
+
+
 def llama_cpp_file(gguf: Path, gguf_type: str) -> Path:
     """The GGUF to run for a --llama-cpp-types entry: the file itself, or a copy in another type (made once,
     cached next to pagedllm's converted models)."""
@@ -225,16 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--output-len must be at least 3, got {args.output_len}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from pagedllm.models.loader import gguf_file, read_config, resolve_checkpoint
+    from pagedllm.models.loader import read_config, resolve_checkpoint
 
-    gguf = gguf_file(args.model)
-    if args.llama_cpp:
-        if importlib.util.find_spec("llama_cpp") is None:
-            parser.error(
-                "--llama-cpp needs llama-cpp-python (pip install llama-cpp-python; docs/BENCHMARKS.md)"
-            )
-        if gguf is None:
-            parser.error(f"--llama-cpp runs a GGUF file; model {args.model!r} is not one")
+    gguf = llama_cpp_gguf(parser, args.model) if args.llama_cpp else None
     vocab = read_config(resolve_checkpoint(args.model)).vocab_size
     prompts = make_prompts(args.prompt_lens, vocab, args.seed)
     warmup = make_prompts([16], vocab, args.seed + 1)[0]

@@ -9,6 +9,9 @@ Reads one JSON job on stdin, writes one JSON result on stdout:
   {"mode": "quantize", "source": path, "target": path, "ftype": "F32"}    -> {"ok": true}
   {"mode": "generate", "model": path, "threads": n, "n_ctx": n, "prompts": [[ids]], "output_len": n}
       -> [{"ttft_s": s, "token_times_s": [...], "tokens": [...]}, ...]   (times from the prompt's start)
+  optional in a generate job: "stop_ids": [ids] (a generated one ends the run, kept as its last token),
+  "prompt_lookup": {"max_ngram_size": n, "num_pred_tokens": n} (llama-cpp-python's
+  LlamaPromptLookupDecoding as the draft model: its prompt-lookup speculative decoding)
 """
 
 from __future__ import annotations
@@ -33,8 +36,11 @@ def quantize(source: str, target: str, ftype: str) -> dict:
 
 def generate(job: dict) -> list[dict]:
     from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     threads = job["threads"]
+    lookup = job.get("prompt_lookup")
+    stop_ids = set(job.get("stop_ids", ()))
     llm = Llama(
         job["model"],
         n_ctx=job["n_ctx"],
@@ -42,6 +48,7 @@ def generate(job: dict) -> list[dict]:
         n_threads_batch=threads,
         n_batch=2048,  # llama-bench's defaults
         n_ubatch=512,
+        draft_model=LlamaPromptLookupDecoding(**lookup) if lookup else None,
         verbose=False,
     )
     results = []
@@ -52,7 +59,7 @@ def generate(job: dict) -> list[dict]:
         for token in llm.generate(prompt, temp=0.0, reset=True):  # temperature 0: greedy
             times.append(time.perf_counter() - start)
             tokens.append(int(token))
-            if len(tokens) == job["output_len"]:
+            if len(tokens) == job["output_len"] or tokens[-1] in stop_ids:
                 break
         if i > 0:
             results.append({"ttft_s": times[0], "token_times_s": times, "tokens": tokens})

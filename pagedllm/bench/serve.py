@@ -73,6 +73,7 @@ class Summary:
     e2e_ms: Stats
     client_cpu_seconds: float  # CPU time of this process while the requests ran
     prefix_cache: PrefixCacheUse | None = None  # the server's own counters over the run, where it has them
+    replicas: dict[str, ReplicaLoad] | None = None  # per engine replica (pagedllm serve --data-parallel-size)
 
 
 @dataclass
@@ -87,12 +88,31 @@ class PrefixCacheUse:
         return self.hits / self.queries if self.queries else 0.0
 
 
+@dataclass
+class ReplicaLoad:
+    """One engine replica's share of the run: requests it finished, prompt tokens looked up and found."""
+
+    finished: float
+    queries: float
+    hits: float
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
 # -- workload ---------------------------------------------------------------------------------------
 
 
 def make_requests(args, vocab: int, max_model_len: int, tokenizer=None) -> list[Request]:
     if args.dataset == "random":
-        prompts = make_prompts([args.input_len] * args.num_prompts, vocab, args.seed)
+        prompts = make_prompts(
+            [args.input_len] * args.num_prompts,
+            vocab,
+            args.seed,
+            args.shared_prefix_len,
+            args.num_shared_prefixes,
+        )
         lengths = [(len(p), args.output_len) for p in prompts]
     else:
         trace = make_trace(WORKLOADS[args.dataset], args.num_prompts, 1.0, args.seed, max_model_len)
@@ -173,6 +193,11 @@ def format_summary(s: Summary) -> str:
             f"server prefix cache  {pc.hit_rate:10.1%}   ({pc.hits:,.0f} of {pc.queries:,.0f} prompt tokens "
             "found cached, from its /metrics)"
         )
+    for replica, load in sorted((s.replicas or {}).items()):
+        lines.append(f"replica {replica:12} {load.finished:5.0f} requests, prefix cache {load.hit_rate:6.1%}")
+    if s.replicas:
+        loads = [load.finished for load in s.replicas.values()]
+        lines.append(f"busiest / least busy replica: {max(loads) / max(min(loads), 1):.2f}x (requests)")
     return "\n".join(lines)
 
 
@@ -195,12 +220,49 @@ def prefix_cache_counters(metrics_text: str) -> PrefixCacheUse | None:
     return PrefixCacheUse(totals["queries"], totals.get("hits", 0.0)) if "queries" in totals else None
 
 
-def read_prefix_cache(base_url: str, api_key: str | None) -> PrefixCacheUse | None:
-    """The server's prefix-cache counters now, or None where it exposes none."""
+_REPLICA_COUNTER = re.compile(
+    r"^\w+:(e2e_request_latency_seconds_count|prefix_cache_queries_total|prefix_cache_hits_total)"
+    r'\{replica="([^"]+)"[^}]*\} ([0-9.eE+-]+)$',
+    re.M,
+)
+_REPLICA_FIELDS = {
+    "e2e_request_latency_seconds_count": "finished",
+    "prefix_cache_queries_total": "queries",
+    "prefix_cache_hits_total": "hits",
+}
+
+
+def replica_counters(metrics_text: str) -> dict[str, ReplicaLoad]:
+    """Each engine replica's counters in the /metrics of pagedllm's replicas (samples labelled `replica`)."""
+    found: dict[str, dict[str, float]] = {}
+    for name, replica, value in _REPLICA_COUNTER.findall(metrics_text):
+        found.setdefault(replica, dict.fromkeys(_REPLICA_FIELDS.values(), 0.0))[_REPLICA_FIELDS[name]] = (
+            float(value)
+        )
+    return {replica: ReplicaLoad(**fields) for replica, fields in found.items()}
+
+
+def replica_loads(before: str, after: str) -> dict[str, ReplicaLoad] | None:
+    """What each replica did between two /metrics readings (None where the server has no replicas)."""
+    start, end = replica_counters(before), replica_counters(after)
+    zero = ReplicaLoad(0.0, 0.0, 0.0)
+    loads = {
+        replica: ReplicaLoad(
+            load.finished - start.get(replica, zero).finished,
+            load.queries - start.get(replica, zero).queries,
+            load.hits - start.get(replica, zero).hits,
+        )
+        for replica, load in end.items()
+    }
+    return loads or None
+
+
+def read_metrics(base_url: str, api_key: str | None) -> str:
+    """The server's /metrics text now ("" where it has none)."""
     try:
-        return prefix_cache_counters(http_get(base_url, "/metrics", api_key).decode())
+        return http_get(base_url, "/metrics", api_key).decode()
     except (OSError, ValueError):
-        return None
+        return ""
 
 
 # -- the server -------------------------------------------------------------------------------------
@@ -359,6 +421,18 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--input-len", type=_range, default=(100, 300), help="random: LO-HI prompt tokens")
     load.add_argument("--output-len", type=int, default=64, help="random: output tokens per request")
     load.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="random: tokens of a system prompt before each prompt",
+    )
+    load.add_argument(
+        "--num-shared-prefixes",
+        type=int,
+        default=1,
+        help="random: distinct system prompts (tenants), one drawn at random for each request",
+    )
+    load.add_argument(
         "--request-rate", type=float, default=math.inf, help="Poisson requests/s (inf: at once)"
     )
     load.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
@@ -409,15 +483,16 @@ async def _serve_load(args, base_url: str, model: str, requests: list[Request]):
         # Warm-up, not counted: the first prompt reversed, so that it leaves nothing in the server's prefix
         # cache that the workload asks for.
         await send(Request(requests[0].prompt[::-1], requests[0].prompt_len, 4))
-        before = read_prefix_cache(base_url, args.api_key)
+        metrics_before = read_metrics(base_url, args.api_key)
         report = await run_load(requests, args.request_rate, args.max_concurrency, args.seed, send)
-        after = read_prefix_cache(base_url, args.api_key)
+        metrics_after = read_metrics(base_url, args.api_key)
+        before, after = prefix_cache_counters(metrics_before), prefix_cache_counters(metrics_after)
         used = (
             PrefixCacheUse(after.queries - before.queries, after.hits - before.hits)
             if before and after
             else None
         )
-        return report, used
+        return report, used, replica_loads(metrics_before, metrics_after)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -454,9 +529,9 @@ def main(argv: list[str] | None = None) -> int:
         if code != 0 and server is not None:
             print(f"--- the server's log (tail):\n{server.log_text()}", file=sys.stderr)
         return code
-    (results, seconds, cpu), prefix_cache = report
+    (results, seconds, cpu), prefix_cache, summary_replicas = report
     summary = summarize(results, seconds, cpu)
-    summary.prefix_cache = prefix_cache
+    summary.prefix_cache, summary.replicas = prefix_cache, summary_replicas
     repeated = prefix_cache is not None and prefix_cache.hit_rate >= REPEAT_HIT_RATE
     if repeated and args.dataset == "random" and args.endpoint == "completions":
         print(

@@ -7,8 +7,9 @@ storage; with `--memory-budget` (weights + KV) smaller weights leave more KV blo
 runs each layout once per KV cache dtype at the same KV memory (int8 / fp8: about 3.8x float32's blocks at
 head_dim 64), its rows' `= paged` against the first dtype's paged run. Printed: the
 workload's totals, then per system the output tokens and tokens/s, pagedllm's weight memory and KV
-blocks, mean and max running batch, mean share of KV slots holding live tokens, preemptions ("-" where
-a system does not report it), and the ratios measured in this one run.
+blocks, mean and max running batch, the mean share of KV slots holding live tokens over the steps in
+which a request waits (KV memory is the bottleneck: `bench memory`'s steps; all steps if none),
+preemptions ("-" where a system does not report it), and the ratios measured in this one run.
 pagedllm's time is the sum of its add_request and step calls only: the per-step readings (batch size,
 KV usage) are taken between steps, outside the clock.
 
@@ -58,7 +59,7 @@ class Row:
     output_tok_s: float
     mean_batch: float | None  # None where the system does not report it
     max_batch: int | None
-    live_fraction: float | None  # mean over steps of live KV slots / all KV slots
+    live_fraction: float | None  # mean over steps with a request waiting of live KV slots / all KV slots
     preemptions: int | None
     same_tokens_as_paged: float | None  # share of requests whose greedy output equals paged's
     weight_mib: float | None = None  # memory of the weights as stored (pagedllm rows)
@@ -134,7 +135,7 @@ def _measure(
         for i, ids in enumerate(prompts):
             engine.add_request(f"bench-{i}", ids, params)
         seconds = time.perf_counter() - start
-        batch_sizes, live, outputs, first_token = [], [], {}, {}
+        batch_sizes, live, live_waiting, outputs, first_token = [], [], [], {}, {}
         while engine.has_unfinished_requests():
             start = time.perf_counter()
             step_outputs = engine.step()
@@ -149,6 +150,8 @@ def _measure(
             stats = engine.stats()
             batch_sizes.append(stats.num_running)
             live.append(stats.kv_usage.live_fraction)
+            if stats.num_waiting:
+                live_waiting.append(stats.kv_usage.live_fraction)
     after = engine.stats()
     assert after.kv_all_free, "KV blocks leaked"
     queried = after.prefix_cache_queries - before.prefix_cache_queries
@@ -177,7 +180,7 @@ def _measure(
         total / seconds,
         sum(batch_sizes) / len(batch_sizes),
         max(batch_sizes),
-        sum(live) / len(live),
+        sum(live_waiting or live) / len(live_waiting or live),
         after.num_preemptions,
         None,
         engine.weight_bytes / 2**20,

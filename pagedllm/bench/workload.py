@@ -16,15 +16,21 @@ def parse_range(text: str) -> tuple[int, int]:
 
 
 def make_prompts(
-    lengths: Sequence[int | tuple[int, int]], vocab: int, seed: int, shared_prefix_len: int = 0
+    lengths: Sequence[int | tuple[int, int]],
+    vocab: int,
+    seed: int,
+    shared_prefix_len: int = 0,
+    num_prefixes: int = 1,
 ) -> list[list[int]]:
     """One prompt of random token ids in [0, vocab) per entry of `lengths`: that many tokens, or for a
-    (LO, HI) pair a length drawn uniformly from LO..HI; every prompt starts with the same
-    `shared_prefix_len` random tokens (a system prompt). The same arguments give the same prompts."""
+    (LO, HI) pair a length drawn uniformly from LO..HI; every prompt starts with `shared_prefix_len`
+    random tokens (a system prompt), one of `num_prefixes` such prefixes drawn at random for each prompt
+    (tenants, each with its own system prompt). The same arguments give the same prompts."""
     rng = random.Random(seed)
-    prefix = [rng.randrange(vocab) for _ in range(shared_prefix_len)]
+    prefixes = [[rng.randrange(vocab) for _ in range(shared_prefix_len)] for _ in range(num_prefixes)]
     prompts = []
     for length in lengths:
+        prefix = prefixes[rng.randrange(num_prefixes)] if num_prefixes > 1 else prefixes[0]
         n = rng.randint(*length) if isinstance(length, tuple) else length
         prompts.append(prefix + [rng.randrange(vocab) for _ in range(n)])
     return prompts

@@ -76,6 +76,14 @@ class EngineConfig:
     # (KV groups, kv/groups.py; the paged layout only). True: every layer keeps every token's K/V.
     disable_hybrid_kv_cache_manager: bool = False
     preemption_mode: Literal["recompute", "swap"] = "recompute"
+    # Prefix cache tiers (kv/tiers.py): full prefix blocks the device cache evicts move down to host memory
+    # (this many bytes, beside kv_cache_memory; swap preemption shares it), and with kv_offload_dir every
+    # cached block is also written to files there (at most kv_offload_disk bytes), found again after a
+    # restart. Either alone turns the tiers on (a disk tier alone stages its reads in a host pool the
+    # size of the KV cache). Paged layout, prefix caching, one rank, full-attention models.
+    kv_offload_memory: int | str | None = None
+    kv_offload_dir: str | None = None
+    kv_offload_disk: int | str = "20GiB"
     watermark: float = 0.01  # share of KV blocks an admission must leave free (vLLM's 1%)
     generation_config: str = "auto"  # sampling defaults: auto (the model folder's), vllm (none) or a folder
     # Speculative decoding, as vLLM spells it: {"method": "ngram", "num_speculative_tokens": 4,
@@ -125,6 +133,7 @@ class EngineConfig:
         if not isinstance(self.watermark, (int, float)) or not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be a fraction in [0, 1), got {self.watermark!r}")
         parse_bytes(self.kv_cache_memory)
+        self._check_offload()
         if self.memory_budget is not None:
             parse_bytes(self.memory_budget, "memory_budget")
         if self.quantization not in QUANTIZATION_CHOICES:
@@ -143,6 +152,27 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         elif not isinstance(self.speculative_config, SpeculativeConfig | None):
             raise ValueError(f"speculative_config must be a dict, got {self.speculative_config!r}")
+
+    def _check_offload(self) -> None:
+        if self.kv_offload_memory is not None:
+            parse_bytes(self.kv_offload_memory, "kv_offload_memory")
+        parse_bytes(self.kv_offload_disk, "kv_offload_disk")
+        if self.kv_offload_dir is not None and not str(self.kv_offload_dir).strip():
+            raise ValueError(f"kv_offload_dir must be a folder, got {self.kv_offload_dir!r}")
+        if not self.has_kv_tiers:
+            return
+        for needs, ok in (
+            ("kv_layout='paged'", self.kv_layout == "paged"),
+            ("enable_prefix_caching=True", self.enable_prefix_caching),
+            ("tensor_parallel_size=1", self.tensor_parallel_size == 1),
+        ):
+            if not ok:
+                raise ValueError(f"kv_offload_memory / kv_offload_dir (prefix cache tiers) need {needs}")
+
+    @property
+    def has_kv_tiers(self) -> bool:
+        """Whether prefix cache tiers (host memory, disk) are on."""
+        return self.kv_offload_memory is not None or self.kv_offload_dir is not None
 
     @property
     def is_parallel(self) -> bool:

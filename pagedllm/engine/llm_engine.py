@@ -4,11 +4,12 @@ A step reads as nano-vllm's: the scheduler picks the step's work, the model runn
 postprocessing turns the logits into each sequence's next token (the sampler's, or its beam search's
 choice) and hands them to the scheduler, the one owner of what follows: appends, KV slots, stops, frees.
 With speculative decoding the proposer then gives each decoding sequence draft tokens for the next
-step, which verifies them (engine/speculative.py).
+step, which verifies them (engine/speculative.py: n-gram lookup; engine/draft_model.py: a draft model).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -17,10 +18,12 @@ import torch
 from pagedllm._runtime import apply_thread_count, keep_large_allocations
 from pagedllm.engine import prompt_logprobs
 from pagedllm.engine.beam_search import BeamSearchDriver, beam_sampling_params, beam_tokens
-from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.config import EngineConfig, parse_bytes
+from pagedllm.engine.draft_model import DraftModelProposer
 from pagedllm.engine.generation_config import sampling_defaults
 from pagedllm.engine.guided import GrammarCompiler
 from pagedllm.engine.kv_sizing import check_max_model_len, kv_block_bytes, model_kv_groups, num_kv_blocks
+from pagedllm.engine.kv_store import DiskStore, kv_fingerprint
 from pagedllm.engine.model_cache import load_shared_model
 from pagedllm.engine.model_runner import ModelRunner, StepInputs, calibration_ids
 from pagedllm.engine.parallel.executor import Executor
@@ -29,15 +32,18 @@ from pagedllm.engine.request import Request, check_prompt
 from pagedllm.engine.sampler import Sample, SampleRow, sample
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Sequence
-from pagedllm.engine.speculative import NgramProposer, accepted_length
+from pagedllm.engine.speculative import NgramProposer, SpeculativeConfig, accepted_length
 from pagedllm.engine.stats import STEP_PHASES, EngineStats, StepObserver, StepTrace
 from pagedllm.engine.stop_checker import StopChecker
 from pagedllm.kv import ContiguousAllocator, KVAllocator, PagedAllocator
+from pagedllm.kv.tiers import DISK, HOST, DiskTier, HostPool, PrefixTiers, TierMoves
 from pagedllm.models.parallel import SINGLE
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+PREFETCH_SEQS = 8  # waiting prompts whose disk-tier blocks are read ahead, each step
 
 
 class LLMEngine:
@@ -57,7 +63,13 @@ class LLMEngine:
     def _start(self, config: EngineConfig) -> None:
         tp = self.executor.tp if self.executor else SINGLE
         loaded = load_shared_model(
-            config.model, config.torch_dtype, config.device, config.quantization, tp, config.max_num_seqs
+            config.model,
+            config.torch_dtype,
+            config.device,
+            config.quantization,
+            tp,
+            config.max_num_seqs,
+            config.max_model_len,
         )
         self.loaded_model, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
         self.weight_bytes = loaded.weight_bytes
@@ -77,6 +89,7 @@ class LLMEngine:
         )
         self.num_kv_blocks = num_kv_blocks(config, block_bytes, self.weight_bytes)
         self.kv_cache_bytes = self.num_kv_blocks * block_bytes
+        self.tiers = self._make_tiers(block_bytes) if config.has_kv_tiers else None
         self.allocator = self._make_allocator()
         logger.info(
             "weights %.1f MiB (%s), KV cache %.1f MiB: %d blocks of %d tokens (%d tokens, %s layout)",
@@ -95,7 +108,10 @@ class LLMEngine:
             config.kv_torch_dtype,
             config.device,
         )
-        num_host_blocks = cache[0] if config.preemption_mode == "swap" else 0
+        if self.tiers is not None:  # the host tier's pool is the swap pool too
+            num_host_blocks = self.tiers.host.num_blocks
+        else:
+            num_host_blocks = cache[0] if config.preemption_mode == "swap" else 0
         prefault, groups = config.prefault_kv_cache, self.kv_groups
         if self.executor:
             self.runner = ParallelModelRunner(
@@ -104,6 +120,13 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(self.model, *cache, num_host_blocks, prefault, groups)
         self.runner.calibrate_key_smoothing(calibration_ids(model_cfg.vocab_size, self.max_model_len))
+        self.disk_store = None
+        if self.tiers is not None:
+            probe = min(8, num_host_blocks, self.num_kv_blocks)
+            self.tiers.observe_load(HOST, self.runner.time_host_load(probe), probe)
+            if config.kv_offload_dir is not None:
+                self.disk_store = self._open_disk_store(block_bytes)
+        self.proposer = self._make_proposer(config.speculative_config)
         self.scheduler = Scheduler(
             self.allocator,
             self.max_model_len,
@@ -113,9 +136,9 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             watermark=config.watermark,
             stop_checker=StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len),
+            # A sequence that leaves the cache leaves the draft model's too.
+            on_release=self.proposer.release if self.proposer is not None else None,
         )
-        spec = config.speculative_config
-        self.proposer = NgramProposer(spec) if spec is not None else None
         self.spec_verifies = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -127,6 +150,14 @@ class LLMEngine:
         """Whether sliding-window layers hold only their window (KV groups): paged, and not disabled."""
         return self.config.kv_layout == "paged" and not self.config.disable_hybrid_kv_cache_manager
 
+    def _make_proposer(self, spec: SpeculativeConfig | None) -> NgramProposer | DraftModelProposer | None:
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        # Its pool: as many blocks as the target's (its own, smaller ones): it holds what the target does.
+        return DraftModelProposer(spec, self.config, self.model.config.vocab_size, self.num_kv_blocks)
+
     def _make_allocator(self) -> KVAllocator:
         config = self.config
         if config.kv_layout == "paged":
@@ -135,11 +166,62 @@ class LLMEngine:
                 config.block_size,
                 enable_prefix_caching=config.enable_prefix_caching,
                 windows=self.kv_groups.windows,
-                # The most prompt tokens a step computes: a window group's prefill holds its window and that.
-                max_prefill_tokens=config.max_num_batched_tokens if config.enable_chunked_prefill else None,
+                # Admission asks a prompt's first chunk: one block of new tokens (a window group's promise
+                # adds its window: what it holds once it decodes); a longer chunk takes the free blocks the
+                # scheduler finds for it (prefill_room).
+                prefill_chunk=config.block_size if config.enable_chunked_prefill else None,
+                tiers=self.tiers,
             )
         num_slots = self.num_kv_blocks * config.block_size
         return ContiguousAllocator(num_slots, self.max_model_len, reserve=config.contiguous_reserve)
+
+    def _make_tiers(self, block_bytes: int) -> PrefixTiers:
+        """The host tier (kv_offload_memory; a disk tier alone stages its reads in a pool the size of the
+        KV cache) and the disk tier (kv_offload_dir, kv_offload_disk), sized in blocks."""
+        config = self.config
+        num_host = self.num_kv_blocks
+        if config.kv_offload_memory is not None:
+            num_host = parse_bytes(config.kv_offload_memory, "kv_offload_memory") // block_bytes
+            if num_host < 1:
+                raise ValueError(
+                    f"kv_offload_memory={config.kv_offload_memory!r} holds no KV block ({block_bytes} bytes)"
+                )
+        disk = None
+        if config.kv_offload_dir is not None:
+            num_disk = parse_bytes(config.kv_offload_disk, "kv_offload_disk") // block_bytes
+            if num_disk < 1:
+                raise ValueError(
+                    f"kv_offload_disk={config.kv_offload_disk!r} holds no KV block ({block_bytes} bytes)"
+                )
+            disk = DiskTier(num_disk)
+        return PrefixTiers(HostPool(num_host), disk, config.block_size)
+
+    def _open_disk_store(self, block_bytes: int) -> DiskStore:
+        """The disk tier's folder for this model and these settings; the blocks already there (from an
+        earlier process) join the tier, oldest first, as far as its size allows."""
+        config, model_cfg = self.config, self.model.config
+        settings = {
+            "model": config.model,
+            "dtype": str(config.torch_dtype),
+            "kv_cache_dtype": str(config.kv_torch_dtype),
+            "quantization": config.quantization,
+            "linear_method": self.loaded_model.linear_method,
+            "block_size": config.block_size,
+            "layers": model_cfg.num_layers,
+            "kv_heads": self.model.num_kv_heads,
+            "head_dim": model_cfg.head_dim,
+            "block_bytes": block_bytes,
+            "layout": "per layer K then V, a block as [slot, kv_head, dim] (quantized: codes, then scales)",
+        }
+        fingerprint, described = kv_fingerprint(
+            self.loaded_model.path, settings, self.runner.key_smoothing_bytes()
+        )
+        store = DiskStore(config.kv_offload_dir, fingerprint, described, block_bytes)
+        for key in store.scan():
+            for old in self.tiers.disk.add(key):
+                store.delete(old)
+        logger.info("disk tier %s: %d blocks found", store.folder, len(self.tiers.disk.keys))
+        return store
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (if any); the engine cannot step afterwards."""
@@ -221,10 +303,15 @@ class LLMEngine:
         only once it is done)."""
         self.num_steps += 1
         clock = _PhaseClock()
+        if self.disk_store is not None:
+            self._prefetch()
         out = self.scheduler.schedule()
+        moves = self._tier_moves(out)
         clock.lap("schedule")
         context_tokens = sum(seq.num_cached_tokens for seq in out.scheduled)
         logits = self._run(out, clock) if out.scheduled else None
+        if moves is not None:
+            self._persist(moves)
         changed = self._postprocess(out, logits, clock)
         outputs = [self._output(request) for request in changed]
         clock.lap("rest")
@@ -242,10 +329,63 @@ class LLMEngine:
         clock.lap("inputs")
         logits = self.runner.execute_step(inputs)
         clock.lap("forward")
+        if self.tiers is not None and 2 * (out.num_tokens - len(out.decodes)) >= out.num_tokens >= 32:
+            self.tiers.observe_prefill(clock.seconds["forward"], out.num_tokens)  # a prefill-bound step
         if any(seq.needs_prompt_logprobs for seq in out.prefills):  # logits of prompt positions came too
             logits = self._gather_prompt_logprobs(out, inputs, logits)
             clock.lap("sample")
         return logits
+
+    # -- prefix cache tiers -----------------------------------------------------------------------
+
+    def _prefetch(self) -> None:
+        """Read the disk tier's blocks of the next waiting prompts into host blocks, each checked against
+        its checksum, so that admitting a prompt loads them instead of computing them."""
+        for seq in itertools.islice(self.scheduler.waiting, PREFETCH_SEQS):
+            if seq.awaiting or seq.needs_prompt_logprobs:
+                continue
+            plan = self.allocator.plan_prefetch(seq.token_ids)
+            if not plan:
+                continue
+            start = time.perf_counter()
+            payloads = [self.disk_store.read(key) for key, _ in plan]
+            good = [(slot, payload) for (_, slot), payload in zip(plan, payloads, strict=True) if payload]
+            if good:
+                rows = torch.frombuffer(bytearray(b"".join(p for _, p in good)), dtype=torch.uint8)
+                self.runner.write_host_blocks([slot for slot, _ in good], rows.view(len(good), -1))
+            self.tiers.observe_load(DISK, time.perf_counter() - start, len(plan))
+            self.tiers.prefetched(plan, [payload is not None for payload in payloads])
+
+    def _tier_moves(self, out: SchedulerOutput) -> TierMoves | None:
+        """The tiers' copies planned since the last step: evicted blocks to host memory go with the swap-
+        outs, host-tier hits into device blocks with the swap-ins (made now if no forward runs)."""
+        if self.tiers is None:
+            return None
+        moves = self.tiers.take_moves()
+        out.swap_out += moves.offload
+        out.swap_in += moves.load
+        if not out.scheduled and (moves.offload or moves.load):
+            self.runner.move_blocks(moves.offload, moves.load, [])
+        return moves
+
+    def _persist(self, moves: TierMoves) -> None:
+        """After the forward computed them: write the newly cached blocks to the disk tier's files, delete
+        those it evicted (a disk that fails a write loses that block from the tier, nothing else)."""
+        if self.disk_store is None:
+            return
+        disk = self.tiers.disk
+        keep = [(block, key) for block, key in moves.persist if key in disk]
+        if keep:
+            rows = self.runner.read_device_blocks([block for block, _ in keep]).numpy()
+            for (_, key), row in zip(keep, rows, strict=True):
+                try:
+                    self.disk_store.write(key, row.tobytes())
+                except OSError as error:
+                    logger.warning("disk tier: block not written (%s)", error)
+                    disk.forget(key)
+        for key in moves.drop:
+            if key not in disk:
+                self.disk_store.delete(key)
 
     def _gather_prompt_logprobs(
         self, out: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor
@@ -308,7 +448,9 @@ class LLMEngine:
                 drafts = seq.draft_token_ids
                 for i in range(len(drafts) + 1):
                     picked_rows.append(row + i)
-                    sample_rows.append(self._sample_row(seq, drafts[:i], (drafts + [None])[i]))
+                    draft = drafts[i] if i < len(drafts) else None
+                    q = seq.draft_probs[i] if draft is not None and seq.draft_probs is not None else None
+                    sample_rows.append(self._sample_row(seq, drafts[:i], draft, q))
             all_rows = picked_rows == list(range(len(logits)))
             picked = logits if all_rows else logits[picked_rows]  # all: no copy
             clock.lap("rest")
@@ -328,10 +470,14 @@ class LLMEngine:
         return new_tokens
 
     def _sample_row(
-        self, seq: Sequence, accepted: list[int] | None = None, draft: int | None = None
+        self,
+        seq: Sequence,
+        accepted: list[int] | None = None,
+        draft: int | None = None,
+        draft_probs: torch.Tensor | None = None,
     ) -> SampleRow:
         """What the sampler needs for seq's next token; for a verify pass's row, the next token after the
-        drafts before it (`accepted`, as if already sampled), checking `draft`."""
+        drafts before it (`accepted`, as if already sampled), checking `draft` (drawn from `draft_probs`)."""
         params = seq.params
         output = seq.output_token_ids + accepted if accepted else seq.output_token_ids
         banned: tuple[int, ...] = ()
@@ -339,20 +485,30 @@ class LLMEngine:
             banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_token_ids))
         generator = self.requests[seq.request_id].generator
         return SampleRow(
-            params, generator, banned, seq.prompt_token_ids, output, guide=seq.guide, draft_token_id=draft
+            params,
+            generator,
+            banned,
+            seq.prompt_token_ids,
+            output,
+            guide=seq.guide,
+            draft_token_id=draft,
+            draft_probs=draft_probs,
         )
 
     def _propose(self) -> None:
         """Draft tokens for each running sequence that decodes next step (not a beam, not guided: their
         next tokens depend on more than the logits), at most one fewer than it may still generate."""
-        for seq in self.scheduler.running:
-            if (
-                seq.num_tokens - seq.num_cached_tokens == 1
-                and seq.guide is None
-                and self.requests[seq.request_id].beam_search is None
-            ):
-                room = seq.max_new_tokens(self.max_model_len) - 1
-                seq.draft_token_ids = self.proposer.propose(seq.token_ids, room)
+        seqs = [
+            seq
+            for seq in self.scheduler.running
+            if seq.num_tokens - seq.num_cached_tokens == 1
+            and seq.guide is None
+            and self.requests[seq.request_id].beam_search is None
+        ]
+        rooms = [seq.max_new_tokens(self.max_model_len) - 1 for seq in seqs]
+        generators = [self.requests[seq.request_id].generator for seq in seqs]
+        for seq, draft in zip(seqs, self.proposer.propose_batch(seqs, rooms, generators), strict=True):
+            seq.draft_token_ids, seq.draft_probs = draft.token_ids, draft.probs
 
     def _output(self, request: Request) -> RequestOutput:
         output = request.output(self.tokenizer)
@@ -389,10 +545,11 @@ class LLMEngine:
             num_blocks_swapped_out=scheduler.num_blocks_swapped_out,
             num_blocks_swapped_in=scheduler.num_blocks_swapped_in,
             kv_usage=self.allocator.usage(),
-            kv_all_free=self.allocator.all_free(),
+            kv_all_free=self.allocator.all_free() and (self.proposer is None or self.proposer.all_free()),
             spec_verifies=self.spec_verifies,
             spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,
+            kv_tiers=self.tiers.usage() if self.tiers is not None else None,
         )
 
     def kv_snapshot(self) -> dict:

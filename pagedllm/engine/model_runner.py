@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,11 +128,13 @@ class ModelRunner:
             for held, value in zip(key_smoothing(k_cache), reference.fit_key_smoothing(keys), strict=True):
                 held.copy_(value)
 
-    def move_blocks(self, step: StepInputs) -> None:
-        """Swap-outs first (their device blocks may be reused this step), then copies (forks and copy on
-        write, decided after the previous step: a source block freed since, by an abort, may be a swap-in's
-        destination), then swap-ins."""
-        swap_out, swap_in, copies = (pairs.tolist() for pairs in (step.swap_out, step.swap_in, step.copies))
+    def move_blocks(
+        self, swap_out: list[list[int]], swap_in: list[list[int]], copies: list[list[int]]
+    ) -> None:
+        """Swap-outs first (their device blocks may be reused this step; evicted prefix blocks moving to
+        the host tier among them), then copies (forks and copy on write, decided after the previous step:
+        a source block freed since, by an abort, may be a swap-in's destination), then swap-ins (loads
+        from the host tier among them)."""
         for buffer, (k, v) in enumerate(self.kv_buffers):
             if swap_out:
                 ops.swap_blocks(k, v, *self.host_kv_buffers[buffer], swap_out)
@@ -145,7 +148,7 @@ class ModelRunner:
         """Move blocks, run the forward pass; float32 logits of each sequence's last step.num_logits
         computed tokens, sequence after sequence: its newest, its 1 + k with k draft tokens, or a prompt's
         rows for its log-probabilities (None on a tensor-parallel rank other than 0)."""
-        self.move_blocks(step)
+        self.move_blocks(step.swap_out.tolist(), step.swap_in.tolist(), step.copies.tolist())
         meta = AttentionMetadata(
             slot_mapping=self._tensor(step.slot_mapping),
             block_tables=self._tensor(step.block_tables),
@@ -219,6 +222,33 @@ class ModelRunner:
             swap_in=_pairs(out.swap_in),
             copies=_pairs(out.copies),
         )
+
+    # -- prefix cache tiers: the bytes of blocks, for the disk tier's files ---------------------------
+
+    def read_device_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """The device blocks' K/V of every layer as rows of bytes ([n, block bytes] uint8, CPU)."""
+        return ops.read_block_bytes(self.kv_buffers, block_ids)
+
+    def write_host_blocks(self, slots: list[int], rows: torch.Tensor) -> None:
+        """Store rows of read_device_blocks into host blocks (a disk tier's read, on its way up)."""
+        ops.write_block_bytes(self.host_kv_buffers, slots, rows)
+
+    def key_smoothing_bytes(self) -> bytes:
+        """A quantized cache's calibrated key smoothing (b'' for a cache of values): it shapes the bytes."""
+        if not is_quantized(self.kv_dtype):
+            return b""
+        parts = [t.cpu().numpy().tobytes() for k, _ in self.kv_buffers for t in key_smoothing(k)]
+        return b"".join(parts)
+
+    def time_host_load(self, num_blocks: int) -> float:
+        """Seconds to copy `num_blocks` host blocks into the device cache (run at start-up, while every
+        block is still zero: what a host tier's load costs)."""
+        pairs = [[i, i] for i in range(num_blocks)]
+        start = time.perf_counter()
+        self.move_blocks([], pairs, [])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)

@@ -32,6 +32,7 @@ class SampleRow:
     output_token_ids: Sequence[int] = ()
     guide: Guide | None = None  # guided decoding: only tokens its grammar allows next
     draft_token_id: int | None = None  # speculative decoding: the proposed token this row verifies
+    draft_probs: torch.Tensor | None = None  # [vocab]: the q it was drawn from (None: one-hot, deterministic)
 
 
 @dataclass
@@ -89,16 +90,43 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     return logits.nan_to_num_(nan=float("-inf"), posinf=finfo.max, neginf=float("-inf"))
 
 
-def _draw(probs: torch.Tensor, draft: int | None, generator: torch.Generator | None) -> torch.Tensor:
-    """A token from `probs`. With a draft token, proposed deterministically (a one-hot draft
-    distribution), speculative sampling's rule: accept it with its probability p(draft), else draw from
-    p with the draft removed, renormalized; either way the token is distributed as p."""
+def _draw(
+    probs: torch.Tensor,
+    draft: int | None,
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """A token from `probs` (p). With a draft token drawn from q (`draft_probs`; None: proposed
+    deterministically, a one-hot q), speculative sampling's rule: accept it with probability
+    min(1, p(draft) / q(draft)), else draw from max(p - q, 0) renormalized; either way the token is
+    distributed as p."""
     if draft is not None:
-        if torch.rand((), generator=generator, device=probs.device) < probs[draft]:
+        q = draft_probs
+        if q is None:
+            q = torch.zeros_like(probs)
+            q[draft] = 1.0
+        if torch.rand((), generator=generator, device=probs.device) * q[draft] < probs[draft]:
             return torch.tensor(draft)
-        probs = probs.clone()
-        probs[draft] = 0.0
+        residual = (probs - q).clamp_(min=0.0)
+        probs = residual if residual.sum() > 0 else probs  # p <= q everywhere only by rounding
     return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+@torch.inference_mode()
+def sample_drafts(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[torch.Tensor | None]]:
+    """A draft model's next tokens: a greedy row's argmax, any other row's drawn from the model's
+    distribution q after the row's temperature and top-k / top-p / min-p (no penalties or bans: the
+    target's verify pass applies those), returned with its q for the rejection rule."""
+    logits = logits.float()
+    chosen = ops.argmax(logits)
+    probs: list[torch.Tensor | None] = [None] * len(rows)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        filtered = _filtered_probs(logits[random_rows], [rows[i] for i in random_rows])
+        for j, i in enumerate(random_rows):
+            chosen[i] = torch.multinomial(filtered[j], 1, generator=rows[i].generator)[0]
+            probs[i] = filtered[j]
+    return chosen.tolist(), probs
 
 
 @torch.inference_mode()  # the logits may be the forward's own tensor (bans and penalties: in place)
@@ -124,7 +152,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
     if random_rows:
         probs = _filtered_probs(logits[random_rows], [rows[i] for i in random_rows])
         for j, i in enumerate(random_rows):
-            chosen[i] = _draw(probs[j], rows[i].draft_token_id, rows[i].generator)
+            chosen[i] = _draw(probs[j], rows[i].draft_token_id, rows[i].draft_probs, rows[i].generator)
     samples = [Sample(token_id) for token_id in chosen.tolist()]
     for j, i in enumerate(wanted):
         smp = samples[i]

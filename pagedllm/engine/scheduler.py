@@ -15,7 +15,8 @@ computes 1 + k tokens (counted in the budget), their K/V written to lookahead sl
 step; after it the accepted drafts keep their slots, the rest are released and the sequence's count of
 computed tokens rolled back to what was accepted, so between steps nothing else differs. The scheduler
 asks the KV allocator for room and never reaches inside it. When a new token needs a block and none is
-free, the most recently admitted sequence is preempted: by recompute (its blocks are freed; it
+free, the most recently admitted sequence is preempted (on a hybrid model, where a prompt is admitted
+by its first chunk, usually one part way through its prefill): by recompute (its blocks are freed; it
 re-enters the waiting queue and is prefilled again later) or by swap (its blocks move to the host pool
 and come back when room frees up). A beam whose next token waits on a sibling's (`Sequence.awaiting`)
 has nothing to compute: running, it holds its blocks, and when nothing else can run it is freed to make
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -90,6 +92,7 @@ class Scheduler:
         watermark: float = 0.01,
         enable_chunked_prefill: bool = True,
         stop_checker: StopChecker | None = None,
+        on_release: Callable[[str], None] | None = None,
     ):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
@@ -103,6 +106,8 @@ class Scheduler:
         self.watermark = watermark  # share of blocks a new admission must leave free (vLLM's 1%)
         self.enable_chunked_prefill = enable_chunked_prefill
         self.stop_checker = stop_checker or StopChecker(None, (), max_model_len)
+        # Told each seq_id that leaves the cache (finished, aborted, preempted): a draft model's KV follows.
+        self.on_release = on_release or (lambda seq_id: None)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -144,6 +149,7 @@ class Scheduler:
                 queue.remove(seq)
         if seq.status in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
             self.allocator.free(seq.seq_id)
+        self.on_release(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
 
     # -- before the forward pass --------------------------------------------------------------------
@@ -155,11 +161,15 @@ class Scheduler:
         if not out.preempted:
             self._schedule_swap_ins(out)
         budget = self._schedule_prefill_chunks(prefilling, out, self.max_num_batched_tokens - out.num_tokens)
-        if not out.preempted and not self.swapped:
+        # A prompt part way through whose next chunk found no free block: nothing is admitted past it.
+        stalled = any(s.num_tokens > s.num_cached_tokens and s not in out.scheduled for s in self.running)
+        if not out.preempted and not self.swapped and not stalled:
             self._schedule_prefills(out, budget)
-        while not out.scheduled and self.running and self._has_work_waiting():
-            # Every running sequence is a beam waiting for a sibling that is not in the cache: make room.
+        while not out.scheduled and self.running and (self._has_work_waiting() or stalled):
+            # Every running sequence is a beam waiting for a sibling that is not in the cache, or a prompt
+            # whose next chunk finds no free block: make room.
             self._preempt(self.running[-1], out, swap=False)
+            stalled = False
             self._schedule_swap_ins(out)
             if not self.swapped:
                 self._schedule_prefills(out, budget)
@@ -215,9 +225,9 @@ class Scheduler:
     def _schedule_prefill_chunks(self, seqs: list[Sequence], out: SchedulerOutput, budget: int) -> int:
         """Continue the prefills in progress, oldest first, within the budget; returns what is left."""
         for seq in seqs:
-            num_new = min(seq.num_tokens - seq.num_cached_tokens, budget)
+            start = seq.num_cached_tokens
+            num_new = self._chunk(seq, out, min(seq.num_tokens - start, budget))
             if num_new > 0:
-                start = seq.num_cached_tokens
                 self.allocator.cache_blocks(seq.seq_id, start + num_new, start=start)
                 out.add(out.prefills, seq, num_new)
                 budget -= num_new
@@ -245,21 +255,32 @@ class Scheduler:
                 self.finish(seq)
                 out.ignored.append(seq)
                 continue
-            self.waiting.remove(seq)
             seq.num_cached_tokens = cached
+            num_new = seq.num_tokens - cached
+            if self.enable_chunked_prefill:
+                num_new = self._chunk(seq, out, min(num_new, budget))
+                if num_new == 0:  # its first chunk finds no block beside the running decodes' next ones
+                    self.allocator.free(seq.seq_id)
+                    seq.num_cached_tokens = 0
+                    return
+            self.waiting.remove(seq)
             if not seq.output_token_ids:
                 seq.num_prefix_hits = cached
                 if self.allocator.enable_prefix_caching and not seq.needs_prompt_logprobs:
                     self.prefix_cache_queries += seq.num_tokens
                     self.prefix_cache_hits += cached
-            num_new = seq.num_tokens - cached
-            if self.enable_chunked_prefill:
-                num_new = min(num_new, budget)
             self.allocator.cache_blocks(seq.seq_id, cached + num_new, start=cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.add(out.prefills, seq, num_new)
             budget -= num_new
+
+    def _chunk(self, seq: Sequence, out: SchedulerOutput, num_tokens: int) -> int:
+        """The prompt tokens of `seq` this step computes: up to `num_tokens`, as far as the KV blocks for them
+        fit (sliding-window groups take a chunk's blocks as it is computed), leaving a block per KV group for
+        each of the step's decodes: their next tokens get slots after the forward pass."""
+        keep_free = len(out.decodes) * self.allocator.num_groups
+        return self.allocator.prefill_room(seq.seq_id, seq.num_cached_tokens, num_tokens, keep_free=keep_free)
 
     def _allocate(self, seq: Sequence) -> int | None:
         """Give a waiting sequence its blocks if they fit and, beside running sequences, leave the watermark
@@ -355,6 +376,7 @@ class Scheduler:
         out.preempted.append(seq)
         self.running.remove(seq)
         seq.draft_token_ids = []  # proposed for a step it will not run in
+        self.on_release(seq.seq_id)
         if self.preemption_mode == "swap" if swap is None else swap:
             try:
                 copies = self.allocator.swap_out(seq.seq_id)

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from pagedllm.engine.guided import Guide
     from pagedllm.engine.sampler import Sample
 
@@ -41,6 +43,7 @@ class Sequence:
     # Speculative decoding: tokens proposed to follow it, verified by the next step (the scheduler keeps
     # those it schedules, counted in num_cached_tokens, until update_from_output settles them).
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # [len(drafts), vocab]: the q each was drawn from (sampled)
     num_prefix_hits: int = 0  # prompt tokens served by the prefix cache at first admission
     finish_reason: str | None = None
     stop_reason: int | str | None = None

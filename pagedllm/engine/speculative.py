@@ -3,36 +3,47 @@
 A sequence that decodes with k draft tokens computes 1 + k positions in one step (its newest token and
 the drafts), and its logits at each position say what the model would have sampled there. The drafts
 are accepted up to the first one the target rejects; the target's own token at that position (or,
-when every draft is accepted, at the position after the last) comes for free. The proposer here is
-n-gram prompt lookup (vLLM's `ngram` method): the longest suffix of the sequence, of
-prompt_lookup_min..prompt_lookup_max tokens, that occurred earlier in it, and the tokens that followed
-its latest earlier occurrence.
+when every draft is accepted, at the position after the last) comes for free. Two proposers, with one
+face (`propose_batch`, `release`, `all_free`): n-gram prompt lookup here (vLLM's `ngram` method: the
+longest suffix of the sequence, of prompt_lookup_min..prompt_lookup_max tokens, that occurred earlier in
+it, and the tokens that followed its latest earlier occurrence), and a smaller draft model of the same
+vocabulary (engine/draft_model.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-METHODS = ("ngram",)
+if TYPE_CHECKING:
+    import torch
+
+    from pagedllm.engine.sequence import Sequence as Seq
+
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's speculative_config, as a dict: {"method": "ngram", "num_speculative_tokens": 4, ...}."""
+    """vLLM's speculative_config, as a dict: {"method": "ngram", "num_speculative_tokens": 4, ...}, or
+    {"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 3} (method "draft_model", inferred)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    model: str | None = None  # the draft model: a built-in name, a folder or a .gguf file, as the target's
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
+            raise ValueError(f"speculative_config method must be one of {list(METHODS)}, got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
             raise ValueError(
-                f"speculative_config method must be one of {list(METHODS)}, got {self.method!r}"
-                " (a draft model is not supported yet)"
+                f"speculative_config method {self.method!r} with model {self.model!r}: a draft model is "
+                "method 'draft_model' (or no method) and needs 'model'; 'ngram' takes no model"
             )
         _check_positive("num_speculative_tokens", self.num_speculative_tokens)
         # vLLM's defaults: either bound alone sets both; neither: 5.
@@ -51,12 +62,12 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config must be a dict, got {config!r}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(config) - known)
-        if "model" in config:
-            raise ValueError("speculative_config: a draft model is not supported yet (use method 'ngram')")
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
+        if "model" in config:  # vLLM infers the method from the model's name; any plain model is a draft
+            config = {"method": "draft_model", **config}
         if "method" not in config or "num_speculative_tokens" not in config:
-            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+            raise ValueError("speculative_config needs 'method' (or 'model') and 'num_speculative_tokens'")
         return cls(**config)
 
 
@@ -65,12 +76,31 @@ def _check_positive(name: str, value) -> None:
         raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
 
 
+@dataclass
+class Draft:
+    """A sequence's proposed tokens, and the distribution q each was drawn from ([len, vocab]; None: chosen
+    deterministically, a one-hot q), which the rejection-sampling rule divides by."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None
+
+
 class NgramProposer:
     """Prompt lookup: draft tokens copied from after an earlier occurrence of the sequence's suffix."""
 
     def __init__(self, config: SpeculativeConfig):
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose_batch(self, seqs: list[Seq], rooms: list[int], generators: list) -> list[Draft]:
+        """Each sequence's drafts, at most its room (generators: unused, the lookup is deterministic)."""
+        return [Draft(self.propose(seq.token_ids, room)) for seq, room in zip(seqs, rooms, strict=True)]
+
+    def release(self, seq_id: str) -> None:
+        """Nothing is kept per sequence."""
+
+    def all_free(self) -> bool:
+        return True
 
     def propose(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
         """Up to min(k, max_tokens) draft tokens to follow `token_ids` ([] when no suffix recurs)."""

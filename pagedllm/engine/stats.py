@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedllm.kv import KVUsage
+from pagedllm.kv.tiers import TierUsage
 
 STEP_PHASES = ("schedule", "inputs", "forward", "sample", "rest", "propose")
 
@@ -34,6 +35,7 @@ class EngineStats:
     spec_verifies: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    kv_tiers: TierUsage | None = None  # the prefix cache's host and disk tiers (None: off)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

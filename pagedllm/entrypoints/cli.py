@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
 import os
@@ -24,6 +25,7 @@ BENCHMARKS = {  # name: (module, what it measures)
         "pagedllm.bench.speculative",
         "one user editing code: decode tok/s with and without speculative decoding",
     ),
+    "tiers": ("pagedllm.bench.tiers", "TTFT of a prompt asked again: host / disk prefix tiers vs recompute"),
     "quality": ("pagedllm.bench.quality", "perplexity and greedy agreement per weight storage"),
     "linear": ("pagedllm.bench.linear", "the matmul kernels and libraries on the model's shapes"),
 }
@@ -108,7 +110,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.limits import ServerLimits
-    from pagedllm.entrypoints.openai.server import main as serve
 
     limits = ServerLimits(
         api_key=args.api_key,
@@ -117,6 +118,10 @@ def _serve(args: argparse.Namespace) -> int:
         max_n=args.max_n,
         max_logprobs=args.max_logprobs,
     )
+    if args.data_parallel_size is None:
+        from pagedllm.entrypoints.openai.server import main as serve
+    else:
+        serve = _replicas_main(args)
     return serve(
         args.model,
         host=args.host,
@@ -128,6 +133,26 @@ def _serve(args: argparse.Namespace) -> int:
         **_engine_kwargs(args),
         **{name: getattr(args, name) for name in KV_ARGS},
     )
+
+
+def _replicas_main(args: argparse.Namespace):
+    """`pagedllm serve --data-parallel-size N`: replicas.main with its settings bound (Ray is optional)."""
+    try:
+        from pagedllm.entrypoints.openai import replicas
+    except ImportError as error:
+        raise ImportError(
+            f"--data-parallel-size needs Ray Serve: pip install 'pagedllm[replicas]' ({error})"
+        ) from error
+    if args.tensor_parallel_size != 1:
+        raise ValueError(
+            "--data-parallel-size runs one engine process a replica: --tensor-parallel-size must be 1"
+        )
+    n = args.data_parallel_size
+    from pagedllm._runtime import usable_cpus
+
+    cpus = args.cpus_per_replica or max(1, usable_cpus() // n)
+    settings = replicas.ReplicaSettings(n, cpus, args.routing, args.routing_imbalanced_threshold)
+    return functools.partial(replicas.main, settings=settings, address=args.address)
 
 
 PARALLEL_ARGS = ("tensor_parallel_size", "distributed_init_method", "nnodes", "distributed_timeout")
@@ -146,6 +171,9 @@ ENGINE_ARGS = (
     "quantization",
     "memory_budget",
     "speculative_config",
+    "kv_offload_memory",
+    "kv_offload_dir",
+    "kv_offload_disk",
     *PARALLEL_ARGS,
 )
 
@@ -236,7 +264,29 @@ def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
         help='speculative decoding, as JSON (vLLM\'s): \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4}\'',
     )
+    _add_offload_args(parser, defaults)
     _add_parallel_args(parser, defaults)
+
+
+def _add_offload_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
+    """The prefix cache's tiers below the device cache (host memory, disk)."""
+    parser.add_argument(
+        "--kv-offload-memory",
+        default=None,
+        help="host memory for prefix blocks the KV cache evicts, e.g. 4GiB (beside --kv-cache-memory; "
+        "swap preemption shares it); loaded back on a prefix hit",
+    )
+    parser.add_argument(
+        "--kv-offload-dir",
+        default=None,
+        help="folder for a disk tier: every cached prefix block is also written there (checksummed), and "
+        "found again after a restart on the same model files and settings",
+    )
+    parser.add_argument(
+        "--kv-offload-disk",
+        default=defaults["kv_offload_disk"],
+        help="most bytes the disk tier's files take, e.g. 20GiB (least recently used go first)",
+    )
 
 
 KV_ARGS = ("block_size", "max_num_seqs", "kv_layout", "contiguous_reserve")
@@ -288,6 +338,38 @@ def _add_server_args(parser: argparse.ArgumentParser, limits: dict) -> None:
         type=float,
         default=30.0,
         help="on SIGTERM/SIGINT: seconds running requests may take to finish before they are aborted",
+    )
+
+
+def _add_replica_args(parser: argparse.ArgumentParser) -> None:
+    """Engine replicas on Ray Serve behind one endpoint (pip install 'pagedllm[replicas]')."""
+    group = parser.add_argument_group("replicas (Ray Serve)")
+    group.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=None,
+        help="engine replicas behind this one endpoint, as Ray Serve deployments (default: one engine)",
+    )
+    group.add_argument(
+        "--address",
+        default=None,
+        help="a running Ray cluster to join (`ray start --head`; default: start one)",
+    )
+    group.add_argument(
+        "--cpus-per-replica", type=int, default=None, help="CPUs Ray gives each replica (default: usable / N)"
+    )
+    group.add_argument(
+        "--routing",
+        choices=["prefix", "pow2", "round-robin"],
+        default="prefix",
+        help="request routing: Ray's PrefixCacheAffinityRouter, Serve's power of two choices, or round robin",
+    )
+    group.add_argument(
+        "--routing-imbalanced-threshold",
+        type=float,
+        default=4,
+        help="prefix routing: a gap in queue lengths above this routes by load instead of prefix",
     )
 
 
@@ -372,6 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve, {**defaults, "max_num_batched_tokens": None})  # the server's own default
     _add_kv_args(serve, defaults)
     _add_server_args(serve, _defaults(ServerLimits))
+    _add_replica_args(serve)
     serve.set_defaults(func=_serve)
 
     lines = "\n".join(f"  {name:<16} {line}" for name, (_, line) in BENCHMARKS.items())

@@ -6,6 +6,7 @@ import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 
 from pagedllm.kv.interface import NoFreeBlocks
+from pagedllm.kv.tiers import PrefixTiers
 
 CacheKey = tuple[int, bytes]  # a cached block's KV group and hash: each group's blocks are cached apart
 
@@ -102,7 +103,8 @@ class BlockPool:
     is evicted stays least recently used first, up to that choice among the older half.
     """
 
-    def __init__(self, num_blocks: int, room: int = 0):
+    def __init__(self, num_blocks: int, room: int = 0, tiers: PrefixTiers | None = None):
+        self.tiers = tiers  # told of every block cached and evicted (one KV group only)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.room_queue = FreeBlockQueue([])  # free blocks set aside for a run's growth, oldest first
@@ -130,6 +132,8 @@ class BlockPool:
         self._unqueue(block)
         if block.block_hash is not None:
             del self.cached[block.block_hash]
+            if self.tiers is not None:
+                self.tiers.evicted(block.block_hash[1], block.block_id)
             block.block_hash = None
         block.ref_cnt, block.num_tokens = 1, 0
         for following in self.blocks[block.block_id + 1 : block.block_id + 1 + self.room]:
@@ -195,3 +199,5 @@ class BlockPool:
         if block_hash not in self.cached:
             self.cached[block_hash] = block
             block.block_hash = block_hash
+            if self.tiers is not None:
+                self.tiers.cached(block_hash[1], block.block_id)

@@ -154,6 +154,11 @@ class ContiguousAllocator:
         """No prefix cache and every layer's slab: nothing to do."""
         self._slab(seq_id)
 
+    def prefill_room(self, seq_id: Hashable, start: int, num_tokens: int, *, keep_free: int = 0) -> int:
+        """The slab holds every prompt token from admission on: all of them."""
+        self._slab(seq_id)
+        return num_tokens
+
     def can_append(self, seq_id: Hashable) -> bool:
         slab = self._slab(seq_id)
         return slab.num_tokens < slab.size

@@ -12,9 +12,11 @@ all mapping the same token positions and drawing on one pool. A sliding-window g
 a block back (to the pool, or to the prefix cache's least recently used end) once no query of the
 sequence reads it: when every token in it is at least w before the first token a step computes. Its
 table keeps the position (None; NO_BLOCK in the views), so the kernels, which clamp a sliding layer's
-reads to its window, never see it. A window group also takes a long prompt's blocks chunk by chunk as
-`cache_blocks` says each chunk is computed, not all at admission; the blocks its prefill may still take
-(at most the window plus `max_prefill_tokens`) are promised at admission, so a chunk never fails.
+reads to its window, never see it. With window groups every group takes a long prompt's blocks chunk by
+chunk as `cache_blocks` says each chunk is computed, and admission asks only for the first chunk (vLLM
+v1's rule): a full group's blocks for `prefill_chunk` tokens, and the window groups' promise (the window
+plus such a chunk: what they hold at once). Later chunks take free blocks, as many as `prefill_room` says
+fit; when none is free the prompt waits, and the scheduler preempts it when a decode needs a block.
 
 For speculative decoding, `reserve_lookahead` gives a sequence slots past its tokens, in every group's
 table, for the verify pass to write draft K/V into; accepted tokens fill them by `append` (only then is a
@@ -38,6 +40,7 @@ from pagedllm.kv.interface import (
     duplicate,
     unknown,
 )
+from pagedllm.kv.tiers import HostPool, PrefixTiers
 
 GROWTH_ROOM_TOKENS = 128  # free slots after a sequence's newest block set aside for it (BlockPool.room)
 NO_BLOCK = -1  # a block_tables entry a window group has given back: no query reads that position again
@@ -72,8 +75,10 @@ class PagedAllocator:
     """Block tables over a pool of `num_blocks` blocks, plus a host pool of `num_host_blocks` for swap.
 
     `windows` has one entry per KV group: None for full attention (the default: one group), or the
-    group's sliding window in tokens. `max_prefill_tokens` is the most tokens one step computes of a
-    prompt (the scheduler's token budget with chunked prefill; None: a whole prompt at once).
+    group's sliding window in tokens. `prefill_chunk` is the prompt tokens a step of a prefill can always
+    compute (the window groups' blocks for them are promised at admission); None: a whole prompt at once.
+    `tiers` (kv/tiers.py, one full-attention group with prefix caching): the host and disk tiers under
+    the prefix cache; their host pool is the swap pool too (`num_host_blocks` is then its size).
     """
 
     supports_swap = True
@@ -85,8 +90,16 @@ class PagedAllocator:
         enable_prefix_caching: bool = False,
         num_host_blocks: int | None = None,
         windows: Sequence[int | None] = (None,),
-        max_prefill_tokens: int | None = None,
+        prefill_chunk: int | None = None,
+        tiers: PrefixTiers | None = None,
     ):
+        if tiers is not None:
+            if len(windows) != 1 or windows[0] is not None or not enable_prefix_caching:
+                raise ValueError(
+                    "prefix cache tiers need prefix caching and one full-attention KV group, got "
+                    f"enable_prefix_caching={enable_prefix_caching}, windows={tuple(windows)}"
+                )
+            num_host_blocks = tiers.host.num_blocks
         num_host_blocks = num_blocks if num_host_blocks is None else num_host_blocks
         check_positive("num_blocks", num_blocks)
         check_positive("block_size", block_size)
@@ -97,16 +110,20 @@ class PagedAllocator:
         for window in windows:
             if window is not None:
                 check_positive("a KV group's sliding window", window)
-        if max_prefill_tokens is not None:
-            check_positive("max_prefill_tokens", max_prefill_tokens)
+        if prefill_chunk is not None:
+            check_positive("prefill_chunk", prefill_chunk)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_host_blocks = num_host_blocks
         self.windows = tuple(windows)
-        self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_chunk = prefill_chunk
         self._window_groups = [g for g, window in enumerate(self.windows) if window is not None]
-        self.pool = BlockPool(num_blocks, room=-(-GROWTH_ROOM_TOKENS // block_size))
-        self._free_host_blocks = list(range(num_host_blocks - 1, -1, -1))  # a stack, lowest id on top
+        # With window groups every group takes a prompt's blocks chunk by chunk and admission asks for the
+        # first chunk only (vLLM v1's rule): a prompt that outgrows the free blocks waits or is preempted.
+        self._chunked_groups = list(range(self.num_groups)) if self._window_groups else []
+        self.tiers = tiers
+        self.pool = BlockPool(num_blocks, room=-(-GROWTH_ROOM_TOKENS // block_size), tiers=tiers)
+        self.host = tiers.host if tiers is not None else HostPool(num_host_blocks)
         self._seqs: dict[Hashable, _Seq] = {}
         self._resident_slots = 0  # slots the tables of sequences on the device cover (shared: per table)
         self._promised = 0  # free blocks set aside for prefills in progress (the sum of their promises)
@@ -130,7 +147,8 @@ class PagedAllocator:
 
     @property
     def num_free_host_blocks(self) -> int:
-        return len(self._free_host_blocks)
+        """Host blocks a swap-out may take: free ones and (with tiers) cached prefix blocks."""
+        return self.host.num_reclaimable
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
@@ -148,16 +166,23 @@ class PagedAllocator:
         """Blocks a prompt of this length takes from admission to the end of its prefill, prefix hits
         not counted (what a scheduler keeps a watermark above)."""
         n = len(prompt_token_ids)
-        return sum(self._peak(window, n) for window in self.windows)
+        return sum(self._admission_blocks(window, n) for window in self.windows)
+
+    def _admission_blocks(self, window: int | None, num_tokens: int) -> int:
+        """Blocks a group needs free to admit a prompt: a window group its promise, a full group beside
+        window groups its first chunk's, a full group alone every block."""
+        if window is None and self._window_groups:
+            return -(-min(num_tokens, self.prefill_chunk or num_tokens) // self.block_size)
+        return self._peak(window, num_tokens)
 
     def _peak(self, window: int | None, num_tokens: int) -> int:
         """The most blocks a group's table holds while a prompt of `num_tokens` is prefilled: all of them,
-        or for a window group the blocks any step's keys and new tokens span (the window before its first
-        token, and at most max_prefill_tokens)."""
+        or for a window group the blocks a step's keys and new tokens span (the window before its first
+        token, and a chunk of prefill_chunk tokens)."""
         bs, blocks = self.block_size, -(-num_tokens // self.block_size)
-        if window is None or self.max_prefill_tokens is None:
+        if window is None or self.prefill_chunk is None:
             return blocks
-        span = window - 1 + self.max_prefill_tokens  # consecutive positions: at most ceil((span-1)/bs) + 1
+        span = window - 1 + self.prefill_chunk  # consecutive positions: at most ceil((span-1)/bs) + 1
         return min(blocks, -(-(span - 1) // bs) + 1)
 
     def _first_needed(self, group: int, start: int) -> int:
@@ -178,8 +203,10 @@ class PagedAllocator:
         """Whether the prompt's blocks fit now (decode blocks are taken later, on demand).
         `true_output_len` (what `pagedllm bench memory` passes every layout) changes nothing here."""
         check_request(prompt_token_ids, max_new_tokens)
-        _, hits, num_new = self._plan(prompt_token_ids, read_prefix_cache)
-        return self._fits(hits, num_new)
+        _, hits, num_new, _ = self._plan(prompt_token_ids, read_prefix_cache)
+        n = len(prompt_token_ids)  # admitted by its first chunk, a prompt must still fit the whole pool
+        lasting = sum(self._peak(window, n) for window in self.windows)
+        return self._fits(hits, num_new) and lasting <= self.num_total_blocks
 
     def allocate(
         self,
@@ -204,33 +231,34 @@ class PagedAllocator:
         if seq_id in self._seqs:
             raise duplicate(seq_id)
         check_request(prompt_token_ids, max_new_tokens)
-        hashes, hits, num_new = self._plan(prompt_token_ids, read_prefix_cache)
+        hashes, hits, num_new, loads = self._plan(prompt_token_ids, read_prefix_cache)
         if not self._fits(hits, num_new):
             raise NoFreeBlocks(
                 f"sequence {seq_id!r} needs {num_new} new blocks for {len(prompt_token_ids)} prompt "
                 f"tokens, {self.num_free_blocks} free"
             )
         n, bs = len(prompt_token_ids), self.block_size
-        first_step = (n if num_computed is None else num_computed) - len(hits[0]) * bs
-        if (
-            self._window_groups
-            and self.max_prefill_tokens is not None
-            and first_step > self.max_prefill_tokens
-        ):
+        num_hit = len(hits[0]) + len(loads)
+        first_step = (n if num_computed is None else num_computed) - num_hit * bs
+        if self._window_groups and self.prefill_chunk is not None and first_step > self.prefill_chunk:
             raise ValueError(
                 f"sequence {seq_id!r} computes {first_step} prompt tokens in one step, more than "
-                f"max_prefill_tokens={self.max_prefill_tokens}: pass num_computed"
+                f"prefill_chunk={self.prefill_chunk}: pass num_computed"
             )
         seq = _Seq(list(prompt_token_ids), [], hashes, released=[0] * self.num_groups)
-        num_hit = len(hits[0])
         seq.num_cached_blocks = num_hit
         self._touch(hits)  # every group's hits first: taking a block must not evict another group's hit
+        if loads:
+            self.host.pinned.update(loads)  # an eviction the new blocks cause must not take them
         for g, group_hits in enumerate(hits):
-            num_new = -(-n // bs) - num_hit if self.windows[g] is None else 0  # windows: chunk by chunk
-            seq.tables.append(self._take_blocks(g, group_hits + [None] * num_new, first=len(group_hits)))
+            first = len(group_hits)
+            num_new = 0 if self._chunked_groups else -(-n // bs) - first  # hybrid: chunk by chunk
+            seq.tables.append(self._take_blocks(g, group_hits + [None] * num_new, first=first))
             seq.released[g] = self._first_needed(g, num_hit * bs)
-            for i in range(num_hit, len(seq.tables[g])):
+            for i in range(first, len(seq.tables[g])):
                 self._fill(seq, g, i)
+        for i, slot in enumerate(loads, len(hits[0])):
+            self.tiers.load(hashes[i], slot, seq.tables[0][i].block_id)
         seq.window_blocks = num_hit
         self._resident_slots += self._slots_held(seq)
         self._seqs[seq_id] = seq
@@ -243,7 +271,7 @@ class PagedAllocator:
         """The sequence's tokens before `num_tokens` are computed (or are by the end of this step), the
         step's first at `start` (if given): full blocks become findable by other prompts (with prefix
         caching), the window groups take blocks up to `num_tokens` and give back those no query from
-        `start` on reads. A step of a prompt beyond max_prefill_tokens may raise NoFreeBlocks."""
+        `start` on reads. A step of a prompt beyond `prefill_room` raises NoFreeBlocks."""
         seq = self._resident(seq_id)
         if start is not None:
             self._release_behind(seq, start)
@@ -254,6 +282,32 @@ class PagedAllocator:
                 if i < len(table) and table[i] is not None:
                     self.pool.cache(table[i], (g, seq.block_hashes[i]))
         seq.num_cached_blocks = max(seq.num_cached_blocks, end)
+
+    def prefill_room(self, seq_id: Hashable, start: int, num_tokens: int, *, keep_free: int = 0) -> int:
+        """How many of the `num_tokens` prompt tokens from `start` on one step can compute now: what the
+        window groups' blocks fit, with the blocks no query from `start` on reads given back, leaving
+        `keep_free` free blocks for others (the running sequences' next tokens) where it can. Never less
+        than the sequence's promise covers (at least one token)."""
+        seq = self._resident(seq_id)
+        if not self._window_groups:
+            return num_tokens
+        bs, given_back, owned = self.block_size, 0, []
+        for g in self._window_groups:
+            table = seq.tables[g]
+            first = max(seq.released[g], min(self._first_needed(g, start), len(table) - 1))
+            given_back += self._owned(table[seq.released[g] : first])
+            owned.append(self._owned(table[first:]))
+        promise = self._promise(seq, owned)
+        free = self.pool.num_free + given_back - (self._promised - seq.promise) - promise
+        spare = min(free, max(0, free - keep_free))  # free blocks beyond the promise it may take now
+        # b more logical blocks take b from each full group's free blocks and b from each window group's
+        # promise, then free blocks: the most b with b * full + max(0, b * windows - promise) <= spare.
+        num_full = self.num_groups - len(self._window_groups)
+        more = (spare + promise) // self.num_groups
+        if num_full:
+            more = min(more, spare // num_full)
+        end = (seq.window_blocks + more) * bs
+        return max(0, min(num_tokens, end - start))
 
     def _release_behind(self, seq: _Seq, start: int) -> None:
         """Give back each window group's blocks that no query from position `start` on reads."""
@@ -273,13 +327,15 @@ class PagedAllocator:
             return
         if num_blocks <= seq.window_blocks:
             return
-        needed = sum(num_blocks - len(seq.tables[g]) for g in self._window_groups)
-        if needed > self.num_free_blocks + seq.promise:
+        full = sum(num_blocks - len(seq.tables[g]) for g in self._chunked_groups if self.windows[g] is None)
+        windows = sum(num_blocks - len(seq.tables[g]) for g in self._window_groups)
+        needed = full + max(0, windows - seq.promise)  # the window groups draw on their promise first
+        if needed > self.num_free_blocks:
             raise NoFreeBlocks(
-                f"sequence {seq_id!r} needs {needed} blocks for its window groups, "
-                f"{self.num_free_blocks + seq.promise} free"
+                f"sequence {seq_id!r} needs {needed} free blocks beyond its promise for its chunk, "
+                f"{self.num_free_blocks} free"
             )
-        for g in self._window_groups:
+        for g in self._chunked_groups:
             table = seq.tables[g]
             first = len(table)
             table[first:] = self._take_blocks(g, table + [None] * (num_blocks - first), first)[first:]
@@ -325,26 +381,43 @@ class PagedAllocator:
 
     def _plan(
         self, prompt: Sequence[int], read_cache: bool = True
-    ) -> tuple[list[bytes], list[list[Block | None]], int]:
+    ) -> tuple[list[bytes], list[list[Block | None]], int, list[int]]:
         """Hashes of the prompt's full blocks, per group the cached blocks to reuse (None before a window
-        group's window), and the count of blocks to take now and promise (window groups' prefill)."""
+        group's window), the count of blocks to take now and promise (window groups' prefill), and the
+        host slots of the blocks after the hit to load from the host tier (new blocks, counted in it)."""
         bs, n = self.block_size, len(prompt)
         hashes: list[bytes] = []
-        num_hit = 0
+        num_hit, loads = 0, []
         if self.enable_prefix_caching:
             hashes = self._prompt_hashes(prompt)
-            num_hit = self._num_hit_blocks(hashes[: (n - 1) // bs if read_cache else 0])
+            readable = hashes[: (n - 1) // bs if read_cache else 0]
+            num_hit = self._num_hit_blocks(readable)
+            if self.tiers is not None:
+                loads = self.tiers.host_run(readable[num_hit:])
         hits: list[list[Block | None]] = []
         num_new = 0
         for g, window in enumerate(self.windows):
             first = self._first_needed(g, num_hit * bs)
             hits.append([None] * first + [self.pool.cached[(g, h)] for h in hashes[first:num_hit]])
             if window is None:
-                num_new += -(-n // bs) - num_hit
+                num_new += min(self._admission_blocks(None, n), -(-n // bs) - num_hit)
             else:  # the prefill's blocks beyond the hit are promised
                 cold = sum(block.ref_cnt == 0 for block in hits[-1][first:])  # this table's alone
                 num_new += max(0, self._peak(window, n) - cold) + self._shared_by(hits[-1])
-        return hashes, hits, num_new
+        return hashes, hits, num_new, loads
+
+    def plan_prefetch(self, prompt_token_ids: Sequence[int]) -> list[tuple[bytes, int]]:
+        """With a disk tier: the prompt's blocks after its device and host hits that are on disk, each
+        with a host slot to read it into before the prompt is admitted ((key, slot) pairs; then
+        `tiers.prefetched`)."""
+        if self.tiers is None or self.tiers.disk is None:
+            return []
+        hashes = self._prompt_hashes(prompt_token_ids)[: (len(prompt_token_ids) - 1) // self.block_size]
+        i = self._num_hit_blocks(hashes)
+        while i < len(hashes) and hashes[i] in self.host.cached:
+            self.host.touch(hashes[i])  # most recently used: the prefetch must not evict it
+            i += 1
+        return self.tiers.plan_prefetch(hashes[i:])
 
     def _num_hit_blocks(self, hashes: list[bytes]) -> int:
         """The longest prefix of blocks every group can serve: a full group all of them, a window group
@@ -573,7 +646,7 @@ class PagedAllocator:
             raise unknown(seq_id)
         if seq.host_blocks is not None:
             for host in seq.host_blocks:
-                self._free_host_blocks.extend(h for h in reversed(host) if h is not None)
+                self.host.give_back(h for h in reversed(host) if h is not None)
         else:
             self._resident_slots -= self._slots_held(seq)
             self._release_tables(seq)
@@ -591,14 +664,13 @@ class PagedAllocator:
         """Move the sequence to host blocks; returns the (device block, host block) copies to do."""
         seq = self._settled(seq_id)
         held = sum(block is not None for table in seq.tables for block in table)
-        if held > len(self._free_host_blocks):
-            raise NoFreeBlocks(
-                f"sequence {seq_id!r} needs {held} host blocks, {len(self._free_host_blocks)} free"
-            )
+        if held > self.num_free_host_blocks:
+            free = self.num_free_host_blocks
+            raise NoFreeBlocks(f"sequence {seq_id!r} needs {held} host blocks, {free} free")
         host = seq.host_blocks = []
         copies = []
         for table in seq.tables:
-            host.append([None if block is None else self._free_host_blocks.pop() for block in table])
+            host.append([None if block is None else self.host.take()[0] for block in table])
             copies += [(b.block_id, h) for b, h in zip(table, host[-1], strict=True) if b is not None]
         self._resident_slots -= self._slots_held(seq)
         self._release_tables(seq)
@@ -643,7 +715,7 @@ class PagedAllocator:
                     if i < len(host_blocks[g]):
                         copies.append((host_blocks[g][i], seq.tables[g][i].block_id))
                     self._fill(seq, g, i)
-            self._free_host_blocks.extend(h for h in reversed(host_blocks[g]) if h is not None)
+            self.host.give_back(h for h in reversed(host_blocks[g]) if h is not None)
         self._resident_slots += self._slots_held(seq)
         self._set_promise(seq)
         self._refresh_promises()
@@ -653,9 +725,9 @@ class PagedAllocator:
         """Per group, for each block the swapped sequence's tokens need, the device block still caching its
         content, if any (None also before a window group's window). Only blocks it computed count: one whose
         K/V is still to come is never shared (it is written)."""
-        hits = []
-        for g, window in enumerate(self.windows):
-            num_blocks = -(-len(seq.token_ids) // self.block_size) if window is None else seq.window_blocks
+        hits, bs = [], self.block_size
+        for g in range(self.num_groups):
+            num_blocks = seq.window_blocks if self._chunked_groups else -(-len(seq.token_ids) // bs)
             first = seq.released[g]
             computed = seq.block_hashes[first : seq.num_cached_blocks]
             group_hits = [None] * first + [self.pool.cached.get((g, h)) for h in computed]

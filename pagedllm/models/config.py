@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -23,7 +24,9 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float  # base of the full-attention layers
-    rope_scaling: dict[str, Any] | None  # {"rope_type": "linear" | "llama3", ...}; None for plain RoPE
+    # {"rope_type": "linear" | "llama3" | "longrope", ...}; None for plain RoPE. longrope's also holds
+    # "long" (which factor set: see for_context) and its resolved "attention_factor".
+    rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
     bos_token_id: int | None = None
@@ -46,6 +49,17 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # the chosen experts' router probabilities renormalized to sum to 1
+
+    def for_context(self, max_model_len: int | None) -> ModelConfig:
+        """This config for an engine of at most `max_model_len` tokens a sequence (None: the model's
+        context). Only Phi-3's longrope depends on it: the long factors where that exceeds
+        original_max_position_embeddings, else the short ones, for every position (see _longrope)."""
+        scaling = self.rope_scaling
+        if not scaling or scaling["rope_type"] != "longrope":
+            return self
+        context = max_model_len or self.max_position_embeddings
+        long = context > scaling["original_max_position_embeddings"]
+        return self if long == scaling["long"] else replace(self, rope_scaling={**scaling, "long": long})
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The attention window of one layer (None: full causal attention)."""
@@ -99,7 +113,7 @@ class ModelConfig:
             head_dim=get("head_dim") or text.hidden_size // text.num_attention_heads,
             rms_norm_eps=text.rms_norm_eps,
             rope_theta=float(rope.get("rope_theta", 10000.0)),
-            rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
+            rope_scaling=_scaling(rope, text.max_position_embeddings),
             max_position_embeddings=text.max_position_embeddings,
             tie_word_embeddings=bool(get("tie_word_embeddings", getattr(hf, "tie_word_embeddings", False))),
             bos_token_id=get("bos_token_id", getattr(hf, "bos_token_id", None)),
@@ -141,6 +155,37 @@ def _moe_fields(text: Any) -> dict[str, Any]:
         moe_intermediate_size=text.moe_intermediate_size,
         norm_topk_prob=bool(text.norm_topk_prob),
     )
+
+
+def _scaling(rope: dict[str, Any], max_position_embeddings: int) -> dict[str, Any] | None:
+    """The RoPE scaling parameters, None for plain RoPE; longrope's resolved by _longrope."""
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":
+        return None
+    return _longrope(rope, max_position_embeddings) if rope_type == "longrope" else rope
+
+
+def _longrope(rope: dict[str, Any], max_position_embeddings: int) -> dict[str, Any]:
+    """Phi-3's longrope as transformers computes it: inverse frequencies divided per pair by short_factor
+    or long_factor, cos and sin multiplied by attention_factor (default sqrt(1 + ln(s) / ln(original)) for
+    s = factor, else the context's ratio to original_max_position_embeddings, above 1).
+
+    Transformers picks the factor set per forward by the longest position in it and recomputes the whole
+    cache when a generation crosses original_max_position_embeddings. A paged cache keeps its keys, so
+    pagedllm picks one set per engine, as vLLM and llama.cpp do: the long one where a sequence may grow
+    past the original context (for_context); "long" here is that choice for the model's own context."""
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor")
+    if factor is None:
+        factor = max_position_embeddings / original
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {
+        **rope,
+        "attention_factor": attention_factor,
+        "long": max_position_embeddings > original,
+    }
 
 
 def _check_rope(params: dict[str, Any]) -> None:

@@ -10,7 +10,8 @@ llama.cpp's (gguf-py's MODEL_TENSORS): Qwen2 and Qwen3 use Llama's, with q/k/v b
 Q/K permutation (NeoX-style RoPE, as Hugging Face's rotate_half); Mixtral is a Llama with experts; Phi-3
 keeps q/k/v fused (attn_qkv) and gate/up fused in ffn_up, as Hugging Face's checkpoint does; Mixtral and
 Qwen3-MoE stack each layer's experts in one 3-D tensor per projection (ffn_gate_exps: [experts, rows,
-columns]), split here into one per expert.
+columns]), split here into one per expert. RoPE scaling the converter stores as tensors of per-pair
+factors (Llama 3.1's rope_freqs, Phi-3's rope_factors_short / _long) becomes longrope parameters.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -203,16 +204,29 @@ def write_tensor_index(index: dict[str, Any], folder: Path) -> None:
 
 def _convert(gguf_path: Path, out: Path) -> None:
     from gguf import GGUFReader
-    from transformers import AutoTokenizer
 
     reader = GGUFReader(gguf_path)
-    (out / "config.json").write_text(json.dumps(hf_config(reader), indent=2))
+    config = hf_config(reader)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     write_tensor_index(tensor_index(reader), out)  # loading the blocks then needs no second parse
     if "tokenizer.ggml.model" in reader.fields:  # transformers rebuilds the tokenizer from the metadata
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        tokenizer.save_pretrained(out)
+        gguf_tokenizer(gguf_path, config).save_pretrained(out)
     else:
         logger.warning("%s has no tokenizer; prompts must be token ids", gguf_path)
+
+
+def gguf_tokenizer(gguf_path: Path, config: dict[str, Any]) -> Any:
+    """transformers' tokenizer for the file. Where transformers maps the model type straight to a tokenizer
+    class (Qwen2, Gemma 3, ...) that class is built from the file: it reads just the vocabulary and merges,
+    while AutoTokenizer first parses the whole file once more with GGUFReader (every one of Qwen2.5's
+    151,936 vocabulary entries) only to learn the model type. Other types (Llama's, whose class AutoTokenizer
+    picks by what the vocabulary is) go through AutoTokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    config_class = type(AutoConfig.for_model(**config))
+    tokenizer_class = TOKENIZER_MAPPING[config_class] if config_class in TOKENIZER_MAPPING else AutoTokenizer
+    return tokenizer_class.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
 
 def _architecture_and_tensors(reader: Any) -> tuple[str, list[GGUFTensor]]:
@@ -234,12 +248,6 @@ def hf_config(reader: Any) -> dict[str, Any]:
     if arch == "llama" and meta("expert_count"):  # llama.cpp writes Mixtral as a Llama with experts
         architecture = "MixtralForCausalLM"
     tensors = {t.name: t for t in reader.tensors}
-    if "rope_freqs.weight" in tensors:
-        raise ValueError("GGUF rope_freqs (Llama 3.1 RoPE scaling) is not supported; use the HF folder")
-    if "rope_factors_long.weight" in tensors:
-        raise ValueError(
-            "GGUF rope_factors_long (Phi-3 longrope scaling) is not supported; use the HF folder"
-        )
     hidden, num_heads = meta("embedding_length"), meta("attention.head_count")
     num_kv_heads = meta("attention.head_count_kv", num_heads)
     if isinstance(num_kv_heads, list):
@@ -278,6 +286,10 @@ def hf_config(reader: Any) -> dict[str, Any]:
         if scaling != "linear":
             raise ValueError(f"unsupported GGUF RoPE scaling {scaling!r}")
         config["rope_scaling"] = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
+    if factors := _rope_factors(tensors, meta):
+        config["rope_scaling"] = factors
+        if arch == "phi3":  # where transformers' Phi-3 looks for it too
+            config["original_max_position_embeddings"] = factors["original_max_position_embeddings"]
     if meta("attention.sliding_window") and arch in ("phi3", "gemma2"):
         config["sliding_window"] = meta("attention.sliding_window")
     if arch == "gemma2":  # the sliding layers alternate with full ones, from the first (Gemma2Config's)
@@ -311,6 +323,38 @@ def hf_config(reader: Any) -> dict[str, Any]:
     return config
 
 
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
+
+
+def _rope_factors(tensors: dict[str, Any], meta: Callable[..., Any]) -> dict[str, Any] | None:
+    """RoPE scaling that llama.cpp's converter stores as per-pair divisors of the inverse frequencies, as
+    the longrope parameters that compute the same thing: Llama 3.1's llama3 scaling (rope_freqs, which
+    the converter computes from the factor, the low / high frequency factors and the original context:
+    one set, no attention factor) and Phi-3's longrope (rope_factors_short / _long, with
+    rope.scaling.original_context_length and rope.scaling.attn_factor). None where there are none."""
+    values = lambda name: [float(x) for x in tensors[name].data]
+    if "rope_freqs.weight" in tensors:
+        freqs = values("rope_freqs.weight")
+        return {
+            "rope_type": "longrope",
+            "short_factor": freqs,
+            "long_factor": freqs,
+            "original_max_position_embeddings": meta("context_length"),
+            "attention_factor": 1.0,
+        }
+    if "rope_factors_long.weight" not in tensors:
+        return None
+    scaling = {
+        "rope_type": "longrope",
+        "short_factor": values("rope_factors_short.weight"),
+        "long_factor": values("rope_factors_long.weight"),
+        "original_max_position_embeddings": meta("rope.scaling.original_context_length"),
+    }
+    if (attn_factor := meta("rope.scaling.attn_factor")) is not None:  # else transformers' default
+        scaling["attention_factor"] = attn_factor
+    return scaling
+
+
 def hf_tensors(
     arch: str, tensors: list[GGUFTensor], config: dict[str, Any], keep_blocks: bool = False
 ) -> Iterator[tuple[str, Any]]:
@@ -318,6 +362,8 @@ def hf_tensors(
     2-D tensors of a kept type stay in their blocks (GGUFBlocks; rows reordered as the float ones are,
     which is exact). A stack of experts' tensors comes out as one tensor per expert."""
     for tensor in tensors:
+        if tensor.name in ROPE_TENSORS:  # RoPE parameters, in config.json (_rope_factors)
+            continue
         name = hf_tensor_name(tensor.name, arch)
         if ".experts." not in name:
             yield name, _hf_tensor(arch, name, tensor, config, keep_blocks)

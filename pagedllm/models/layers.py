@@ -43,9 +43,13 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequency of each rotated pair, with "linear" or "llama3" scaling applied."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """Inverse frequency of each rotated pair, with "linear", "llama3" or "longrope" scaling applied."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "longrope":  # Phi-3: one factor per pair (config._longrope), written as transformers does
+        factors = torch.tensor(scaling["long_factor" if scaling["long"] else "short_factor"])
+        return 1.0 / (factors * theta**exponents)
+    inv_freq = 1.0 / (theta**exponents)
     if rope_type == "linear":
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
@@ -68,9 +72,12 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        # [max_positions, head_dim]: cos of each rotated pair's angle, then sin. A plain attribute rather
-        # than a buffer, so that casting the model to bf16 leaves it float32.
+        # [max_positions, head_dim]: cos of each rotated pair's angle, then sin (both times longrope's
+        # attention factor). A plain attribute rather than a buffer, so that casting the model to bf16
+        # leaves it float32.
         self.cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+        if (scaling or {}).get("rope_type") == "longrope":
+            self.cos_sin *= scaling["attention_factor"]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> None:
         """Rotate [T, H, D] in place (pairing dim i with i + D/2, Hugging Face's rotate_half layout)."""

@@ -155,16 +155,18 @@ def load_model(
     quantization: str | None = "auto",
     tp: TensorParallel = SINGLE,
     max_num_seqs: int | None = None,
+    max_model_len: int | None = None,
 ) -> LoadedModel:
-    """Load weights, config and tokenizer; the linear method (default: the one `quantization` names, see
-    quantization.linear_method_for: "auto" keeps a GGUF file's own blocks; unquantized weights for an engine
-    of at most `max_num_seqs` sequences) receives every matmul weight and prepares its storage. The model
-    is in eval mode with gradients off.
+    """Load weights, config and tokenizer, the model built for sequences of at most `max_model_len` tokens
+    (None: the model's context; only Phi-3's longrope RoPE depends on it, ModelConfig.for_context). The
+    linear method (default: the one `quantization` names, see quantization.linear_method_for: "auto" keeps
+    a GGUF file's own blocks; unquantized weights for an engine of at most `max_num_seqs` sequences)
+    receives every matmul weight and prepares its storage. The model is in eval mode with gradients off.
 
     With a tensor-parallel `tp`, the model holds rank tp.rank's part of every sharded weight."""
     gguf = gguf_file(model)
     folder = resolve_checkpoint(model)
-    config = read_config(folder)
+    config = read_config(folder).for_context(max_model_len)
     cls = model_class(config.architecture)
     with torch.device(device):
         module = cls(config, tp)  # parameters uninitialised (torch.empty): every one is loaded below

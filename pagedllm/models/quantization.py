@@ -87,6 +87,7 @@ class GGUFLinear(KernelLinear):
     row order, as the kernel reads them."""
 
     name = "gguf"
+    STREAM_ROWS = 16  # csrc/linear.cpp kBlockStreamRows
 
     def create_weights(self, layer: Linear) -> None:
         layer.params_dtype = layer.weight.dtype

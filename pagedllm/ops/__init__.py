@@ -26,7 +26,7 @@ import torch
 
 from pagedllm.ops import reference
 from pagedllm.ops.kv_cache import allocate_kv_caches, kv_block_bytes
-from pagedllm.ops.reference import copy_blocks, swap_blocks
+from pagedllm.ops.reference import copy_blocks, read_block_bytes, swap_blocks, write_block_bytes
 
 BACKENDS = {"torch": "reference", "sdpa": "sdpa", "cpu": "cpu", "triton": "triton_ops"}
 ENV_VAR = "PAGEDLLM_ATTN_BACKEND"
@@ -41,10 +41,12 @@ __all__ = [
     "kv_block_bytes",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "read_block_bytes",
     "reset_backend_cache",
     "rms_norm",
     "rotary_embedding_",
     "swap_blocks",
+    "write_block_bytes",
     "write_kv",
 ]
 
@@ -111,13 +113,9 @@ def paged_decode_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """q [S, H, D], one token per sequence (the last of its context) -> [S, H, D]. `softcap`: scores
-    capped at +-softcap (softcap * tanh(score / softcap), Gemma 2), by the reference alone for now."""
-    if softcap is not None:
-        return reference.paged_decode_attention(
-            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, softcap
-        )
-    return _backend(q.device.type, q.dtype).paged_decode_attention(
-        q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window
+    capped at +-softcap (softcap * tanh(score / softcap), Gemma 2)."""
+    return _attention_backend(q, softcap).paged_decode_attention(
+        q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, softcap
     )
 
 
@@ -134,13 +132,18 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """q [T, H, D]; rows query_start_loc[s]:[s+1] are the last tokens of sequence s, causal -> [T, H, D].
     `softcap` as in paged_decode_attention."""
-    if softcap is not None:
-        return reference.paged_prefill_attention(
-            q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window, softcap
-        )
-    return _backend(q.device.type, q.dtype).paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window
+    return _attention_backend(q, softcap).paged_prefill_attention(
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window, softcap
     )
+
+
+def _attention_backend(q: torch.Tensor, softcap: float | None) -> ModuleType:
+    """The backend's attention; soft-capped scores need one that caps them: sdpa's SDPA call cannot, so
+    the reference serves them there."""
+    backend = _backend(q.device.type, q.dtype)
+    if softcap is not None and backend.__name__ == "pagedllm.ops.sdpa":
+        return reference
+    return backend
 
 
 def _elementwise(x: torch.Tensor, name: str):

@@ -174,6 +174,7 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Query rows of sequence s are the last rows of its context; causal; see reference.py."""
     if q.stride(-1) != 1:
@@ -189,6 +190,7 @@ def paged_prefill_attention(
         _as_int32(context_lens),
         scale,
         sliding_window or 0,
+        softcap or 0.0,
     )
     return out
 
@@ -201,10 +203,12 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: the prefill kernel with one row each."""
+    one_row_each = _one_row_each(q.shape[0])
     return paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, _one_row_each(q.shape[0]), context_lens, scale, sliding_window
+        q, k_cache, v_cache, block_tables, one_row_each, context_lens, scale, sliding_window, softcap
     )
 
 

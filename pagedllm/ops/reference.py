@@ -209,11 +209,41 @@ def swap_blocks(
     for s, d in ((src_k, dst_k), (src_v, dst_v)):
         if s.dtype != d.dtype:
             raise ValueError(f"cannot copy blocks of a {s.dtype} cache into a {d.dtype} one")
-        moves = [(s, d)]
-        if is_quantized(s.dtype):
-            moves = [(s.view(torch.uint8), d.view(torch.uint8)), (kv_scales(s), kv_scales(d))]
-        for a, b in moves:
+        for a, b in zip(_block_parts(s), _block_parts(d), strict=True):
             b.index_copy_(0, dst, a.index_select(0, src).to(b.device))
+
+
+def _block_parts(cache: torch.Tensor) -> list[torch.Tensor]:
+    """What a block of the cache is made of, each part indexed by block first: its values, or a quantized
+    block's codes (as bytes) and scales."""
+    if is_quantized(cache.dtype):
+        return [cache.view(torch.uint8), kv_scales(cache)]
+    return [cache]
+
+
+def read_block_bytes(caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int]) -> torch.Tensor:
+    """The blocks' K/V of every cache as bytes in the logical order ([len(block_ids), bytes] uint8 on the
+    CPU, whatever the caches' memory order or device): what a file of a block holds."""
+    rows = []
+    index = torch.tensor(block_ids, device=caches[0][0].device)
+    for cache in (part for kv in caches for c in kv for part in _block_parts(c)):
+        rows.append(cache.index_select(0, index).cpu().reshape(len(block_ids), -1).view(torch.uint8))
+    return torch.cat(rows, dim=1)
+
+
+def write_block_bytes(
+    caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], data: torch.Tensor
+) -> None:
+    """Store rows of read_block_bytes into the blocks `block_ids` of caches of the same geometry."""
+    index = torch.tensor(block_ids, device=caches[0][0].device)
+    offset = 0
+    for cache in (part for kv in caches for c in kv for part in _block_parts(c)):
+        width = cache[0].numel() * cache.element_size()
+        rows = data[:, offset : offset + width].contiguous().view(cache.dtype)
+        cache.index_copy_(0, index, rows.reshape(len(block_ids), *cache.shape[1:]).to(cache.device))
+        offset += width
+    if offset != data.shape[1]:
+        raise ValueError(f"block rows of {data.shape[1]} bytes for caches whose blocks take {offset}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:

@@ -32,8 +32,12 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: None = None,
 ) -> torch.Tensor:
-    """Query rows of sequence s are the last rows of its context; causal; see reference.py."""
+    """Query rows of sequence s are the last rows of its context; causal; see reference.py. SDPA cannot
+    soft-cap scores: pagedllm.ops sends soft-capped attention to the reference instead."""
+    if softcap is not None:
+        raise ValueError(f"the sdpa backend cannot soft-cap attention scores (softcap={softcap})")
     out = torch.empty_like(q)
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = k_cache.shape[1:3]
@@ -77,9 +81,10 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: None = None,
 ) -> torch.Tensor:
     """One query token per sequence: prefill with one row each."""
     one_row_each = torch.arange(q.shape[0] + 1, device=q.device)
     return paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, one_row_each, context_lens, scale, sliding_window
+        q, k_cache, v_cache, block_tables, one_row_each, context_lens, scale, sliding_window, softcap
     )

@@ -170,6 +170,7 @@ def _paged_attention_kernel(
     v_cache_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    k_mean_ptr,
     k_factor_ptr,
     block_tables_ptr,
     query_start_loc_ptr,
@@ -177,6 +178,7 @@ def _paged_attention_kernel(
     context_lens_ptr,
     scale,
     window,  # 0: no sliding window
+    softcap,  # scores capped at +-softcap (Gemma 2); 0: not capped
     num_seqs,
     stride_qt,
     stride_qh,
@@ -218,7 +220,12 @@ def _paged_attention_kernel(
         d_valid = offs_d < HEAD_DIM
         q_off = (q_start + row)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(q_ptr + q_off, mask=m_valid[:, None] & d_valid[None, :], other=0.0)
+        # The keys' mean's share of each row's scores, which the smoothed keys leave out (the same for
+        # every key: the softmax ignores it, a soft cap does not).
+        shift = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
         if FORM != 0:  # the keys are stored divided by their kv head's smoothing factor
+            mean = tl.load(k_mean_ptr + kv_head * HEAD_DIM + offs_d, mask=d_valid, other=0.0)
+            shift = tl.sum(q.to(tl.float32) * mean[None, :], 1) * scale
             factor = tl.load(k_factor_ptr + kv_head * HEAD_DIM + offs_d, mask=d_valid, other=0.0)
             q = (q.to(tl.float32) * factor[None, :]).to(q.dtype)
         if WIDEN:
@@ -249,6 +256,8 @@ def _paged_attention_kernel(
                 k = _decode(k, FORM) * tl.load(k_scale_ptr + scale_off, mask=n_valid, other=0.0)[:, None]
             k = k.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            if softcap > 0:  # softcap * tanh(s / softcap), as cap - 2 cap / (exp(2 s / cap) + 1)
+                s = softcap - 2.0 * softcap / (tl.exp((s + shift[:, None]) * (2.0 / softcap)) + 1.0)
             visible = n_valid[None, :] & (offs_n[None, :] <= pos[:, None])
             visible = visible & ((window <= 0) | (offs_n[None, :] > pos[:, None] - window))
             s = tl.where(visible, s, float("-inf"))
@@ -326,6 +335,7 @@ def _attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None,
     block_q: int,
 ) -> torch.Tensor:
     """Launch with tiles of block_q rows per sequence (block_q == 1 only when every sequence has one row)."""
@@ -337,7 +347,7 @@ def _attention(
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     assert q.stride(2) == 1
-    caches, (_, k_factor), scale_strides, form = _cache_operands(k_cache, v_cache)
+    caches, smoothing, scale_strides, form = _cache_operands(k_cache, v_cache)
     query_start_loc = query_start_loc.to(torch.int32)
     block_tables = block_tables.to(torch.int32)
     tiles = (query_start_loc[1:] - query_start_loc[:-1] + block_q - 1) // block_q
@@ -350,13 +360,14 @@ def _attention(
         out,
         q,
         *caches,
-        k_factor,
+        *smoothing,
         block_tables,
         query_start_loc,
         tile_starts,
         context_lens.to(torch.int32),
         scale,
         sliding_window or 0,
+        softcap or 0.0,
         num_seqs,
         q.stride(0),
         q.stride(1),
@@ -390,6 +401,7 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Query rows of sequence s are the last rows of its context; causal; see reference.py."""
     return _attention(
@@ -401,6 +413,7 @@ def paged_prefill_attention(
         context_lens,
         scale,
         sliding_window,
+        softcap,
         _PREFILL_BLOCK_Q,
     )
 
@@ -413,7 +426,10 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: one program per (sequence, kv head)."""
     one_row_each = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return _attention(q, k_cache, v_cache, block_tables, one_row_each, context_lens, scale, sliding_window, 1)
+    return _attention(
+        q, k_cache, v_cache, block_tables, one_row_each, context_lens, scale, sliding_window, softcap, 1
+    )

@@ -108,6 +108,7 @@ class Executor:
             "device": config.device,
             "quantization": config.quantization,
             "max_num_seqs": config.max_num_seqs,
+            "max_model_len": config.max_model_len,
         }
         self.store.set("model", json.dumps(spec))
         threads = threads_per_rank(topo.local_ranks)

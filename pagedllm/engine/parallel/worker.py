@@ -42,10 +42,8 @@ def run_worker(init_method: str, rank: int, world_size: int, local_rank: int) ->
     tp = form_group(store, rank, world_size, device, WORKER_TIMEOUT)
     try:
         dtype = DTYPES[spec["dtype"]]
-        quantization, max_num_seqs = spec["quantization"], spec["max_num_seqs"]
-        model = load_model(
-            spec["model"], dtype, device, quantization=quantization, tp=tp, max_num_seqs=max_num_seqs
-        ).model
+        settings = {name: spec[name] for name in ("quantization", "max_num_seqs", "max_model_len")}
+        model = load_model(spec["model"], dtype, device, tp=tp, **settings).model
         cache = json.loads(store.get("cache"))
         kv_dtype = getattr(torch, cache["dtype"])  # torch's name of it (Executor.start)
         runner = ModelRunner(

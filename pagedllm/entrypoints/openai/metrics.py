@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.kv.tiers import TierUsage
 from pagedllm.outputs import RequestOutput
 
 # Seconds; wider at the top than vLLM's GPU buckets, since a CPU step can take a second.
@@ -77,7 +78,26 @@ class EngineMetrics:
             buckets=E2E_BUCKETS,
             registry=reg,
         )
-        self._seen = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        # Prefix cache tiers (kv/tiers.py): blocks each tier holds, blocks loaded from it, blocks moved
+        # into it, and disk files that failed their checksum.
+        self.tier_blocks = Gauge(
+            "pagedllm:kv_offload_cached_blocks", "Prefix blocks held by each tier", ["tier"], registry=reg
+        )
+        self.tier_hits = Counter(
+            "pagedllm:kv_offload_hit_blocks",
+            "Prefix blocks found in a tier below the device cache and loaded from it",
+            ["tier"],
+            registry=reg,
+        )
+        self.tier_stores = Counter(
+            "pagedllm:kv_offload_stored_blocks", "Blocks copied down into each tier", ["tier"], registry=reg
+        )
+        self.tier_corrupt = Counter(
+            "pagedllm:kv_offload_corrupt_blocks",
+            "Disk tier files that failed their checksum (deleted, recomputed)",
+            registry=reg,
+        )
+        self._seen: dict[str, int] = {}  # each counter's engine total when last read
 
     def observe(self, engine: LLMEngine) -> None:
         """Read the engine's queues, counters and KV pool (engine thread only)."""
@@ -97,9 +117,27 @@ class EngineMetrics:
             ("prefix_cache_queries", self.prefix_queries),
             ("prefix_cache_hits", self.prefix_hits),
         ):
-            total = getattr(stats, name)
-            counter.inc(total - self._seen[name])
-            self._seen[name] = total
+            self._advance(name, counter, getattr(stats, name))
+        if stats.kv_tiers is not None:
+            self._observe_tiers(stats.kv_tiers)
+
+    def _observe_tiers(self, tiers: TierUsage) -> None:
+        self.tier_blocks.labels("host").set(tiers.host_cached_blocks)
+        self.tier_blocks.labels("disk").set(tiers.disk_cached_blocks)
+        counts = tiers.counters
+        for name, counter, total in (
+            ("host_hits", self.tier_hits.labels("host"), counts.host_hit_blocks),
+            ("disk_hits", self.tier_hits.labels("disk"), counts.disk_hit_blocks),
+            ("host_stores", self.tier_stores.labels("host"), counts.offloaded_blocks),
+            ("disk_stores", self.tier_stores.labels("disk"), counts.persisted_blocks),
+            ("corrupt", self.tier_corrupt, counts.disk_corrupt_blocks),
+        ):
+            self._advance(name, counter, total)
+
+    def _advance(self, name: str, counter, total: int) -> None:
+        """Bring a Prometheus counter up to the engine's running total."""
+        counter.inc(total - self._seen.get(name, 0))
+        self._seen[name] = total
 
     def observe_output(self, times: RequestTimes, now: float, new_tokens: int, finished: bool) -> None:
         """A step's output for a request at `now`: with new tokens, its time to first token or its

@@ -8,9 +8,10 @@ import logging
 import signal
 import threading
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
@@ -48,15 +49,41 @@ def server_cpu_batched_tokens(cpus: int | None = None) -> int:
     return min(MAX_CPU_BATCHED_TOKENS, max(MIN_CPU_BATCHED_TOKENS, TOKENS_PER_CPU * cpus))
 
 
-def build_app(
+@dataclass
+class Serving:
+    """One engine and its OpenAI handlers: what the routes call, in this process or in a replica."""
+
+    engine: AsyncEngine
+    models: OpenAIServingModels
+    completion: OpenAIServingCompletion
+    chat: OpenAIServingChat
+    tokenization: OpenAIServingTokenization
+
+    async def completions(self, request: p.CompletionRequest, raw_request: Request | None = None):
+        return await self.completion.create_completion(request, raw_request)
+
+    async def chat_completions(self, request: p.ChatCompletionRequest, raw_request: Request | None = None):
+        return await self.chat.create_chat_completion(request, raw_request)
+
+    async def tokenize(self, request: p.TokenizeRequest) -> p.TokenizeResponse:
+        return await self.tokenization.tokenize(request)
+
+    async def detokenize(self, request: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        return await self.tokenization.detokenize(request)
+
+    async def show_models(self) -> p.ModelList:
+        return self.models.show_available_models()
+
+
+def build_serving(
     model: str = "smollm2-135m",
     served_model_name: str | None = None,
     limits: ServerLimits | None = None,
     **engine_kwargs,
-) -> FastAPI:
-    """An app serving `model`; engine_kwargs are EngineConfig fields (kv_cache_memory, max_model_len, ...).
-    max_num_batched_tokens None or absent: server_cpu_batched_tokens() on the CPU with chunked prefill on,
-    else EngineConfig's default."""
+) -> Serving:
+    """An engine serving `model` and its handlers (the engine thread not yet started); engine_kwargs are
+    EngineConfig fields (kv_cache_memory, max_model_len, ...). max_num_batched_tokens None or absent:
+    server_cpu_batched_tokens() on the CPU with chunked prefill on, else EngineConfig's default."""
     if engine_kwargs.get("max_num_batched_tokens") is None:
         engine_kwargs.pop("max_num_batched_tokens", None)
         if engine_kwargs.get("device", "cpu") == "cpu" and engine_kwargs.get("enable_chunked_prefill", True):
@@ -64,20 +91,64 @@ def build_app(
     engine = AsyncEngine(LLMEngine(EngineConfig(model=model, **engine_kwargs)))
     limits = limits or ServerLimits()
     serving_models = OpenAIServingModels(served_model_name or model, engine.engine.max_model_len, model)
-    completion = OpenAIServingCompletion(engine, serving_models, limits)
-    chat = OpenAIServingChat(engine, serving_models, limits)
-    tokenization = OpenAIServingTokenization(engine, serving_models, limits)
+    return Serving(
+        engine,
+        serving_models,
+        OpenAIServingCompletion(engine, serving_models, limits),
+        OpenAIServingChat(engine, serving_models, limits),
+        OpenAIServingTokenization(engine, serving_models, limits),
+    )
+
+
+def openai_routes(serving: Serving) -> APIRouter:
+    """The OpenAI and vLLM routes over `serving` (a Serving, or anything with its five methods, such as
+    the replicas' ingress)."""
+    routes = APIRouter()
+
+    @routes.get("/version")
+    async def version() -> p.VersionResponse:
+        return p.VersionResponse(version=__version__)
+
+    @routes.get("/v1/models")
+    async def models() -> p.ModelList:
+        return await serving.show_models()
+
+    @routes.post("/tokenize")
+    async def tokenize(request: p.TokenizeRequest) -> p.TokenizeResponse:
+        return await serving.tokenize(request)
+
+    @routes.post("/detokenize")
+    async def detokenize(request: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        return await serving.detokenize(request)
+
+    @routes.post("/v1/completions")
+    async def completions(request: p.CompletionRequest, raw_request: Request):
+        return _respond(await serving.completions(request, raw_request))
+
+    @routes.post("/v1/chat/completions")
+    async def chat_completions(request: p.ChatCompletionRequest, raw_request: Request):
+        return _respond(await serving.chat_completions(request, raw_request))
+
+    return routes
+
+
+def build_app(
+    model: str = "smollm2-135m",
+    served_model_name: str | None = None,
+    limits: ServerLimits | None = None,
+    **engine_kwargs,
+) -> FastAPI:
+    """An app serving `model` in this process; the arguments are build_serving's."""
+    limits = limits or ServerLimits()
+    serving = build_serving(model, served_model_name, limits, **engine_kwargs)
+    engine = serving.engine
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
         yield
         engine.stop()
-        stats = engine.engine.stats()
-        if stats.kv_all_free:
-            logger.info("engine stopped: all %d KV blocks are free", engine.engine.num_kv_blocks)
-        else:
-            logger.error("engine stopped with KV blocks still held: %s", stats.kv_usage)
+        log_kv_at_stop(engine.engine)
 
     app = FastAPI(title="pagedllm", lifespan=lifespan)
     app.state.engine = engine
@@ -85,6 +156,7 @@ def build_app(
     app.add_middleware(LimitsMiddleware, limits=limits, admission=app.state.admission)
     install_error_handlers(app)
     app.include_router(dashboard.router(engine))  # GET /dashboard and GET /v1/kv
+    app.include_router(openai_routes(serving))
 
     @app.exception_handler(WorkerFailure)  # a tensor-parallel rank died or hung: no step can run
     async def engine_failed(request: Request, error: WorkerFailure) -> Response:
@@ -99,33 +171,20 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/version")
-    async def version() -> p.VersionResponse:
-        return p.VersionResponse(version=__version__)
-
-    @app.get("/v1/models")
-    async def models() -> p.ModelList:
-        return serving_models.show_available_models()
-
-    @app.post("/tokenize")
-    async def tokenize(request: p.TokenizeRequest) -> p.TokenizeResponse:
-        return await tokenization.tokenize(request)
-
-    @app.post("/detokenize")
-    async def detokenize(request: p.DetokenizeRequest) -> p.DetokenizeResponse:
-        return await tokenization.detokenize(request)
-
-    @app.post("/v1/completions")
-    async def completions(request: p.CompletionRequest, raw_request: Request):
-        return _respond(await completion.create_completion(request, raw_request))
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: p.ChatCompletionRequest, raw_request: Request):
-        return _respond(await chat.create_chat_completion(request, raw_request))
+        return Response(engine.metrics.render(), media_type=PROMETHEUS_TEXT)
 
     return app
+
+
+PROMETHEUS_TEXT = "text/plain; version=0.0.4"
+
+
+def log_kv_at_stop(engine: LLMEngine) -> None:
+    stats = engine.stats()
+    if stats.kv_all_free:
+        logger.info("engine stopped: all %d KV blocks are free", engine.num_kv_blocks)
+    else:
+        logger.error("engine stopped with KV blocks still held: %s", stats.kv_usage)
 
 
 def _respond(result: BaseModel | AsyncIterator[str]) -> BaseModel | StreamingResponse:

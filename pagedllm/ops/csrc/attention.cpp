@@ -189,14 +189,26 @@ struct Batch {
   int64_t num_seqs, num_heads, group, head_dim, q_row_stride, q_head_stride;
   int64_t num_blocks, max_blocks, block_size, block_stride, slot_stride, head_stride;
   ScaleLayout scales;  // a quantized cache's (K and V share it)
-  const float* key_factor;  // a quantized K cache's smoothing factor, [Hkv, D] (nullptr otherwise)
+  const float* key_mean;    // a quantized K cache's smoothing mean, [Hkv, D] (nullptr otherwise)
+  const float* key_factor;  // and its factor
   double scale;
   int64_t window;  // 0: none
+  float softcap;   // scores capped at +-softcap (Gemma 2); 0: not capped
 
   int64_t q_len(int64_t s) const { return starts[s + 1] - starts[s]; }
   // What element i of query head `head` is multiplied by over a quantized cache, whose keys are stored
   // divided by their kv head's key smoothing factor.
   float key_factor_of(int64_t head, int64_t i) const { return key_factor[head / group * head_dim + i]; }
+  // What the kernels leave out of query head `head`'s scores in batch row `row` over such a cache: every
+  // key's mean's share, scale * q . mean (the same for every key, so the softmax ignores it; a soft cap
+  // does not).
+  float mean_score(int64_t row, int64_t head) const {
+    const TQ* src = q + row * q_row_stride + head * q_head_stride;
+    const float* mean = key_mean + head / group * head_dim;
+    float sum = 0.f;
+    for (int64_t i = 0; i < head_dim; ++i) sum += static_cast<float>(src[i]) * mean[i];
+    return sum * static_cast<float>(scale);
+  }
   // Query row r of sequence s sits at position first_pos(s) + r and sees keys (pos - window, pos].
   int64_t first_pos(int64_t s) const { return lens[s] - q_len(s); }
   // Keys a query row of sequence s reads at most: its context, or its window of it.
@@ -212,7 +224,7 @@ struct Batch {
 template <typename TQ, typename TKV>
 Batch<TQ, TKV> batch_of(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                        const at::Tensor& context_lens, double scale, int64_t window) {
+                        const at::Tensor& context_lens, double scale, int64_t window, double softcap) {
   return {
       .q = q.data_ptr<TQ>(),
       .out = out.data_ptr<TQ>(),
@@ -234,9 +246,11 @@ Batch<TQ, TKV> batch_of(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
       .slot_stride = k_cache.stride(1),
       .head_stride = k_cache.stride(2),
       .scales = kScaled<TKV> ? scale_layout(k_cache) : ScaleLayout{},
+      .key_mean = kScaled<TKV> ? key_smoothing(k_cache) : nullptr,
       .key_factor = kScaled<TKV> ? key_smoothing(k_cache) + k_cache.size(2) * k_cache.size(3) : nullptr,
       .scale = scale,
       .window = window,
+      .softcap = static_cast<float>(softcap),
   };
 }
 
@@ -542,6 +556,17 @@ inline void int8_block_scores(float* scores, int64_t s_stride, const QueryCodes&
   }
 }
 
+// x[t] = cap * tanh(x[t] / cap) for t in [0, count): Gemma 2's soft-capped scores, as cap - 2 cap /
+// (exp(2 x / cap) + 1), which exp's clamping keeps finite (within cap of +-cap) for any score.
+inline void soft_cap(float* x, int64_t count, float cap) {
+  const VecF two_over_cap = VecF::set1(2.f / cap), vcap = VecF::set1(cap), two_cap = VecF::set1(2.f * cap);
+  const VecF one = VecF::set1(1.f);
+  for_each_chunk(count, [&](int64_t i, int n) {
+    const VecF e = exp(load(x + i, n) * two_over_cap);
+    store(vcap - two_cap / (e + one), x + i, n);
+  });
+}
+
 // One query row (a decode step's, or a prompt tile's when it holds one) against the item's kv heads, both
 // passes over its keys blockwise, every kv head's rows of a block in turn. Writes the row to out, or for a
 // part of a split row, its partial sums to `partial`. A quantized cache's scales multiply each key's
@@ -597,6 +622,16 @@ void decode_row(const Batch<TQ, TKV>& b, const WorkItem& it, float* partial) {
                           b.scales.slot_stride, t1 - t0);
       }
     });
+  }
+  if (b.softcap > 0) {
+    for (int64_t i = 0; i < heads; ++i) {
+      float* s = &scores[i * span];
+      if constexpr (kScaled<TKV>) {
+        const float shift = b.mean_score(row, first_head + i);
+        for (int64_t t = 0; t < span; ++t) s[t] += shift;
+      }
+      soft_cap(s, span, b.softcap);
+    }
   }
   // Softmax: the row sees every key of [lo, hi).
   for (int64_t i = 0; i < heads; ++i) {
@@ -760,6 +795,15 @@ void prefill_tile(const Batch<TQ, TKV>& b, const WorkItem& it) {
       });
     }
   });
+  if (b.softcap > 0) {
+    if constexpr (kScaled<TKV>) {
+      for (int64_t m = 0; m < m_count; ++m) {
+        const float shift = b.mean_score(first_row + m / group, first_head + m % group);
+        for (int64_t t = 0; t < span; ++t) st[t * mp + m] += shift;
+      }
+    }
+    soft_cap(st.data(), span * mp, b.softcap);
+  }
   // Softmax down each vector of rows over each row's visible keys; the others (and padding rows) weigh 0.
   for (int64_t v = 0; v < mp; v += W) {
     alignas(64) float begin[W], end[W];
@@ -871,7 +915,8 @@ void check_int32_cpu(const at::Tensor& t, const char* name) {
 
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                     const at::Tensor& context_lens, double scale, int64_t window) {
+                     const at::Tensor& context_lens, double scale, int64_t window, double softcap) {
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: not capped), got ", softcap);
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "expected q [T, H, D] and k/v caches [num_blocks, block_size, Hkv, D]");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) % 8 == 0,
@@ -894,7 +939,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
     using TKV = decltype(kv_tag);
     if constexpr (kScaled<TKV>) scale_layout(v_cache);  // checked like k_cache's (batch_of)
     const Batch<TQ, TKV> batch =
-        batch_of<TQ, TKV>(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window);
+        batch_of<TQ, TKV>(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window,
+                          softcap);
     with_head_vectors(q.size(2), [&](auto c) { attention_kernel<c>(batch); });
   };
   // A quantized cache under either query dtype.

@@ -93,7 +93,8 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& positions, at::T
   });
   at::Tensor attended = at::empty(q.sizes(), q.options());
   profiled(OP("paged_attention"), [&] {
-    paged_attention(attended, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window);
+    paged_attention(attended, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window,
+                    0.0);  // Gemma 2's soft-capped layers do not run as one call
   });
   const at::Tensor mid = project(attended.view({tokens, num_heads * head_dim}), weights, 1, group_sizes[1], h);
   profiled(OP("rms_norm"), [&] { rms_norm(x, mid, post_attention_norm, eps, false); });

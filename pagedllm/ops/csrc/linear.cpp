@@ -43,6 +43,11 @@ constexpr int kTileCols = 4;             // rows of W in one register tile
 constexpr int64_t kPanelRows = 32;       // rows of W in one work item
 constexpr int64_t kChunkRows = 256;      // rows of x in one work item (many-row regime)
 constexpr int64_t kStreamRows = 4;       // up to this many rows of x, weights are streamed (codes: integer path)
+constexpr int64_t kBlockStreamRows = 16; // the same for GGUF blocks, in register tiles of kRowGroup rows
+constexpr int kRowGroup = 4;
+constexpr int64_t kSpanChunks = 8;       // chunks of 256 columns of x those rows take in turn
+constexpr int64_t kWholeRows = 2;        // up to this many rows of x take whole weight rows, not spans
+constexpr int64_t kIntegerChunkRows = 128;  // rows of x in one work item of K types' integer path at more rows
 constexpr int64_t kTaskWork = 1 << 17;   // multiply-adds a parallel task should have (a spinning thread starts in ~1 us)
 
 // Lanes of vector j of a unit with `valid` columns.
@@ -515,12 +520,15 @@ void panel_matmul(const float* packed, int64_t n_rows, int64_t cols, const float
 
 // GGUF's blocks as the file stores them (quants.h): weight uint8 [bytes], the rows of one or more
 // shards one after another (q, k and v of a fused projection may differ in type), with `scales` an
-// int64 [shards, 2] tensor of each shard's (rows, ggml type). Few rows of x (up to kStreamRows) are
-// rounded to int16 blocks of 32 once a call, as for int8 / int4 codes above, shared by every shard, and
-// meet the codes, unpacked in registers, in integer multiply-adds; per 16-value group g,
-//   x . w = sum_g d_x(g) (s_w(g) sum_i u_i q_i + c_w(g) sum_i q_i)
-// (quants.h's s, c). More rows: each thread dequantizes a panel of weight rows once into a float32
-// buffer in cache (exactly the file's values) and runs the float path's register tiles over it.
+// int64 [shards, 2] tensor of each shard's (rows, ggml type). x is rounded to int16 once a call, shared
+// by every shard, and meets the codes, unpacked in registers, in integer multiply-adds:
+//   Q4_K and Q6_K, at any number of rows: x in blocks of 256 (ChunkActivations), each super-block one
+//     integer dot product with its integer sub-scales (quants.h, "integer sub-scales");
+//   the other types, up to kBlockStreamRows rows: x in blocks of 32 (ActivationBlocks), as for int8 /
+//     int4 codes above; per 16-value group g,
+//       x . w = sum_g d_x(g) (s_w(g) sum_i u_i q_i + c_w(g) sum_i q_i)
+//     (quants.h's s, c). More rows: each thread dequantizes a panel of weight rows once into a float32
+//     buffer in cache (exactly the file's values) and runs the float path's register tiles over it.
 struct BlockShard {
   int64_t type, rows, first_row, row_bytes;
   const uint8_t* data;
@@ -619,10 +627,10 @@ struct ActivationBlocks {
   }
 };
 
-// out[0 .. MR, n] for one weight row of type T. Each x row sums its units in kChains chains of
+// sums[0 .. MR] += x rows m0 .. m0 + MR . chunks [k0, k1) of one weight row of type T. Each x row sums its units in kChains chains of
 // multiply-adds (a unit's work is shorter than one multiply-add's latency).
 template <typename T, int MR>
-void blocks_row(const uint8_t* row, const ActivationBlocks& x, int64_t n, const Epilogue& out) {
+void blocks_row(const uint8_t* row, const ActivationBlocks& x, int64_t m0, int64_t k0, int64_t k1, float* sums) {
   using namespace quants;
   constexpr int kUnits = kChunkValues / kUnitValues, kChains = std::max(1, 4 / MR);
   VecF acc[MR][kChains], offsets[MR];
@@ -630,15 +638,15 @@ void blocks_row(const uint8_t* row, const ActivationBlocks& x, int64_t n, const 
     offsets[i] = VecF::zero();
     for (int j = 0; j < kChains; ++j) acc[i][j] = VecF::zero();
   }
-  for (int64_t k = 0; k < x.chunks; ++k) {
+  for (int64_t k = k0; k < k1; ++k) {
     const uint8_t* p = row + k * chunk_bytes<T>();
     const int blocks = x.blocks_in(k);
     VecF s[kGroupVectors], c[kGroupVectors], scale[MR][kGroupVectors];
     T::scales(p, blocks, s, c);
     for (int j = 0; j < kGroupVectors; ++j) {
       for (int i = 0; i < MR; ++i) {
-        scale[i][j] = s[j] * x.scales(i, k, j);
-        offsets[i] = fmadd(c[j], x.sums(i, k, j), offsets[i]);
+        scale[i][j] = s[j] * x.scales(m0 + i, k, j);
+        offsets[i] = fmadd(c[j], x.sums(m0 + i, k, j), offsets[i]);
       }
     }
     // unrolled (u a constant: unit_scales' indices fold, the chains stay in registers); a K super-block
@@ -648,7 +656,7 @@ void blocks_row(const uint8_t* row, const ActivationBlocks& x, int64_t n, const 
       if (u >= units) break;
       const VecB codes = T::codes(p, u, blocks);
       for (int i = 0; i < MR; ++i) {
-        const VecI dots = dot<T::kSigned>(codes, x.unit(i, k, u));
+        const VecI dots = dot<T::kSigned>(codes, x.unit(m0 + i, k, u));
         acc[i][u % kChains] = fmadd(VecF::from_int(dots), unit_scales(scale[i], u), acc[i][u % kChains]);
       }
     }
@@ -656,7 +664,103 @@ void blocks_row(const uint8_t* row, const ActivationBlocks& x, int64_t n, const 
   for (int i = 0; i < MR; ++i) {
     VecF sum = offsets[i];
     for (int j = 0; j < kChains; ++j) sum = sum + acc[i][j];
-    out.store(i, n, reduce_add(sum));
+    sums[i] += reduce_add(sum);
+  }
+}
+
+// Rows of x as int16 with one scale per chunk of 256 values (max |x| / 32767), for the K types' integer
+// sub-scales (quants.h): each chunk's values in quants::chunk_position's order, its scale dx, and each
+// 16-value group's dx * (sum of its codes).
+struct ChunkActivations {
+  int64_t chunks;
+  std::vector<int16_t> q;              // [rows, chunks * 256]
+  std::vector<float> scale, code_sum;  // [rows, chunks], [rows, chunks * 16]
+
+  ChunkActivations(const float* x, int64_t rows, int64_t cols)
+      : chunks(cols / quants::kChunkValues),
+        q(rows * cols),
+        scale(rows * chunks),
+        code_sum(rows * chunks * quants::kGroups) {
+    constexpr int kValues = quants::kChunkValues, kVectors = kValues / VecF::kWidth;
+    constexpr int kPerGroup = quants::kGroupValues / VecF::kWidth;
+    static const std::vector<int> position = [] {
+      std::vector<int> p(kValues);
+      for (int i = 0; i < kValues; ++i) p[i] = quants::chunk_position(i);
+      return p;
+    }();
+    at::parallel_for(0, rows * chunks, 64, [&](int64_t begin, int64_t end) {
+    alignas(64) int16_t codes[kValues];
+    for (int64_t c = begin; c < end; ++c) {
+      const float* src = x + c * kValues;
+      VecF amax = VecF::zero();
+      for (int j = 0; j < kVectors; ++j) {
+        const VecF v = VecF::load(src + j * VecF::kWidth);
+        amax = max(amax, max(v, VecF::zero() - v));
+      }
+      const float d = reduce_max(amax) / 32767.f;
+      const VecF inverse = VecF::set1(d > 0.f ? 1.f / d : 0.f);
+      float* sums = code_sum.data() + c * quants::kGroups;
+      for (int g = 0; g < quants::kGroups; ++g) sums[g] = 0.f;
+      for (int j = 0; j < kVectors; ++j) {
+        const VecF r = round_nearest(VecF::load(src + j * VecF::kWidth) * inverse);
+        store_int16(r, codes + j * VecF::kWidth);
+        sums[j / kPerGroup] += reduce_add(r);  // exact: integers below 2^24
+      }
+      for (int g = 0; g < quants::kGroups; ++g) sums[g] *= d;
+      int16_t* out = q.data() + c * kValues;
+      for (int i = 0; i < kValues; ++i) out[position[i]] = codes[i];
+      scale[c] = d;
+    }
+    });
+  }
+  const int16_t* vector(int64_t m, int64_t k, int v) const {
+    return q.data() + (m * chunks + k) * quants::kChunkValues + v * quants::kUnitValues;
+  }
+  float scale_of(int64_t m, int64_t k) const { return scale[m * chunks + k]; }
+  VecF sums(int64_t m, int64_t k, int j) const {
+    return VecF::load(code_sum.data() + (m * chunks + k) * quants::kGroups + j * VecF::kWidth);
+  }
+};
+
+// sums[0 .. MR] += x rows m0 .. m0 + MR . chunks [k0, k1) of one weight row of a K type with integer
+// sub-scales (quants.h): a code vector's scaled products are made once and meet every row of x; each row sums in two int32 chains
+// (the even bytes' products and the odd ones').
+template <typename T, int MR>
+void integer_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0, int64_t k0, int64_t k1,
+                       float* sums) {
+  using namespace quants;
+  VecF acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = VecF::zero();
+  const ScaleIndex& index = T::scale_index();
+  for (int64_t k = k0; k < k1; ++k) {
+    const uint8_t* p = row + k * T::kBlockBytes;
+    const IntegerChunk chunk = T::integer_chunk(p);
+    VecF dd[MR];
+    for (int i = 0; i < MR; ++i) {
+      dd[i] = VecF::set1(chunk.d * x.scale_of(m0 + i, k));
+      for (int j = 0; j < kGroupVectors; ++j) acc[i] = fmadd(chunk.offsets[j], x.sums(m0 + i, k, j), acc[i]);
+    }
+    for (int w = 0; w < kChunkVectors; w += T::kWindow) {
+      VecI dots[MR][2];
+      for (int i = 0; i < MR; ++i) dots[i][0] = dots[i][1] = zero_int();
+      for (int v = w; v < w + T::kWindow; ++v) {
+        const VecB codes = T::integer_codes(p, v);
+        const VecB even = select_bytes(chunk.scales, index.bytes[v]);
+        const VecI e = byte_products(codes, even), o = byte_products(codes, to_odd_bytes(even));
+        for (int i = 0; i < MR; ++i) {
+          const int16_t* xv = x.vector(m0 + i, k, v);
+          dots[i][0] = add_products(dots[i][0], e, xv);
+          dots[i][1] = add_products(dots[i][1], o, xv + kUnitValues / 2);
+        }
+      }
+      for (int i = 0; i < MR; ++i) acc[i] = fmadd(VecF::from_int(add_int(dots[i][0], dots[i][1])), dd[i], acc[i]);
+    }
+    if ((k + 1) % kSpanChunks == 0 || k + 1 == k1) {  // summed per span, however the caller walks them
+      for (int i = 0; i < MR; ++i) {
+        sums[i] += reduce_add(acc[i]);
+        acc[i] = VecF::zero();
+      }
+    }
   }
 }
 
@@ -684,24 +788,58 @@ void dequantize_panel(const BlockShard& shard, const ShardPanel& p, int64_t cols
 
 void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const float* x, int64_t m_rows,
                    const Epilogue& out) {
-  if (m_rows <= kStreamRows) {
+  bool integer_scales = false, float_scales = false;
+  for (const BlockShard& shard : shards) {
+    quants::with_type(shard.type, [&](auto t) { (decltype(t)::kIntegerScales ? integer_scales : float_scales) = true; });
+  }
+  // K types with integer sub-scales take it at any number of rows (faster than the float panels below
+  // at every batch measured: docs/JOURNAL.md); the other types up to kBlockStreamRows
+  if (m_rows <= kBlockStreamRows || !float_scales) {
+    // items: kIntegerChunkRows rows of x (all of them, if few) by a panel of weight rows, panel after panel
+    // over one run of x
     const std::vector<ShardPanel> panels = shard_panels(shards, kPanelRows);
     const auto items = static_cast<int64_t>(panels.size());
-    const ActivationBlocks qx(x, m_rows, cols);
-    const int64_t grain = std::max<int64_t>(1, kTaskWork / (kPanelRows * cols * m_rows));
-    at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    const int64_t x_rows = std::min(m_rows, m_rows <= kBlockStreamRows ? kBlockStreamRows : kIntegerChunkRows);
+    const int64_t runs = (m_rows + x_rows - 1) / x_rows;
+    // each form of x only where a shard reads it
+    const ActivationBlocks qx(x, float_scales ? m_rows : 0, cols);
+    const ChunkActivations cx(x, integer_scales ? m_rows : 0, cols);
+    const int64_t chunks = (cols + quants::kChunkValues - 1) / quants::kChunkValues;
+    // one or two rows of x stay in L1 whole, and a weight row read in one run streams fastest; more rows
+    // take spans, kRowGroup rows of x at a time, so that the span stays in L1 while the panel's rows pass
+    const int64_t span = x_rows <= kWholeRows ? chunks : kSpanChunks;
+    const int64_t grain = std::max<int64_t>(1, kTaskWork / (kPanelRows * cols * x_rows));
+    at::parallel_for(0, items * runs, grain, [&](int64_t begin, int64_t end) {
+      static thread_local std::vector<float> sums;
+      sums.resize(kPanelRows * x_rows);
       for (int64_t item = begin; item < end; ++item) {
-        const ShardPanel& panel = panels[item];
+        const ShardPanel& panel = panels[item % items];
         const BlockShard& shard = shards[panel.shard];
+        const int64_t m_begin = item / items * x_rows, m_end = std::min(m_begin + x_rows, m_rows);
+        std::fill(sums.begin(), sums.end(), 0.f);
         quants::with_type(shard.type, [&](auto t) {
           using T = decltype(t);
-          for (int64_t n = panel.n0; n < panel.n1; ++n) {
-            const uint8_t* row = shard.data + n * shard.row_bytes;
-            with_count<static_cast<int>(kStreamRows)>(m_rows, [&](auto rows) {
-              blocks_row<T, decltype(rows)::value>(row, qx, shard.first_row + n, out);
-            });
+          for (int64_t k0 = 0; k0 < chunks; k0 += span) {
+            const int64_t k1 = std::min(k0 + span, chunks);
+            for (int64_t m0 = m_begin; m0 < m_end; m0 += kRowGroup) {
+              with_count<kRowGroup>(std::min<int64_t>(kRowGroup, m_end - m0), [&](auto rows) {
+                constexpr int R = decltype(rows)::value;
+                for (int64_t n = panel.n0; n < panel.n1; ++n) {
+                  const uint8_t* row = shard.data + n * shard.row_bytes;
+                  float* row_sums = sums.data() + (n - panel.n0) * x_rows + (m0 - m_begin);
+                  if constexpr (T::kIntegerScales) {
+                    integer_chunk_row<T, R>(row, cx, m0, k0, k1, row_sums);
+                  } else {
+                    blocks_row<T, R>(row, qx, m0, k0, k1, row_sums);
+                  }
+                }
+              });
+            }
           }
         });
+        for (int64_t n = panel.n0; n < panel.n1; ++n)
+          for (int64_t m = m_begin; m < m_end; ++m)
+            out.store(m, shard.first_row + n, sums[(n - panel.n0) * x_rows + (m - m_begin)]);
       }
     });
     return;

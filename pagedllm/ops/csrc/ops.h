@@ -9,7 +9,7 @@ namespace pagedllm {
 
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                     const at::Tensor& context_lens, double scale, int64_t window);
+                     const at::Tensor& context_lens, double scale, int64_t window, double softcap);
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping);
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);

@@ -17,7 +17,8 @@
 //
 // A row is read in chunks of 256 values (a K super-block, or eight 32-blocks; a row's last chunk of
 // 32-blocks may hold fewer), each chunk in units of one vector of byte codes (64 on AVX-512, 32 on AVX2)
-// in the values' order. A unit meets activations as int16 values (ActivationBlocks in linear.cpp) in
+// in the values' order (Q4_K and Q6_K also in their own order for the integer sub-scales, below). A unit
+// meets activations as int16 values (ActivationBlocks in linear.cpp) in
 // multiply-adds of 16-bit pairs (VNNI's vpdpwssd, else pmaddwd): the codes widened by byte interleaving
 // (unpacklo / unpackhi within each 128-bit lane of 16 values; the activations are stored in that
 // order) and both halves summed into one vector whose 128-bit lane k holds the unit's group k: 32-bit
@@ -128,6 +129,24 @@ inline VecF code_floats(VecB codes, int j) {
 // Which group vector j of unit u lies in.
 inline int vector_group(int u, int j) { return 4 * u + j; }
 
+// For the integer sub-scales (below): the bytes of `src` that `index` names in each 128-bit lane (0 where
+// its byte has bit 7 set), the even bytes' values moved to the odd ones, products of unsigned codes and
+// signed scales in 16-bit lanes, and 16-bit multiply-adds into int32 lanes.
+inline VecB select_bytes(VecB src, const uint8_t* index) { return _mm512_shuffle_epi8(src, _mm512_load_si512(index)); }
+inline VecB to_odd_bytes(VecB even) { return _mm512_slli_epi16(even, 8); }
+inline VecI byte_products(VecB codes, VecB scales) { return _mm512_maddubs_epi16(codes, scales); }
+inline VecI add_products(VecI acc, VecI a, const int16_t* x) {
+#if defined(PAGEDLLM_VNNI)
+  return _mm512_dpwssd_epi32(acc, a, _mm512_loadu_si512(x));
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, _mm512_loadu_si512(x)));
+#endif
+}
+inline VecI add_int(VecI a, VecI b) { return _mm512_add_epi32(a, b); }
+inline VecI zero_int() { return _mm512_setzero_si512(); }
+inline VecB broadcast_bytes(uint64_t bytes) { return _mm512_set1_epi64(static_cast<int64_t>(bytes)); }
+inline VecB broadcast_bytes(const uint8_t* p) { return _mm512_broadcast_i32x4(load16(p)); }
+
 #else  // AVX2
 
 using VecB = __m256i;
@@ -192,7 +211,85 @@ inline VecF code_floats(VecB codes, int j) {
 }
 inline int vector_group(int u, int j) { return 2 * u + j / 2; }
 
+inline VecB select_bytes(VecB src, const uint8_t* index) {
+  return _mm256_shuffle_epi8(src, _mm256_load_si256(reinterpret_cast<const __m256i*>(index)));
+}
+inline VecB to_odd_bytes(VecB even) { return _mm256_slli_epi16(even, 8); }
+inline VecI byte_products(VecB codes, VecB scales) { return _mm256_maddubs_epi16(codes, scales); }
+inline VecI add_products(VecI acc, VecI a, const int16_t* x) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+#if defined(PAGEDLLM_VNNI)
+  return _mm256_dpwssd_avx_epi32(acc, a, xv);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, xv));
 #endif
+}
+inline VecI add_int(VecI a, VecI b) { return _mm256_add_epi32(a, b); }
+inline VecI zero_int() { return _mm256_setzero_si256(); }
+inline VecB broadcast_bytes(uint64_t bytes) { return _mm256_set1_epi64x(static_cast<int64_t>(bytes)); }
+inline VecB broadcast_bytes(const uint8_t* p) { return _mm256_broadcastsi128_si256(load16(p)); }
+
+#endif
+
+// K super-blocks with integer sub-scales (Q4_K and Q6_K on few rows of x). x is rounded to int16 with
+// one scale dx per chunk of 256 values, so a super-block's sum is an integer dot product and one float
+// multiply-add:
+//   x . w = d dx sum_i sc(i) u_i q_i  +  sum_g c_g dx sum_{i in g} q_i
+// with sc(i) the integer sub-scale of value i's group (Q4_K's 6-bit scale, Q6_K's int8), d the
+// super-block's float16 scale and c_g the group's offset (the c above: Q4_K's -dmin m, Q6_K's -32 d sc).
+// A vector of codes meets its sub-scales in vpmaddubsw twice, the scales in the even bytes (zeros in the
+// odd) and then in the odd: each 16-bit lane is one product sc u (no pair summed, nothing saturates), and
+// those meet x in 16-bit multiply-adds summed in int32 lanes. A chunk is kChunkVectors vectors of codes,
+// in an order of values each type reads cheaply (vector_sub_block); a type's kWindow vectors are summed in
+// int32 before the float multiply-add: as many as cannot overflow (|q| <= 32767, |sc u| <= kMaxProduct,
+// each vector adds 4 products to a lane).
+constexpr int kChunkVectors = kChunkValues / kUnitValues;
+
+constexpr int window_vectors(int max_product) {
+  return static_cast<int>(std::min<int64_t>(kChunkVectors, int64_t{INT32_MAX} / (int64_t{max_product} * 32767 * 4)));
+}
+// The 32-value sub-block that byte b of a chunk's code vector v holds. AVX-512: sub-blocks (0, 2), (1, 3),
+// (4, 6), (5, 7), the low and the high nibbles of one 64-byte load of Q4_K's; AVX2: sub-block v.
+constexpr int vector_sub_block(int v, int b) {
+#if defined(PAGEDLLM_AVX512)
+  return 4 * (v / 2) + v % 2 + (b >= 32 ? 2 : 0);
+#else
+  static_cast<void>(b);
+  return v;
+#endif
+}
+// Where value i (0 .. 255) of a chunk sits in x's int16 codes: vector after vector, each vector's values
+// of even bytes, then of odd bytes (the order of the two vpmaddubsw products' lanes).
+constexpr int chunk_position(int i) {
+  const int sub_block = i / 32, l = i % 32;
+#if defined(PAGEDLLM_AVX512)
+  const int v = 2 * (sub_block / 4) + sub_block % 2, b = 32 * (sub_block % 4 / 2) + l;
+#else
+  const int v = sub_block, b = l;
+#endif
+  return v * kUnitValues + b % 2 * (kUnitValues / 2) + b / 2;
+}
+// For each code vector, which byte of the broadcast scales each even byte takes (bit 7 set in the odd
+// bytes: zero). kPerSubBlock scales a sub-block: 1 (Q4_K's per 32 values) or 2 (Q6_K's per 16).
+struct ScaleIndex {
+  alignas(64) uint8_t bytes[kChunkVectors][kUnitValues];
+};
+template <int kPerSubBlock>
+constexpr ScaleIndex make_scale_index() {
+  ScaleIndex index{};
+  for (int v = 0; v < kChunkVectors; ++v)
+    for (int b = 0; b < kUnitValues; ++b)
+      index.bytes[v][b] = b % 2 ? 0x80 : kPerSubBlock * vector_sub_block(v, b) + (kPerSubBlock == 2 ? b % 32 / 16 : 0);
+  return index;
+}
+inline constexpr ScaleIndex kScalePerSubBlock = make_scale_index<1>(), kScalePerGroup = make_scale_index<2>();
+
+// One chunk's part of the integer sum: its sub-scales broadcast (for select_bytes), d, and c.
+struct IntegerChunk {
+  VecB scales;
+  float d;
+  VecF offsets[kGroupVectors];
+};
 
 // The types. Each has kType (ggml's number), kBlockValues, kBlockBytes, kSigned, and for a chunk p of a
 // row holding `blocks` 32-value blocks:
@@ -206,7 +303,7 @@ inline int vector_group(int u, int j) { return 2 * u + j / 2; }
 template <int kTypeNumber, int kBytes, int kMinOffset, int kHighOffset, int kCodeOffset, int kImplicitOffset>
 struct SmallBlocks {
   static constexpr int kType = kTypeNumber, kBlockValues = 32, kBlockBytes = kBytes;
-  static constexpr bool kSigned = false;
+  static constexpr bool kSigned = false, kIntegerScales = false;
 
   static_assert(kMinOffset < 0 || kMinOffset == 2, "m follows d");
 
@@ -245,7 +342,7 @@ using Q5_1 = SmallBlocks<7, 24, 2, 4, 8, 0>;
 
 struct Q8_0 {
   static constexpr int kType = 8, kBlockValues = 32, kBlockBytes = 34;
-  static constexpr bool kSigned = true;
+  static constexpr bool kSigned = true, kIntegerScales = false;
 
   static void scales(const uint8_t* p, int blocks, VecF* s, VecF* c) {
     word_halves(block_words<kBlockBytes>(p, blocks), 0, s);
@@ -263,20 +360,30 @@ struct Q8_0 {
   }
 };
 
-// Q4_K / Q5_K's eight 6-bit (scale, min) pairs, unpacked as llama.cpp's get_scale_min_k4 reads them
-// (four at a time in 32-bit words), each once per group.
-inline void k_scales(const uint8_t* p, VecF* s, VecF* c) {
+// Q4_K / Q5_K's eight 6-bit scales and mins as bytes (sub-block j in byte j), unpacked as llama.cpp's
+// get_scale_min_k4 reads them, four at a time in 32-bit words.
+struct KScaleBytes {
+  uint64_t scales, mins;
+};
+inline KScaleBytes k_scale_bytes(const uint8_t* p) {
   uint32_t q[3];
   std::memcpy(q, p + 4, 12);
   constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
-  const uint64_t sc = (q[0] & kLow6) | uint64_t{(q[2] & kLow4) | (((q[0] >> 6) & kLow2) << 4)} << 32;
-  const uint64_t m = (q[1] & kLow6) | uint64_t{((q[2] >> 4) & kLow4) | (((q[1] >> 6) & kLow2) << 4)} << 32;
-  const auto twice = [](uint64_t bytes) {  // from a register: a vector load of just-stored words would stall
-    const __m128i b = _mm_cvtsi64_si128(static_cast<int64_t>(bytes));
-    return _mm_unpacklo_epi8(b, b);
-  };
-  bytes_as_floats<false>(twice(sc), s);
-  bytes_as_floats<false>(twice(m), c);
+  return {(q[0] & kLow6) | uint64_t{(q[2] & kLow4) | (((q[0] >> 6) & kLow2) << 4)} << 32,
+          (q[1] & kLow6) | uint64_t{((q[2] >> 4) & kLow4) | (((q[1] >> 6) & kLow2) << 4)} << 32};
+}
+
+// Eight bytes (one a 32-value sub-block) as the floats of its sixteen 16-value groups, each byte twice.
+inline void pair_floats(uint64_t bytes, VecF* out) {
+  const __m128i b = _mm_cvtsi64_si128(static_cast<int64_t>(bytes));  // from a register: a vector load of
+  bytes_as_floats<false>(_mm_unpacklo_epi8(b, b), out);                // just-stored words would stall
+}
+
+// Q4_K / Q5_K's (scale, min) pairs as each group's s and c.
+inline void k_scales(const uint8_t* p, VecF* s, VecF* c) {
+  const KScaleBytes bytes = k_scale_bytes(p);
+  pair_floats(bytes.scales, s);
+  pair_floats(bytes.mins, c);
   const VecF d = VecF::set1(half(p)), minus_dmin = VecF::set1(-half(p + 2));
   for (int j = 0; j < kGroupVectors; ++j) {
     s[j] = s[j] * d;
@@ -296,14 +403,34 @@ inline VecB k_nibbles(const uint8_t* qs, int u) {
 
 struct Q4_K {
   static constexpr int kType = 12, kBlockValues = 256, kBlockBytes = 144;
-  static constexpr bool kSigned = false;
+  static constexpr bool kSigned = false, kIntegerScales = true;
+  static constexpr int kWindow = window_vectors(15 * 63);
   static void scales(const uint8_t* p, int, VecF* s, VecF* c) { k_scales(p, s, c); }
   static VecB codes(const uint8_t* p, int u, int) { return k_nibbles(p + 16, u); }
+
+  static IntegerChunk integer_chunk(const uint8_t* p) {
+    const KScaleBytes bytes = k_scale_bytes(p);
+    IntegerChunk chunk{broadcast_bytes(bytes.scales), half(p), {}};
+    pair_floats(bytes.mins, chunk.offsets);
+    const VecF minus_dmin = VecF::set1(-half(p + 2));
+    for (int j = 0; j < kGroupVectors; ++j) chunk.offsets[j] = chunk.offsets[j] * minus_dmin;
+    return chunk;
+  }
+  static const ScaleIndex& scale_index() { return kScalePerSubBlock; }
+  // Code vector v (vector_sub_block's order).
+  static VecB integer_codes(const uint8_t* p, int v) {
+#if defined(PAGEDLLM_AVX512)
+    const __m512i b = _mm512_loadu_si512(p + 16 + 64 * (v / 2));
+    return mask_bytes(v % 2 ? _mm512_srli_epi16(b, 4) : b, 15);
+#else
+    return k_nibbles(p + 16, v);
+#endif
+  }
 };
 
 struct Q5_K {
   static constexpr int kType = 13, kBlockValues = 256, kBlockBytes = 176;
-  static constexpr bool kSigned = false;
+  static constexpr bool kSigned = false, kIntegerScales = false;
   static void scales(const uint8_t* p, int, VecF* s, VecF* c) { k_scales(p, s, c); }
   // The high bit of sub-block j's value l is bit j of qh[l].
   static VecB codes(const uint8_t* p, int u, int) {
@@ -324,7 +451,8 @@ struct Q5_K {
 // bits 0-1, 2-3, 4-5, 6-7 of qh[l] on top; scales int8 at byte 192, d at 208.
 struct Q6_K {
   static constexpr int kType = 14, kBlockValues = 256, kBlockBytes = 210;
-  static constexpr bool kSigned = false;
+  static constexpr bool kSigned = false, kIntegerScales = true;
+  static constexpr int kWindow = window_vectors(63 * 128);
   static void scales(const uint8_t* p, int, VecF* s, VecF* c) {
     bytes_as_floats<true>(load16(p + 192), s);
     const VecF d = VecF::set1(half(p + 208));
@@ -348,6 +476,30 @@ struct Q6_K {
     const __m256i low = mask_bytes(run / 2 ? _mm256_srli_epi16(ql, 4) : ql, 15);
     const __m256i qh = load32(p + 128 + 32 * half);
     return _mm256_or_si256(low, _mm256_slli_epi16(mask_bytes(_mm256_srli_epi16(qh, 2 * run), 3), 4));
+#endif
+  }
+  static IntegerChunk integer_chunk(const uint8_t* p) {
+    IntegerChunk chunk{broadcast_bytes(p + 192), half(p + 208), {}};
+    bytes_as_floats<true>(load16(p + 192), chunk.offsets);
+    const VecF minus_32d = VecF::set1(-32.f * chunk.d);
+    for (int j = 0; j < kGroupVectors; ++j) chunk.offsets[j] = chunk.offsets[j] * minus_32d;
+    return chunk;
+  }
+  static const ScaleIndex& scale_index() { return kScalePerGroup; }
+  // Code vector v (vector_sub_block's order). AVX-512: runs 0 and 2 of a half (j = 0: ql's first 32
+  // bytes' low and high nibbles, qh's bits 0-1 and 4-5) or runs 1 and 3 (j = 1: ql's next 32, bits 2-3 and
+  // 6-7), the high bits rotated to bits 4-5 of their byte.
+  static VecB integer_codes(const uint8_t* p, int v) {
+#if defined(PAGEDLLM_AVX512)
+    const int half = v / 2, j = v % 2;
+    const __m512i ql = _mm512_broadcast_i64x4(load32(p + 64 * half + 32 * j));
+    const __m512i qh = _mm512_broadcast_i64x4(load32(p + 128 + 32 * half));
+    const __m512i nibble_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    const __m512i bits_rotate = _mm512_inserti64x4(_mm512_set1_epi32(4 - 2 * j), _mm256_set1_epi32((32 - 2 * j) % 32), 1);
+    return _mm512_or_si512(mask_bytes(_mm512_srlv_epi16(ql, nibble_shift), 15),
+                           mask_bytes(_mm512_rolv_epi32(qh, bits_rotate), 0x30));
+#else
+    return codes(p, v, 8);
 #endif
   }
 };

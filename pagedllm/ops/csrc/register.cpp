@@ -12,7 +12,7 @@
 PAGEDLLM_LIBRARY(PAGEDLLM_NAMESPACE, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor query_start_loc, Tensor context_lens, float scale, int window) -> ()");
+      "Tensor query_start_loc, Tensor context_lens, float scale, int window, float softcap) -> ()");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps, bool unit_offset) -> ()");
   m.def("act_and_mul(Tensor(a!) out, Tensor x, int activation) -> ()");

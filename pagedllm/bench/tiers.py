@@ -1,0 +1,136 @@
+"""`pagedllm bench tiers`: time to first token of a prompt asked again, from each prefix cache tier
+against computing it again.
+
+Per prompt length (random token ids), side by side in one process:
+  recompute  an engine with a host and a disk tier, its device cache about one prompt large, computes
+             the prompt cold (its blocks are written through to disk on the way: included);
+  host       the same engine computes a second prompt of that length, which evicts the first from the
+             device cache into host memory, then is asked the first again;
+  disk       a second engine started on the same folder (a restart: empty device cache, empty host
+             memory) is asked the first again: its blocks come from the files, checked, via host memory.
+Every run's greedy tokens are compared with the cold run's (`same`). The last columns are the engine's
+own cost model (what it decides with: a tier's block is loaded only if that is faster than prefilling
+its tokens), in seconds for the prompt's blocks, so the lines' crossing can be read off over lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+
+from pagedllm.bench.workload import make_prompts
+
+OUTPUT_LEN = 8
+
+
+def timed(engine, request_id: str, prompt: list[int], params) -> tuple[float, list[int]]:
+    """Seconds from adding the request to its first token, and its tokens."""
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, params)
+    ttft = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if ttft is None and out.outputs[0].token_ids:
+                ttft = time.perf_counter() - start
+            if out.finished:
+                tokens = out.outputs[0].token_ids
+    return ttft, tokens
+
+
+def run_length(args, length: int, prompts: list[list[int]], folder: str) -> dict:
+    from pagedllm import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
+    settings = dict(
+        num_kv_blocks=(length + OUTPUT_LEN) // args.block_size + 2,  # one prompt and its decode
+        block_size=args.block_size,
+        max_model_len=length + OUTPUT_LEN + 1,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_offload_memory=args.kv_offload_memory,
+        kv_offload_dir=folder,
+        max_num_seqs=1,
+    )
+    first = LLM(args.model, **settings)
+    engine = first.engine
+    cold, want = timed(engine, "cold", prompts[0], params)
+    timed(engine, "evict", prompts[1], params)  # the first prompt's blocks move down to host memory
+    host, host_tokens = timed(engine, "host", prompts[0], params)
+    stats = engine.stats()  # its prefill estimate: the restarted engine computes one block only
+    assert stats.kv_all_free, "KV blocks leaked"
+    del first, engine
+    restarted = LLM(args.model, **settings).engine
+    disk, disk_tokens = timed(restarted, "disk", prompts[0], params)
+    costs = restarted.stats().kv_tiers
+    assert restarted.stats().kv_all_free, "KV blocks leaked"
+    blocks = (length - 1) // args.block_size
+    return {
+        "tokens": length,
+        "recompute": cold,
+        "host": host,
+        "disk": disk,
+        "same": host_tokens == want and disk_tokens == want,
+        "host_hits": stats.kv_tiers.counters.host_hit_blocks,
+        "disk_hits": costs.counters.disk_hit_blocks,
+        "model_prefill": (stats.kv_tiers.prefill_seconds_per_token or 0.0) * length,
+        "model_host": (stats.kv_tiers.host_load_seconds_per_block or 0.0) * blocks,
+        "model_disk": (costs.disk_load_seconds_per_block or 0.0) * blocks,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedllm bench tiers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf file")
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096, 8000])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--kv-offload-memory", default="2GiB", help="the host tier")
+    parser.add_argument("--dir", default=None, help="the disk tier's folder (default: a temporary one)")
+    parser.add_argument("--threads", type=int, default=None, help="default: torch's")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from pagedllm.models.loader import read_config, resolve_checkpoint
+
+    vocab = read_config(resolve_checkpoint(args.model)).vocab_size
+    rows = []
+    for i, length in enumerate(args.prompt_lens):
+        folder = args.dir or tempfile.mkdtemp(prefix="pagedllm-tiers-")
+        try:
+            rows.append(
+                run_length(args, length, make_prompts([length, length], vocab, args.seed + i), folder)
+            )
+        finally:
+            if args.dir is None:
+                shutil.rmtree(folder, ignore_errors=True)
+    print(
+        f"model {args.model}, KV {args.kv_cache_dtype}, block {args.block_size}, one request at a time, "
+        f"{torch.get_num_threads()} threads: time to first token (s) of a prompt asked again"
+    )
+    head = (
+        f"{'tokens':>7}{'recompute':>11}{'host':>9}{'disk':>9}{'host x':>8}{'disk x':>8}{'same':>6}"
+        f"{'| model: prefill':>17}{'host':>9}{'disk':>9}"
+    )
+    print(head)
+    for r in rows:
+        print(
+            f"{r['tokens']:>7}{r['recompute']:>11.3f}{r['host']:>9.3f}{r['disk']:>9.3f}"
+            f"{r['recompute'] / r['host']:>8.1f}{r['recompute'] / r['disk']:>8.1f}{str(r['same']):>6}"
+            f"{r['model_prefill']:>17.3f}{r['model_host']:>9.4f}{r['model_disk']:>9.4f}"
+        )
+    return 0 if all(r["same"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
