@@ -206,7 +206,7 @@ def _through_tables(backend: str, b: PagedBatch, scale: float) -> Callable[[], t
 
 def attended_query(backend: str, b: PagedBatch, scale: float) -> torch.Tensor:
     """The query the backend's decode attends with: b.q, except that the cpu kernels meet an int8 cache's
-    key codes with the query's own int8 codes (reference.int8_decode_query)."""
+    key codes with the query's own int16 codes (reference.int8_decode_query)."""
     if backend == "cpu" and b.k_cache.dtype == torch.int8:
         return reference.int8_decode_query(b.q, b.k_cache, scale).to(b.q.dtype)
     return b.q
