@@ -163,6 +163,46 @@ def backend(request, monkeypatch):
     assert launches, "the test passed without launching a Triton kernel"
 
 
+def _int8_query_codes(backend, k_cache: torch.Tensor) -> bool:
+    """Whether the backend's decode meets this cache's key codes with int16 query codes and sums its
+    values under int16 weight codes (the cpu kernels on an int8 cache): it then equals the reference on
+    reference.int8_decode_query's query up to WEIGHT_ROUNDING."""
+    return backend.__name__ == "pagedllm.ops.cpu" and k_cache.dtype == INT8
+
+
+# The cpu kernels' decode over an int8 cache rounds each tile's weights (up to 16 keys of a block, each
+# softmax weight times its value's scale) to int16 codes on the tile's largest weight w: each moves by at
+# most w / (2 * 32767), so a tile's share of the output by at most 16 w / (2 * 32767) times the largest
+# |value|, and 16 w is at most 16 times the tile's share of the softmax sum: the output moves by at most
+# WEIGHT_ROUNDING times the largest |value|.
+WEIGHT_ROUNDING = 16 / (2 * 32767)
+
+
+def _largest_value(v_cache: torch.Tensor) -> float:
+    """The largest |value| an int8 cache holds (its spare blocks' NaN scales left out)."""
+    return float(torch.nan_to_num(kv_scales(v_cache)).amax()) * 127
+
+
+def _tolerance_of(backend, case: Case, b) -> dict:
+    """_tolerance, plus for the cpu kernels' int8 decode its weight rounding's bound."""
+    tolerance = _tolerance(case.dtype)
+    if _int8_query_codes(backend, b.k_cache):
+        tolerance["atol"] += WEIGHT_ROUNDING * _largest_value(b.v_cache)
+    return tolerance
+
+
+def _attended_query(backend, b, scale: float) -> torch.Tensor:
+    """The query the backend attends with: b.q, but for the cpu kernels over an int8 cache each decode
+    row's (a sequence's only query row, in any batch) is reference.int8_decode_query's."""
+    if not _int8_query_codes(backend, b.k_cache):
+        return b.q
+    q = b.q.float().clone()
+    starts = b.query_start_loc.tolist()
+    rows = [lo for lo, hi in zip(starts, starts[1:], strict=False) if hi - lo == 1]
+    q[rows] = reference.int8_decode_query(b.q[rows], b.k_cache, scale)
+    return q
+
+
 def _skip_softcap_on_sdpa(backend, case: Case) -> None:
     if case.softcap is not None and backend.__name__.endswith(".sdpa"):
         pytest.skip("SDPA cannot soft-cap: pagedllm.ops sends soft-capped attention to the reference")
@@ -175,9 +215,49 @@ def test_decode_matches_reference(backend, case):
     scale = 1 / math.sqrt(case.head_dim)
     args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale, case.window, case.softcap)
     out = backend.paged_decode_attention(*args)
-    expected = reference.paged_decode_attention(*args)
+    expected = reference.paged_decode_attention(_attended_query(backend, b, scale), *args[1:]).to(case.dtype)
     assert out.dtype == case.dtype and out.shape == b.q.shape
-    torch.testing.assert_close(out, expected, **_tolerance(case.dtype))
+    torch.testing.assert_close(out, expected, **_tolerance_of(backend, case, b))
+
+
+INT8_DECODE = {name: case for name, case in DECODE.items() if case.kv_dtype == INT8}
+
+
+@pytest.mark.parametrize("case", INT8_DECODE.values(), ids=INT8_DECODE.keys())
+def test_int8_query_codes_move_the_output_within_their_bound(backend, case):
+    """The cpu kernels' int8 decode rounds each query head (q * scale * key factor, the vector that meets
+    the smoothed key codes times their scales, k_t) to int16 codes of scale s = max |q| /
+    reference.DECODE_QUERY_LARGEST: each element moves by at most s / 2, so each score by at most delta =
+    s / 2 * max_t |k_t|_1, each softmax weight by a factor within exp(+-2 delta), and the output by at most
+    (exp(2 delta) - 1) max_t |v_t| per head against attention on the float query; the weights' own
+    rounding adds at most WEIGHT_ROUNDING times the largest |value|. The bound holds, and the codes do
+    move the output."""
+    if not _int8_query_codes(backend, torch.empty(0, dtype=INT8)):
+        pytest.skip("only the cpu kernels quantize the query")
+    b = _batch(case)
+    scale = 1 / math.sqrt(case.head_dim)
+    args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale, case.window)
+    out = backend.paged_decode_attention(*args).float()
+    exact = reference.paged_decode_attention(b.q.float(), *args[1:])
+    group = case.num_heads // case.num_kv_heads
+    factor = key_smoothing(b.k_cache)[1].repeat_interleave(group, dim=0)
+    q_scale = (b.q.float() * scale * factor).abs().amax(dim=-1) / reference.DECODE_QUERY_LARGEST  # [S, H]
+    block_size = case.block_size
+    for s, n in enumerate(b.context_lens.tolist()):
+        ids = b.block_tables[s, : -(-n // block_size)].long()
+        k, v = (
+            reference.dequantize(c[ids], kv_scales(c)[ids]).flatten(0, 1)[:n] for c in (b.k_cache, b.v_cache)
+        )  # [n, Hkv, D]: the smoothed keys the query meets, and the values
+        if case.window is not None:
+            k, v = k[-case.window :], v[-case.window :]
+        delta = q_scale[s] / 2 * k.abs().sum(-1).amax(0).repeat_interleave(group)  # [H]
+        largest = v.abs().amax(dim=(0, 2)).repeat_interleave(group)
+        bound = (torch.exp(2 * delta) - 1) * largest + WEIGHT_ROUNDING * largest.amax()
+        if case.dtype == torch.bfloat16:  # the output rounded to bf16: half a unit in its last place
+            bound = bound + exact[s].abs().amax(-1) * 2**-9
+        error = (out[s] - exact[s]).abs().amax(-1)
+        assert (error <= bound + 1e-5).all(), (s, error, bound)
+    assert not torch.equal(out, exact)
 
 
 @pytest.mark.parametrize("case", PREFILL.values(), ids=PREFILL.keys())
@@ -188,9 +268,9 @@ def test_prefill_matches_reference(backend, case):
     args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.context_lens, scale, case.window)
     args += (case.softcap,)
     out = backend.paged_prefill_attention(*args)
-    expected = reference.paged_prefill_attention(*args)
+    expected = reference.paged_prefill_attention(_attended_query(backend, b, scale), *args[1:]).to(case.dtype)
     assert out.dtype == case.dtype and out.shape == b.q.shape
-    torch.testing.assert_close(out, expected, **_tolerance(case.dtype))
+    torch.testing.assert_close(out, expected, **_tolerance_of(backend, case, b))
 
 
 def _release_before_windows(b, window: int) -> None:

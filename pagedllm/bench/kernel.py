@@ -18,13 +18,16 @@ caches lie in memory as the engine allocates them (head-major, huge pages: ops/k
 `--kv-dtype` stores the caches in another dtype than the queries' (float32, bfloat16, or int8 / fp8 codes
 with their scales, as kv_cache_dtype does); the dense baseline then attends over the values the cache
 holds, and K/V bytes are what the cache holds (ops.kv_block_bytes: a quantized cache's scales included).
-`--kv-sweep` times decode with every sequence at each `--contexts` length, the caches in each
-`--kv-dtype` side by side (interleaved in one run), each checked against the reference first.
+The cpu kernels' decode over an int8 cache is checked against the reference on the query codes it
+attends with (attended_query). `--kv-sweep` times decode with every sequence at each `--contexts`
+length, the caches in each `--kv-dtype` side by side (interleaved in one run), each checked against the
+reference first.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -32,7 +35,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +60,7 @@ SWEEP_CONTEXTS = [1024, 4096, 16384]
 SWEEP_KV_DTYPES = ["float32", "bfloat16", "int8"]
 
 
-@dataclass
+@dataclasses.dataclass
 class Row:
     shape: str
     backend: str
@@ -202,6 +204,14 @@ def _through_tables(backend: str, b: PagedBatch, scale: float) -> Callable[[], t
     return lambda: _backend_module(backend).paged_decode_attention(*inputs)
 
 
+def attended_query(backend: str, b: PagedBatch, scale: float) -> torch.Tensor:
+    """The query the backend's decode attends with: b.q, except that the cpu kernels meet an int8 cache's
+    key codes with the query's own int16 codes (reference.int8_decode_query)."""
+    if backend == "cpu" and b.k_cache.dtype == torch.int8:
+        return reference.int8_decode_query(b.q, b.k_cache, scale).to(b.q.dtype)
+    return b.q
+
+
 def _kv_bytes(shape: str, kv_dtype: str, tokens: int) -> int:
     """Bytes of `tokens` tokens' K and V as a cache of kv_dtype holds them (a quantized one's scales too)."""
     _, num_kv_heads, head_dim = SHAPES[shape]
@@ -224,7 +234,7 @@ def run_case(
     }
     read_blocks, block_bytes = block_read(paged)
     tol = 2e-2 if dtype == "bf16" else 1e-4
-    expected = variants["contiguous"]().float()
+    expected = dense(dataclasses.replace(paged, q=attended_query(backend, paged, scale)), scale)().float()
     for name in ("paged", "in_order"):
         torch.testing.assert_close(variants[name]().float(), expected, atol=tol, rtol=tol)
     ms = median_ms({**variants, "block_read": read_blocks}, args.reps, args.warmup, device)
@@ -253,7 +263,7 @@ def run_case(
     )
 
 
-@dataclass
+@dataclasses.dataclass
 class SweepRow:
     """Paged decode at one context length, per KV dtype (in --kv-dtype's order), timed round-robin."""
 
@@ -280,7 +290,7 @@ def sweep_case(shape: str, backend: str, dtype: str, context: int, args: argpars
         inputs = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale)
         variants[kv_dtype] = _through_tables(backend, b, scale)
         tol = 2e-2 if dtype == "bf16" else 1e-4
-        expected = reference.paged_decode_attention(*inputs).float()
+        expected = reference.paged_decode_attention(attended_query(backend, b, scale), *inputs[1:]).float()
         torch.testing.assert_close(variants[kv_dtype]().float(), expected, atol=tol, rtol=tol)
     ms = median_ms(variants, args.reps, args.warmup, torch.device(args.device))
     tokens = sum(lens)
@@ -413,7 +423,7 @@ def print_sweep(args: argparse.Namespace) -> None:
         print(f"{'shape':8} {'backend':8} {'q':5} {'context':>7} " + " ".join(cols))
     for row in iter_sweep(args):
         if args.json:
-            print(json.dumps(asdict(row)), flush=True)
+            print(json.dumps(dataclasses.asdict(row)), flush=True)
             continue
         cells = [row.paged_ms[kv] for kv in args.kv_dtype] + [row.kv_gb_s[kv] for kv in args.kv_dtype]
         cells += [row.paged_ms[first] / row.paged_ms[kv] for kv in others]
@@ -443,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     for row in iter_rows(args):
         if args.json:
-            print(json.dumps(asdict(row)), flush=True)
+            print(json.dumps(dataclasses.asdict(row)), flush=True)
         else:
             cells = f"{row.paged_ms:9.3f} {row.in_order_ms:11.3f} {row.contiguous_ms:9.3f}"
             ratios = f"{row.paging_ratio:14.2f} {row.ratio:12.2f}"

@@ -58,6 +58,24 @@ def smooth_keys(key: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
     return (key.float() - mean) / factor
 
 
+# The cpu kernels' decode over an int8 cache rounds its query to int16 codes of this largest magnitude
+# (256 * 127 + 127: the two int8 halves they split each code into stay int8).
+DECODE_QUERY_LARGEST = 127 * 257
+
+
+def int8_decode_query(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [S, H, D] as the cpu kernels' decode over an int8 cache meets the keys' codes in integers: each
+    head's q * scale * its kv head's key smoothing factor rounded to int16 codes (one scale a head, max |x|
+    / DECODE_QUERY_LARGEST, to nearest even), back in q's units (float32). Attention on it equals theirs up
+    to float reordering and their rounding of each tile's weights to int16 codes."""
+    factor = key_smoothing(k_cache)[1].repeat_interleave(q.shape[1] // k_cache.shape[2], dim=0)
+    x = q.float() * scale * factor
+    q_scale = x.abs().amax(dim=-1, keepdim=True) / DECODE_QUERY_LARGEST
+    q_scale = torch.where(torch.isfinite(q_scale), q_scale, torch.nan)
+    codes = torch.where(q_scale > 0, x / q_scale, 0.0).round()
+    return codes * q_scale / (scale * factor)
+
+
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "int8_decode.h"
 #include "simd.h"
 #include "threads.h"
 
@@ -129,17 +130,19 @@ struct PagedRows {
     }
   }
 
-  // Asks for block b's rows of [lo, hi), every head's, to be brought into the cache ahead of use.
-  void prefetch(const T* cache, int64_t b, int64_t hi) const {
+  // Asks for block b's rows of [lo, hi) of `count` heads from h0 (default: every head's) to be brought into
+  // the cache ahead of use, and with head 0's, all the block's scales.
+  void prefetch(const T* cache, int64_t b, int64_t hi, int64_t h0 = 0, int64_t count = -1) const {
     const int64_t first = b * block_size;
     if (first >= hi) return;
     const char* start = reinterpret_cast<const char*>(block_start(cache, b));
     const int64_t rows = std::min(block_size, hi - first), bytes = head_dim * sizeof(T);
-    for (int64_t h = 0; h < heads; ++h)
+    for (int64_t h = h0; h < (count < 0 ? heads : h0 + count); ++h)
       for (int64_t j = 0; j < rows; ++j)
         for (int64_t off = 0; off < bytes; off += 64)
           _mm_prefetch(start + (h * head_stride + j * slot_stride) * sizeof(T) + off, _MM_HINT_T1);
     if constexpr (kScaled<T>) {  // all the block's scales (every head's): a few lines
+      if (h0 > 0) return;
       const char* all = reinterpret_cast<const char*>(cache + table[b] * block_stride + scales.codes);
       for (int64_t off = 0; off < scales.bytes; off += 64) _mm_prefetch(all + off, _MM_HINT_T1);
     }
@@ -165,6 +168,16 @@ struct PagedRows {
       const float* scale_t0 = kScaled<T> ? block_scales(cache, b) + (t0 - first) * scales.slot_stride : nullptr;
       fn(t0, std::min(hi, next), block_start(cache, b) + (t0 - first) * slot_stride, scale_t0);
     }
+  }
+  // for_each_block over K and V caches of the same layout at once, without prefetching: fn(t0, t1, b,
+  // k_row_t0, k_scale_t0, v_row_t0, v_scale_t0) for block b's share [t0, t1).
+  template <typename F>
+  void for_each_block_kv(const T* k_cache, const T* v_cache, int64_t lo, int64_t hi, const F& fn) const {
+    for_each_block<false>(k_cache, lo, hi, [&](int64_t t0, int64_t t1, const T* k_row, const float* k_scale) {
+      const int64_t b = t0 / block_size, skip = t0 - b * block_size;
+      const float* v_scale = kScaled<T> ? block_scales(v_cache, b) + skip * scales.slot_stride : nullptr;
+      fn(t0, t1, b, k_row, k_scale, block_start(v_cache, b) + skip * slot_stride, v_scale);
+    });
   }
 };
 
@@ -495,13 +508,205 @@ inline void scale_by_rows(float* x, const float* scale, int64_t stride, int64_t 
 
 // x[t] = cap * tanh(x[t] / cap) for t in [0, count): Gemma 2's soft-capped scores, as cap - 2 cap /
 // (exp(2 x / cap) + 1), which exp's clamping keeps finite (within cap of +-cap) for any score.
+inline VecF soft_capped(VecF x, float cap) {
+  const VecF e = exp(x * VecF::set1(2.f / cap));
+  return VecF::set1(cap) - VecF::set1(2.f * cap) / (e + VecF::set1(1.f));
+}
 inline void soft_cap(float* x, int64_t count, float cap) {
-  const VecF two_over_cap = VecF::set1(2.f / cap), vcap = VecF::set1(cap), two_cap = VecF::set1(2.f * cap);
-  const VecF one = VecF::set1(1.f);
-  for_each_chunk(count, [&](int64_t i, int n) {
-    const VecF e = exp(load(x + i, n) * two_over_cap);
-    store(vcap - two_cap / (e + one), x + i, n);
+  for_each_chunk(count, [&](int64_t i, int n) { store(soft_capped(load(x + i, n), cap), x + i, n); });
+}
+
+// ---- Decode over an int8 cache: integer products (int8_decode.h) ----
+
+// The largest int16 query code, 256 * 127 + 127: both halves of a code c = 256 h + l, h = (c + 128) >> 8
+// and l in [-128, 127], are then int8.
+constexpr int32_t kQueryLargest = 127 * 257;
+constexpr float kWeightLargest = 32767.f;  // the largest int16 weight code
+// Query heads whose value sums a tile's widened value rows are shared by (their sums fill half the registers).
+constexpr int kValueHeads = VecF::kWidth == 16 ? 8 : 4;
+
+// count floats p[0], p[stride], ... in the first lanes of a vector (zeros after).
+inline VecF load_strided(const float* p, int64_t stride, int count) {
+  if (stride == 1) return load(p, count);
+  alignas(64) float lanes[VecF::kWidth] = {};
+  for (int t = 0; t < count; ++t) lanes[t] = p[t * stride];
+  return VecF::load(lanes);
+}
+
+// A decode row's query heads (scaled, and multiplied by the key smoothing factor) as int16 codes, once a
+// step: a float scale a head, max |x| / kQueryLargest, codes x / scale rounded to nearest even (a zero row:
+// scale 0, codes 0; a row with a NaN or an infinity: a NaN scale), each split into int8 halves as
+// int8_decode::dot_halves reads them, with each half's sum (ops/reference.py int16_decode_query).
+struct QueryCodes {
+  using VecI = int8_decode::VecI;
+  std::vector<VecI> high, low;  // QueryPatterns, per head
+  std::vector<float> scale;
+  std::vector<int32_t> high_sum, low_sum;
+  int64_t chunks = 0;
+
+  void build(const float* query, int64_t heads, int64_t d) {
+    namespace i8 = int8_decode;
+    chunks = (d + i8::kBytes - 1) / i8::kBytes;
+    high.resize(heads * per_head());
+    low.resize(heads * per_head());
+    scale.resize(heads);
+    high_sum.resize(heads);
+    low_sum.resize(heads);
+    std::vector<int8_t> high_codes(chunks * i8::kBytes, 0), low_codes(chunks * i8::kBytes, 0);  // past d: 0
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* x = query + h * d;
+      float largest = 0.f;
+      bool finite = true;
+      for (int64_t i = 0; i < d; ++i) {
+        largest = std::max(largest, std::fabs(x[i]));
+        finite = finite && std::isfinite(x[i]);
+      }
+      const float s = finite ? largest / kQueryLargest : std::numeric_limits<float>::quiet_NaN();
+      scale[h] = s;
+      high_sum[h] = low_sum[h] = 0;
+      for (int64_t i = 0; i < d; ++i) {
+        const int32_t c = s > 0.f ? static_cast<int32_t>(std::nearbyint(x[i] / s)) : 0;
+        const int32_t top = (c + 128) >> 8;  // floor((c + 128) / 256)
+        high_codes[i] = static_cast<int8_t>(top);
+        low_codes[i] = static_cast<int8_t>(c - 256 * top);
+        high_sum[h] += high_codes[i];
+        low_sum[h] += low_codes[i];
+      }
+      i8::QueryPatterns::build(high_codes.data(), chunks, high.data() + h * per_head());
+      i8::QueryPatterns::build(low_codes.data(), chunks, low.data() + h * per_head());
+    }
+  }
+  int64_t per_head() const { return chunks * int8_decode::QueryPatterns::kPerChunk; }
+  const VecI* high_of(int64_t head) const { return high.data() + head * per_head(); }
+  const VecI* low_of(int64_t head) const { return low.data() + head * per_head(); }
+};
+
+// A decode row over an int8 cache (decode_row's contract), in one pass over its keys, a tile of up to
+// kRowsAtOnce keys of a block at a time: the tile's keys are scored in integers against the query's
+// int16 codes (QueryCodes) and folded into a running softmax (each head's max so far; the sums so far
+// rescaled when it rises); each weight times its value's scale becomes an int16 code on the tile's own
+// scale (its largest weight / kWeightLargest), and the value codes are summed in integers under those
+// weights, then added to the head's float sums times that scale. What differs from the float path is
+// the rounding of the query to int16 codes and of a tile's weights to int16 codes; tests bound both.
+template <typename TQ>
+void decode_row_int8(const Batch<TQ, int8_t>& b, const WorkItem& it, float* partial) {
+  namespace i8 = int8_decode;
+  constexpr int W = i8::kRowsAtOnce;
+  const KeyRange range = key_range(b, it);
+  const int64_t d = b.head_dim, group = b.group, row = b.starts[it.seq] + it.row_begin;
+  const int64_t first_head = it.kv_head * group, heads = it.kv_heads * group;
+  // A head's float sums: value_chunks chunks of kChannels, each in value_lane order.
+  const int64_t value_chunks = (d + i8::kChannels - 1) / i8::kChannels, padded = value_chunks * i8::kChannels;
+
+  thread_local std::vector<float> query, acc, row_max, row_sum, shift, weight_scale;
+  thread_local std::vector<int16_t> weights;  // a tile's int16 weight codes, W a head
+  thread_local std::vector<i8::VecI> keys;    // a tile's keys, transposed
+  thread_local QueryCodes codes;
+  query.resize(heads * d);
+  acc.assign(heads * padded, 0.f);
+  row_max.assign(heads, -std::numeric_limits<float>::infinity());
+  row_sum.assign(heads, 0.f);
+  shift.assign(heads, 0.f);
+  weight_scale.resize(heads);
+  weights.assign(heads * W, 0);
+  for (int64_t i = 0; i < heads; ++i) {
+    const TQ* src = b.q + row * b.q_row_stride + (first_head + i) * b.q_head_stride;
+    for (int64_t j = 0; j < d; ++j) query[i * d + j] = static_cast<float>(src[j]) * b.scale * b.key_factor_of(first_head + i, j);
+    if (b.softcap > 0) shift[i] = b.mean_score(row, first_head + i);
+  }
+  codes.build(query.data(), heads, d);
+  keys.resize(codes.chunks * i8::kGroups * 4);
+
+  VecF lane;  // lane t holds t
+  {
+    alignas(64) float index[W];
+    for (int t = 0; t < W; ++t) index[t] = static_cast<float>(t);
+    lane = VecF::load(index);
+  }
+  const VecF neg_inf = VecF::set1(-std::numeric_limits<float>::infinity());
+
+  const PagedRows<int8_t> paged = b.paged(it.seq, it.kv_head, it.kv_heads);
+  for (int64_t first = range.lo / b.block_size, block = first; block < first + kBlocksAhead; ++block) {
+    paged.prefetch(b.k_cache, block, range.hi);
+    paged.prefetch(b.v_cache, block, range.hi);
+  }
+  paged.for_each_block_kv(b.k_cache, b.v_cache, range.lo, range.hi, [&](int64_t t0, int64_t t1, int64_t block,
+                                                                          const int8_t* k_rows, const float* k_scales,
+                                                                          const int8_t* v_rows, const float* v_scales) {
+    for (int64_t ts = t0; ts < t1; ts += W) {
+      const int n = static_cast<int>(std::min<int64_t>(W, t1 - ts));
+      const VecF in_tile = VecF::set1(static_cast<float>(n)), begin = VecF::zero();
+      for (int64_t hl = 0; hl < it.kv_heads; ++hl) {
+        const int64_t row_offset = hl * b.head_stride + (ts - t0) * b.slot_stride;
+        const int64_t scale_offset = hl * b.scales.head_stride + (ts - t0) * b.scales.slot_stride;
+        const VecF key_scale = load_strided(k_scales + scale_offset, b.scales.slot_stride, n);
+        const VecF value_scale = load_strided(v_scales + scale_offset, b.scales.slot_stride, n);
+        if (ts == t0) {  // the next block's rows of this kv head
+          paged.prefetch(b.k_cache, block + kBlocksAhead, range.hi, hl, 1);
+          paged.prefetch(b.v_cache, block + kBlocksAhead, range.hi, hl, 1);
+        }
+        i8::transpose_keys(keys.data(), k_rows + row_offset, b.slot_stride, n, d);
+        for (int64_t m = hl * group; m < (hl + 1) * group; ++m) {
+          i8::VecI high, low;
+          i8::dot_halves(keys.data(), codes.high_of(m), codes.low_of(m), codes.chunks, high, low);
+          const VecF dot = fmadd(i8::to_float(i8::sub(high, i8::set1(128 * codes.high_sum[m]))), VecF::set1(256.f),
+                                 i8::to_float(i8::sub(low, i8::set1(128 * codes.low_sum[m]))));
+          VecF s = dot * (key_scale * VecF::set1(codes.scale[m]));
+          if (b.softcap > 0) s = soft_capped(s + VecF::set1(shift[m]), b.softcap);
+          s = select_in_range(s, lane, begin, in_tile, neg_inf);
+          const float tile_max = reduce_max(s);
+          if (tile_max > row_max[m]) {  // the sums so far were taken against a smaller max
+            if (row_sum[m] > 0.f) {
+              const float alpha = std::exp(row_max[m] - tile_max);
+              row_sum[m] *= alpha;
+              for (int64_t i = 0; i < padded; ++i) acc[m * padded + i] *= alpha;
+            }
+            row_max[m] = tile_max;
+          }
+          const VecF p = select_in_range(exp(s - VecF::set1(row_max[m])), lane, begin, in_tile, VecF::zero());
+          row_sum[m] += reduce_add(p);
+          const VecF w = p * value_scale;
+          const float largest = reduce_max(w);
+          weight_scale[m] = largest / kWeightLargest;
+          store_int16(largest > 0.f ? w * VecF::set1(kWeightLargest / largest) : VecF::zero(), &weights[m * W]);
+        }
+        for (int64_t m0 = hl * group; m0 < (hl + 1) * group; m0 += kValueHeads) {
+          with_count<kValueHeads>((hl + 1) * group - m0, [&](auto nh) {
+            const int16_t* w[nh];
+            for (int r = 0; r < nh; ++r) w[r] = &weights[(m0 + r) * W];
+            for (int64_t ch = 0; ch < value_chunks; ++ch) {
+              i8::VecI sums[nh][2];
+              const int width = static_cast<int>(std::min<int64_t>(i8::kChannels, d - ch * i8::kChannels));
+              i8::accumulate_values<nh>(sums, w, v_rows + row_offset, b.slot_stride, n, ch * i8::kChannels, width);
+              for (int r = 0; r < nh; ++r) {
+                float* a = &acc[(m0 + r) * padded + ch * i8::kChannels];
+                const VecF ws = VecF::set1(weight_scale[m0 + r]);
+                fmadd(i8::to_float(sums[r][0]), ws, VecF::load(a)).store(a);
+                fmadd(i8::to_float(sums[r][1]), ws, VecF::load(a + W)).store(a + W);
+              }
+            }
+          });
+        }
+      }
+    }
   });
+
+  // Each head's sums in channel order: into `partial` (decode_row's layout), or divided into the output.
+  for (int64_t m = 0; m < heads; ++m) {
+    const float* sums = &acc[m * padded];
+    auto sum_of = [&](int64_t c) {
+      return sums[c / i8::kChannels * i8::kChannels + i8::value_lane(static_cast<int>(c % i8::kChannels))];
+    };
+    if (partial != nullptr) {
+      partial[m] = row_max[m];
+      partial[b.num_heads + m] = row_sum[m];
+      for (int64_t c = 0; c < d; ++c) partial[2 * b.num_heads + m * d + c] = sum_of(c);
+    } else {
+      TQ* dst = b.out + (row * b.num_heads + first_head + m) * d;
+      const float inv = 1.f / row_sum[m];
+      for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<TQ>(sum_of(c) * inv);
+    }
+  }
 }
 
 // One query row (a decode step's, or a prompt tile's when it holds one) against the item's kv heads, both
@@ -510,6 +715,9 @@ inline void soft_cap(float* x, int64_t count, float cap) {
 // scores (q . (c s) = (q . c) s) and each value's weights, so the inner loops only widen codes.
 template <int C, typename TQ, typename TKV>
 void decode_row(const Batch<TQ, TKV>& b, const WorkItem& it, float* partial) {
+  if constexpr (std::is_same_v<TKV, int8_t>) {
+    if (b.q_len(it.seq) == 1) return decode_row_int8(b, it, partial);
+  }
   const KeyRange range = key_range(b, it);
   const int64_t lo = range.lo, hi = range.hi, span = hi - lo;
   const int64_t d = b.head_dim, group = b.group, row = b.starts[it.seq] + it.row_begin;
