@@ -298,7 +298,8 @@ def report(report: SoakReport, args, exit_code: int | None) -> int:
     """Print the pass criteria (or JSON); 0 if all hold, else 1."""
     report.criteria = criteria(report, exit_code)
     passed = all(ok for _, ok, _ in report.criteria)
-    counts = {kind: sum(o.kind == kind for o in report.outcomes) for kind in ("ok", "cut", *FAULTS)}
+    kinds = ("ok", "cut", *FAULTS) if report.killed else ("ok", *FAULTS)  # "cut": only with a killer
+    counts = {kind: sum(o.kind == kind for o in report.outcomes) for kind in kinds}
     if args.json:
         data = asdict(report)
         data.pop("outcomes")
