@@ -46,6 +46,17 @@ def one_by_one(llm: LLM) -> tuple[list[list[int]], list[int]]:
     return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
 
 
+def on_disk(model: str, tmp_path: Path) -> dict:
+    """Run the prompts once on a disk-tiered engine, which then goes away: its blocks stay in tmp_path. The
+    settings to restart it with."""
+    tiered = {**SMALL, "kv_offload_memory": "4MiB", "kv_offload_dir": str(tmp_path)}
+    writer = LLM(model, **tiered)
+    one_by_one(writer)
+    assert_all_blocks_free(writer)
+    del writer
+    return tiered
+
+
 def full_blocks(llm: LLM) -> list[int]:
     """The most a prefix hit can be for each prompt: its full blocks before its last token."""
     block = llm.engine.config.block_size
@@ -113,11 +124,7 @@ def test_disk_tier_survives_a_restart_and_is_never_read_by_another_dtype(model, 
 
 
 def test_a_disk_load_in_flight_does_not_hold_up_other_requests(model, reference, tmp_path):
-    tiered = {**SMALL, "kv_offload_memory": "4MiB", "kv_offload_dir": str(tmp_path)}
-    writer = LLM(model, **tiered)
-    one_by_one(writer)
-    assert_all_blocks_free(writer)
-    del writer
+    tiered = on_disk(model, tmp_path)
     short = "Count with me: one, two"  # under one block: nothing of it is on disk
     decode = SamplingParams(max_tokens=12, temperature=0.0)
     clean = LLM(model, num_kv_blocks=64, max_model_len=512, enable_prefix_caching=False)
@@ -152,11 +159,7 @@ def test_a_disk_load_in_flight_does_not_hold_up_other_requests(model, reference,
 
 
 def test_a_flipped_byte_and_a_truncated_file_are_detected_and_recomputed(model, reference, tmp_path):
-    tiered = {**SMALL, "kv_offload_memory": "4MiB", "kv_offload_dir": str(tmp_path)}
-    llm = LLM(model, **tiered)
-    one_by_one(llm)
-    assert_all_blocks_free(llm)
-    del llm
+    tiered = on_disk(model, tmp_path)
     files = sorted(tmp_path.glob("*/*.kv"), key=lambda p: p.stat().st_mtime_ns)
     flipped, truncated = files[0], files[1]  # the first prompt's first two blocks
     data = bytearray(flipped.read_bytes())
