@@ -98,6 +98,55 @@ def test_bf16_activations_in_and_out(kernels, rows):
     torch.testing.assert_close(out.double(), expected(x, w, "Q4_K"), atol=1e-2 * scale, rtol=1e-2)
 
 
+def bf16_tolerance(x: torch.Tensor, w: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Elementwise bound of the bf16 path: x and W rounded to bf16 (a relative 2^-9 each) and the
+    product's output rounded to bf16 (2^-9 of it), with a factor 2 of margin."""
+    return 2**-7 * (x.abs().double() @ w.abs().T) + 2**-8 * want.abs()
+
+
+@pytest.mark.parametrize("name,cols", list(_cases()))
+@pytest.mark.parametrize("rows,bf16_rows", [(17, 17), (64, 1), (300, 64)])
+def test_each_block_type_in_bf16_from_its_row_count(kernels, name, cols, rows, bf16_rows):
+    """group_size = the rows from which the weight is dequantized to bf16 and multiplied by oneDNN."""
+    data, layout, w = storage([random_blocks(GGMLQuantizationType[name], 37, cols, seed=rows)])
+    x = torch.randn(rows, cols) * torch.logspace(-2, 2, cols)[torch.randperm(cols)]
+    out = kernels.linear(x, data, layout, None, bf16_rows, None, None)
+    assert out.shape == (rows, 37) and out.dtype == torch.float32
+    want = x.double() @ w.T
+    assert ((out.double() - want).abs() <= bf16_tolerance(x, w, want)).all()
+    assert not torch.equal(out, kernels.linear(x, data, layout))  # the bf16 path did run
+
+
+@pytest.mark.parametrize("types", [("Q5_0", "Q5_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K")], ids="-".join)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bf16_path_on_mixed_shards_with_bias_and_residual(kernels, types, dtype):
+    cols = 896 if types[0] == "Q5_0" else 512
+    parts = [random_blocks(GGMLQuantizationType[t], n, cols, seed=i) for i, (t, n) in enumerate(zip(types, (40, 8, 8)))]
+    data, layout, w = storage(parts)
+    x, bias, residual = torch.randn(80, cols), torch.randn(56), torch.randn(80, 56)
+    out = kernels.linear(x.to(dtype), data, layout, None, 20, bias.to(dtype), residual.to(dtype))
+    assert out.dtype == dtype
+    want = x.to(dtype).double() @ w.T + bias.to(dtype).double() + residual.to(dtype).double()
+    assert ((out.double() - want).abs() <= bf16_tolerance(x, w, want) + 2**-7 * want.abs()).all()
+    # below its row count a call keeps the integer / float32 path, bit for bit
+    few = kernels.linear(x[:19], data, layout, None, 20, bias, residual)
+    assert torch.equal(few, kernels.linear(x[:19], data, layout, None, 0, bias, residual))
+
+
+def test_bf16_path_tiles_a_weight_larger_than_its_scratch(kernels):
+    """More than linear.cpp's kScratchValues (32 Mi values, an LM head's size): dequantized and multiplied
+    in tiles of output rows, each written to its columns of out."""
+    rows_w, cols = (32 << 20) // 256 + 77, 256
+    blocks = random_blocks(GGMLQuantizationType.Q4_0, rows_w, cols)
+    data, layout = torch.from_numpy(blocks.raw.reshape(-1)), torch.tensor([[rows_w, int(blocks.qtype)]])
+    x = torch.randn(17, cols)
+    out = kernels.linear(x, data, layout, None, 17, None, None)
+    exact = kernels.linear(x, data, layout)  # the float32 path (the file's values exactly)
+    scale = (x.abs().sum(dim=1, keepdim=True) * 0.4).expand_as(exact)  # |W| <= 8 |d|, |d| < 0.05 here
+    assert ((out - exact).abs() <= 2**-7 * scale + 2**-8 * exact.abs()).all()
+    assert not torch.equal(out[:, -77:], exact[:, -77:])
+
+
 @pytest.mark.parametrize("name", GGUF_TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dequantize_rows_gives_the_files_values(kernels, name, dtype):

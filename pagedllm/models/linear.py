@@ -154,7 +154,8 @@ class StoredWeight:
     float32 / bf16, or int8 [N, K], or int4 pairs in uint8 [N, K / 2]; quantized data has [N, K / group_size]
     scales (float32 or float16) and, for int4 or offset int8, mins. float32 in panels (cpu.pack_panels) is
     [ceil(N / 48), K, 48] with group_size = N. GGUF blocks are uint8 [bytes] with `scales` the int64
-    [shards, 2] table of each shard's (rows, ggml type)."""
+    [shards, 2] table of each shard's (rows, ggml type) and group_size the rows of x from which the kernel
+    multiplies them in bf16 (0: never; quantization.GGUFLinear)."""
 
     data: torch.Tensor
     scales: torch.Tensor | None = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from pagedllm.models.gguf_quants import KEPT_TYPES, GGUFBlocks
 from pagedllm.models.linear import (
@@ -28,6 +29,7 @@ from pagedllm.models.linear import (
     default_linear_method,
 )
 from pagedllm.models.parallel import LMHead
+from pagedllm.ops import cpu
 
 QUANTIZATIONS = ("int8", "int4", "gguf")
 INT4_GROUP = 32
@@ -84,10 +86,19 @@ class Int4Linear(KernelLinear):
 class GGUFLinear(KernelLinear):
     """A GGUF file's quantized blocks, kept: each checkpoint shard is held as loaded (mapped from the file,
     not yet read), and when the layer is processed its shards' bytes are read once into one buffer, in
-    row order, as the kernel reads them."""
+    row order, as the kernel reads them.
+
+    On a CPU that multiplies bf16 (AVX512_BF16, an AVX-512 build), a call of at least `bf16_rows` rows
+    (a prefill, a big batch) has its weight dequantized into a shared bf16 scratch and multiplied by
+    oneDNN's bf16 GEMM (csrc/linear.cpp bf16_blocks_linear): about twice the integer and float32 paths'
+    speed there, at a bf16 model's rounding. Fewer rows keep the blocks' integer path."""
 
     name = "gguf"
     STREAM_ROWS = 16  # csrc/linear.cpp kBlockStreamRows
+    # Rows from which bf16 is faster, measured per type (docs/JOURNAL.md, "GGUF prefill in bf16"): the K
+    # types with integer sub-scales keep their integer path longer; the others switch as soon as their
+    # streamed integer path ends.
+    BF16_ROWS = {GGMLQuantizationType.Q4_K: 64, GGMLQuantizationType.Q6_K: 64}
 
     def create_weights(self, layer: Linear) -> None:
         layer.params_dtype = layer.weight.dtype
@@ -103,12 +114,20 @@ class GGUFLinear(KernelLinear):
         if not all(isinstance(s, GGUFBlocks) for s in shards):  # a float shard: the layer stays float, exact
             dense = [s.dequantize() if isinstance(s, GGUFBlocks) else s for s in shards]
             return StoredWeight(torch.cat(dense).to(layer.params_dtype))
-        return blocks_storage(shards)
+        return blocks_storage(shards, self.bf16_rows(shards))
+
+    def bf16_rows(self, shards: list[GGUFBlocks]) -> int:
+        """The rows from which the layer is multiplied in bf16 (the largest of its shards' types), or 0:
+        never, where the CPU does not multiply bf16."""
+        if not cpu.bf16_matmul_available():
+            return 0
+        return max(self.BF16_ROWS.get(s.qtype, self.STREAM_ROWS + 1) for s in shards)
 
 
-def blocks_storage(shards: list[GGUFBlocks]) -> StoredWeight:
+def blocks_storage(shards: list[GGUFBlocks], bf16_rows: int = 0) -> StoredWeight:
     """Row-stacked GGUF shards as the kernel's storage: their bytes one after another (uint8 [bytes], the
-    file's size exactly) and an int64 [shards, 2] table of (rows, ggml type) in place of scales."""
+    file's size exactly), an int64 [shards, 2] table of (rows, ggml type) in place of scales, and as the
+    group size the rows from which the kernel multiplies them in bf16 (0: never)."""
     for shard in shards:
         if shard.qtype not in KEPT_TYPES:
             raise ValueError(
@@ -117,7 +136,7 @@ def blocks_storage(shards: list[GGUFBlocks]) -> StoredWeight:
             )
     data = np.concatenate([s.raw.reshape(-1) for s in shards])  # a copy: each shard's map is let go
     layout = torch.tensor([[s.raw.shape[0], int(s.qtype)] for s in shards], dtype=torch.int64)
-    return StoredWeight(torch.from_numpy(data), layout)
+    return StoredWeight(torch.from_numpy(data), layout, group_size=bf16_rows)
 
 
 _METHODS: dict[str, type[LinearMethod]] = {"int8": Int8Linear, "int4": Int4Linear, "gguf": GGUFLinear}
@@ -134,7 +153,6 @@ def linear_method_for(
     kernels run (the weights a GGUF user chose) and leaves other checkpoints unquantized; None / "none"
     loads unquantized weights in `dtype` (default_linear_method, which weighs `max_num_seqs`); "int8" /
     "int4" quantize at load time; "gguf" keeps the blocks."""
-    from pagedllm.ops import cpu
 
     def unusable() -> str | None:
         """Why the quantized kernels cannot serve this device and dtype, or None."""

@@ -95,6 +95,13 @@ def avx512_selected() -> bool:
 
 
 @functools.cache
+def bf16_matmul_available() -> bool:
+    """Whether the AVX-512 kernels run and the CPU multiplies bf16 in hardware (AVX512_BF16, which oneDNN's
+    bf16 GEMM uses): then GGUF blocks are multiplied in bf16 at many rows (models/quantization.py)."""
+    return avx512_selected() and "avx512_bf16" in _cpu_flags() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@functools.cache
 def _sources_digest() -> str:
     """A short hash of the kernel sources: builds of different versions get different cache folders."""
     digest = hashlib.sha256()
@@ -250,7 +257,8 @@ def linear(
     """x [M, K] @ W^T (+ bias) (+ residual) for W stored row by row (see csrc/linear.cpp): float32 or
     bf16 [N, K]; int8 [N, K]; or int4 pairs in uint8 [N, K/2], with [N, K/group_size] scales (and mins);
     or float32 in panels (pack_panels), with group_size = N; or GGUF blocks, uint8 [bytes] with `scales`
-    an int64 [shards, 2] table of (rows, ggml type)."""
+    an int64 [shards, 2] table of (rows, ggml type) and group_size the rows from which they are
+    dequantized to bf16 and multiplied by oneDNN (0: never)."""
     return kernels().linear(x, weight, scales, mins, group_size, bias, residual)
 
 

@@ -529,6 +529,8 @@ void panel_matmul(const float* packed, int64_t n_rows, int64_t cols, const float
 //       x . w = sum_g d_x(g) (s_w(g) sum_i u_i q_i + c_w(g) sum_i q_i)
 //     (quants.h's s, c). More rows: each thread dequantizes a panel of weight rows once into a float32
 //     buffer in cache (exactly the file's values) and runs the float path's register tiles over it.
+// With group_size > 0 (set where the CPU multiplies bf16), from group_size rows of x on: the weight
+// dequantized to bf16 and multiplied by oneDNN (bf16_blocks_linear, below).
 struct BlockShard {
   int64_t type, rows, first_row, row_bytes;
   const uint8_t* data;
@@ -892,6 +894,57 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
   });
 }
 
+// Many rows of x on GGUF blocks where the CPU multiplies bf16 (AVX512_BF16): the weight's rows are
+// dequantized, tile by tile of at most kScratchValues values, into one bf16 scratch of the calling
+// thread (shared by every layer, reused by every call) and multiplied by torch's bf16 matmul (oneDNN),
+// x rounded to bf16. The values multiplied are the file's rounded to bf16 (8 significant bits), and the
+// matmul's output is bf16 before it is widened to out's dtype: a bf16 model's error, not float32's.
+// Python's GGUFLinear enables it (group_size = the rows from which it runs) only where it is faster.
+constexpr int64_t kScratchValues = int64_t{32} << 20;  // 64 MiB of bf16: every projection of the built-in models but an LM head in one tile
+
+// Rows [n0, n1) of the shards, dequantized into dst (row-major bf16, cols a row), rows split between threads.
+void dequantize_bf16(const std::vector<BlockShard>& shards, int64_t n0, int64_t n1, int64_t cols, c10::BFloat16* dst) {
+  at::parallel_for(n0, n1, std::max<int64_t>(1, kTaskWork / (16 * cols)), [&](int64_t begin, int64_t end) {
+    static thread_local std::vector<float> row;
+    row.resize(cols);
+    auto shard = shards.begin();
+    for (int64_t n = begin; n < end; ++n) {
+      while (n >= shard->first_row + shard->rows) ++shard;
+      quants::with_type(shard->type, [&](auto t) {
+        quants::dequantize_row<decltype(t)>(shard->data + (n - shard->first_row) * shard->row_bytes, cols, row.data());
+      });
+      c10::BFloat16* out = dst + (n - n0) * cols;
+      for_each_chunk(cols, [&](int64_t k, int valid) { store(load(row.data() + k, valid), out + k, valid); });
+    }
+  });
+}
+
+at::Tensor bf16_blocks_linear(const at::Tensor& x, const std::vector<BlockShard>& shards, int64_t n_rows, int64_t cols,
+                              const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
+  static thread_local at::Tensor scratch;  // per calling thread: tensor-parallel ranks may be threads
+  const int64_t tile_rows = std::min(n_rows, std::max<int64_t>(1, kScratchValues / cols));
+  if (!scratch.defined() || scratch.numel() < tile_rows * cols) {
+    scratch = at::empty({tile_rows * cols}, x.options().dtype(at::kBFloat16));
+  }
+  const at::Tensor xb = x.to(at::kBFloat16).contiguous();
+  at::Tensor out;
+  for (int64_t n0 = 0; n0 < n_rows; n0 += tile_rows) {
+    const int64_t rows = std::min(tile_rows, n_rows - n0);
+    const at::Tensor w = scratch.narrow(0, 0, rows * cols).view({rows, cols});
+    dequantize_bf16(shards, n0, n0 + rows, cols, w.data_ptr<c10::BFloat16>());
+    const at::Tensor y = at::linear(xb, w);
+    if (rows == n_rows) {
+      out = y.to(x.scalar_type());
+    } else {
+      if (!out.defined()) out = at::empty({x.size(0), n_rows}, x.options());
+      out.narrow(1, n0, rows).copy_(y);
+    }
+  }
+  if (bias.has_value()) out.add_(*bias);
+  if (residual.has_value()) out.add_(*residual);
+  return out;
+}
+
 // Calls fn(source) with the row source for this weight format: for int8 / int4 codes in groups of whole
 // blocks, their CodeRows (integer dot products) if kInteger.
 template <bool kInteger, typename Fn>
@@ -981,7 +1034,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && m_rows > kStreamRows) {
     return torch_linear(x, weight, bias, residual);
   }
-  at::Tensor out = at::empty({m_rows, n_rows}, x.options());
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n_rows && bias->is_contiguous() &&
                     bias->scalar_type() == x.scalar_type(),
@@ -992,6 +1044,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                     residual->stride(1) == 1 && residual->scalar_type() == x.scalar_type(),
                 "residual must be a [", m_rows, ", ", n_rows, "] tensor of x's dtype with contiguous rows");
   }
+  // GGUF blocks: group_size, where set, is the number of rows from which they go to bf16_blocks_linear
+  if (blocks && group_size > 0 && m_rows >= group_size && n_rows > 0) return bf16_blocks_linear(x, shards, n_rows, cols, bias, residual);
+  at::Tensor out = at::empty({m_rows, n_rows}, x.options());
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const Epilogue epilogue{out.data_ptr(),
                           bias.has_value() ? bias->data_ptr() : nullptr,
