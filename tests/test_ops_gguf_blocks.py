@@ -121,7 +121,8 @@ def test_each_block_type_in_bf16_from_its_row_count(kernels, name, cols, rows, b
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bf16_path_on_mixed_shards_with_bias_and_residual(kernels, types, dtype):
     cols = 896 if types[0] == "Q5_0" else 512
-    parts = [random_blocks(GGMLQuantizationType[t], n, cols, seed=i) for i, (t, n) in enumerate(zip(types, (40, 8, 8)))]
+    sizes = (40, 8, 8)
+    parts = [random_blocks(GGMLQuantizationType[t], sizes[i], cols, seed=i) for i, t in enumerate(types)]
     data, layout, w = storage(parts)
     x, bias, residual = torch.randn(80, cols), torch.randn(56), torch.randn(80, 56)
     out = kernels.linear(x.to(dtype), data, layout, None, 20, bias.to(dtype), residual.to(dtype))

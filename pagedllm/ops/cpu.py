@@ -98,7 +98,8 @@ def avx512_selected() -> bool:
 def bf16_matmul_available() -> bool:
     """Whether the AVX-512 kernels run and the CPU multiplies bf16 in hardware (AVX512_BF16, which oneDNN's
     bf16 GEMM uses): then GGUF blocks are multiplied in bf16 at many rows (models/quantization.py)."""
-    return avx512_selected() and "avx512_bf16" in _cpu_flags() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    flags = _cpu_flags()
+    return avx512_selected() and "avx512_bf16" in flags and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 @functools.cache
