@@ -134,6 +134,20 @@ def test_bf16_path_on_mixed_shards_with_bias_and_residual(kernels, types, dtype)
     assert torch.equal(few, kernels.linear(x[:19], data, layout, None, 0, bias, residual[:19]))
 
 
+def test_a_thread_that_switches_the_bf16_path_off_keeps_the_blocks_path_at_any_rows(kernels):
+    """set_blocks_bf16(False) (the model runner's, for a step of decode rows only): a call past its bf16 row
+    count computes what group_size 0 does, bit for bit, until the setting is restored."""
+    data, layout, _ = storage([random_blocks(GGMLQuantizationType.Q4_0, 40, 512, seed=5)])
+    x = torch.randn(64, 512)
+    blocks = kernels.linear(x, data, layout, None, 0, None, None)
+    assert kernels.set_blocks_bf16(False) is True
+    try:
+        assert torch.equal(kernels.linear(x, data, layout, None, 17, None, None), blocks)
+    finally:
+        assert kernels.set_blocks_bf16(True) is False
+    assert not torch.equal(kernels.linear(x, data, layout, None, 17, None, None), blocks)
+
+
 def test_bf16_path_tiles_a_weight_larger_than_its_scratch(kernels):
     """More than linear.cpp's kScratchValues (32 Mi values, an LM head's size): dequantized and multiplied
     in tiles of output rows, each written to its columns of out."""

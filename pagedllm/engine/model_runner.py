@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from pagedllm.engine import prompt_logprobs
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.kv import KVGroups, kv_groups
 from pagedllm.models.attention import AttentionMetadata
+from pagedllm.models.quantization import bf16_for_prompts, multiplies_in_bf16
 from pagedllm.ops import reference
 from pagedllm.ops.kv_cache import is_quantized, key_smoothing
 
@@ -46,6 +48,7 @@ class StepInputs:
     swap_out: np.ndarray  # [n, 2] int64 (device block, host block)
     swap_in: np.ndarray  # [n, 2] int64 (host block, device block)
     copies: np.ndarray  # [n, 2] int64 copy-on-write (src, dst)
+    computes_prompt: bool  # some sequence computes prompt tokens (not only its newest and its drafts)
 
 
 def logits_rows(query_start_loc: np.ndarray, num_logits: np.ndarray) -> np.ndarray:
@@ -83,6 +86,7 @@ class ModelRunner:
         lm_head: torch.nn.Module | None = None,
     ):
         self.model = model
+        self.gates_bf16 = multiplies_in_bf16(model)  # GGUF layers' bf16 path: prompt steps only
         self.lm_head = lm_head  # None: the model's own; a draft's may be over part of the vocabulary
         self.device = torch.device(device)
         self.num_blocks, self.block_size, self.num_host_blocks = num_blocks, block_size, num_host_blocks
@@ -160,10 +164,12 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             layer_groups=self.groups.layer_group,
         )
-        hidden = self.model(self._tensor(step.input_ids), self._tensor(step.positions), meta)
-        if int(step.num_logits.sum()) < len(hidden):  # some rows need no logits: keep the others
-            hidden = hidden[self._tensor(logits_rows(step.query_start_loc, step.num_logits))]
-        return self.model.compute_logits(hidden, self.lm_head)
+        gate = bf16_for_prompts(step.computes_prompt) if self.gates_bf16 else contextlib.nullcontext()
+        with gate:
+            hidden = self.model(self._tensor(step.input_ids), self._tensor(step.positions), meta)
+            if int(step.num_logits.sum()) < len(hidden):  # some rows need no logits: keep the others
+                hidden = hidden[self._tensor(logits_rows(step.query_start_loc, step.num_logits))]
+            return self.model.compute_logits(hidden, self.lm_head)
 
     def prepare_inputs(self, out: SchedulerOutput, block_tables: list[list[list[int]]]) -> StepInputs:
         """The step's arrays for the scheduled sequences, whose KV blocks are given by `block_tables` (per
@@ -194,6 +200,7 @@ class ModelRunner:
             input_ids = np.fromiter((seq.token_ids[-1] for seq in seqs), np.int64, len(seqs))
             positions, owner = starts, np.arange(len(seqs))
             num_logits = np.ones(len(seqs), np.int32)  # a prompt's log-probabilities all came before
+            computes_prompt = False
         else:
             input_ids = np.fromiter(
                 itertools.chain.from_iterable(
@@ -206,6 +213,7 @@ class ModelRunner:
             owner = np.repeat(np.arange(len(seqs)), counts)  # which sequence each token belongs to
             positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], counts) + starts[owner]
             num_logits = np.fromiter((1 + len(seq.draft_token_ids) for seq in seqs), np.int32, len(seqs))
+            computes_prompt = bool((counts > num_logits).any())  # before prompt_logprobs widens num_logits
             for s, seq in enumerate(seqs):  # a mixed step's decodes pass by at the cost of one test
                 if seq.prompt_logprobs is not None:
                     num_logits[s] = prompt_logprobs.num_logits(seq, int(starts[s]), int(ends[s]))
@@ -223,6 +231,7 @@ class ModelRunner:
             swap_out=_pairs(out.swap_out),
             swap_in=_pairs(out.swap_in),
             copies=_pairs(out.copies),
+            computes_prompt=computes_prompt,
         )
 
     # -- prefix cache tiers: the bytes of blocks, for the disk tier's files ---------------------------

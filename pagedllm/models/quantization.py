@@ -16,6 +16,9 @@ quantizes the activations too. `pagedllm bench linear` measures them all side by
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
@@ -91,7 +94,9 @@ class GGUFLinear(KernelLinear):
     On a CPU that multiplies bf16 (AVX512_BF16, an AVX-512 build), a call of at least `bf16_rows` rows
     (a prefill, a big batch) has its weight dequantized into a shared bf16 scratch and multiplied by
     oneDNN's bf16 GEMM (csrc/linear.cpp bf16_blocks_linear): about twice the integer and float32 paths'
-    speed there, at a bf16 model's rounding. Fewer rows keep the blocks' integer path."""
+    speed there, at a bf16 model's rounding. Fewer rows keep the blocks' integer path, and so do the rows
+    of a step that computes no prompt tokens, however many (bf16_for_prompts): decoding, and speculation's
+    verify passes, multiply the file's values whatever the batch beside them."""
 
     name = "gguf"
     STREAM_ROWS = 16  # csrc/linear.cpp kBlockStreamRows
@@ -122,6 +127,25 @@ class GGUFLinear(KernelLinear):
         if not cpu.bf16_matmul_available():
             return 0
         return max(self.BF16_ROWS.get(s.qtype, self.STREAM_ROWS + 1) for s in shards)
+
+
+def multiplies_in_bf16(model: torch.nn.Module) -> bool:
+    """Whether a GGUF layer of `model` multiplies many rows in bf16 (GGUFLinear.bf16_rows)."""
+    layers = (m for m in model.modules() if isinstance(getattr(m, "method", None), GGUFLinear))
+    return any(m.stored.format == "gguf" and m.stored.group_size > 0 for m in layers)
+
+
+@contextlib.contextmanager
+def bf16_for_prompts(computes_prompt: bool) -> Iterator[None]:
+    """Within it, this thread's GGUF layers take their bf16 path at many rows only if the step computes
+    prompt tokens (a prefill, or a chunk of one beside decodes): a step of decode rows only keeps the
+    blocks' integer path, so a sequence's greedy tokens are the same decoded alone, in a batch, or
+    verified several at a time by speculation."""
+    previous = cpu.set_blocks_bf16(computes_prompt)
+    try:
+        yield
+    finally:
+        cpu.set_blocks_bf16(previous)
 
 
 def blocks_storage(shards: list[GGUFBlocks], bf16_rows: int = 0) -> StoredWeight:

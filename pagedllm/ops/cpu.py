@@ -263,6 +263,12 @@ def linear(
     return kernels().linear(x, weight, scales, mins, group_size, bias, residual)
 
 
+def set_blocks_bf16(enabled: bool) -> bool:
+    """Whether this thread's matmuls on GGUF blocks may take the bf16 path at many rows (linear's
+    group_size); returns the previous setting (True at start)."""
+    return kernels().set_blocks_bf16(enabled)
+
+
 PANEL_COLS = 48  # csrc/linear.cpp kPanelCols
 
 

@@ -10,12 +10,13 @@ from pagedllm.models.parallel import CommStats, TensorParallel
 
 # run a step; exit; gather each rank's CommStats on rank 0; calibrate the key smoothing on the ids that follow
 STEP, STOP, STATS, CALIBRATE = 1, 2, 3, 4
-HEADER_LEN = 9  # op, num_tokens, num_seqs, max_blocks, max_query_len, swap-outs, swap-ins, copies, groups
+# op, num_tokens, num_seqs, max_blocks, max_query_len, swap-outs, swap-ins, copies, groups, computes_prompt
+HEADER_LEN = 10
 
 
 def _sizes(header: list[int]) -> dict[str, int]:
     """The payload's arrays, in order, and the length of each."""
-    _, t, s, b, _, swap_out, swap_in, copies, g = header
+    _, t, s, b, _, swap_out, swap_in, copies, g, _ = header
     return {
         "input_ids": t,
         "positions": t,
@@ -47,6 +48,7 @@ def pack(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
     num_groups, num_seqs, max_blocks = step.block_tables.shape
     moves = (len(step.swap_out), len(step.swap_in), len(step.copies))
     header = [STEP, len(step.input_ids), num_seqs, max_blocks, step.max_query_len, *moves, num_groups]
+    header.append(int(step.computes_prompt))
     arrays = [getattr(step, name).reshape(-1).astype(np.int64) for name in _sizes(header)]
     return torch.tensor(header, dtype=torch.int64), torch.from_numpy(np.concatenate(arrays))
 
@@ -76,4 +78,5 @@ def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepInputs:
         swap_out=arrays["swap_out"].reshape(-1, 2),
         swap_in=arrays["swap_in"].reshape(-1, 2),
         copies=arrays["copies"].reshape(-1, 2),
+        computes_prompt=bool(header[9]),
     )

@@ -900,6 +900,9 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
 // x rounded to bf16. The values multiplied are the file's rounded to bf16 (8 significant bits), and the
 // matmul's output is bf16 before it is widened to out's dtype: a bf16 model's error, not float32's.
 // Python's GGUFLinear enables it (group_size = the rows from which it runs) only where it is faster.
+// The calling thread may switch it off (set_blocks_bf16: the model runner does, for a step that computes
+// no prompt tokens), so that decode rows keep the blocks' integer path however many there are.
+thread_local bool blocks_bf16 = true;
 constexpr int64_t kScratchValues = int64_t{32} << 20;  // 64 MiB of bf16: every projection of the built-in models but an LM head in one tile
 
 // Rows [n0, n1) of the shards, dequantized into dst (row-major bf16, cols a row), rows split between threads.
@@ -1014,6 +1017,12 @@ at::Tensor torch_linear(const at::Tensor& x, const at::Tensor& weight, const c10
 
 }  // namespace
 
+bool set_blocks_bf16(bool enabled) {
+  const bool previous = blocks_bf16;
+  blocks_bf16 = enabled;
+  return previous;
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scales,
                   const c10::optional<at::Tensor>& mins, int64_t group_size, const c10::optional<at::Tensor>& bias,
                   const c10::optional<at::Tensor>& residual) {
@@ -1045,7 +1054,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                 "residual must be a [", m_rows, ", ", n_rows, "] tensor of x's dtype with contiguous rows");
   }
   // GGUF blocks: group_size, where set, is the number of rows from which they go to bf16_blocks_linear
-  if (blocks && group_size > 0 && m_rows >= group_size && n_rows > 0) return bf16_blocks_linear(x, shards, n_rows, cols, bias, residual);
+  if (blocks && blocks_bf16 && group_size > 0 && m_rows >= group_size && n_rows > 0) return bf16_blocks_linear(x, shards, n_rows, cols, bias, residual);
   at::Tensor out = at::empty({m_rows, n_rows}, x.options());
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const Epilogue epilogue{out.data_ptr(),

@@ -19,6 +19,9 @@ at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scales,
                   const c10::optional<at::Tensor>& mins, int64_t group_size, const c10::optional<at::Tensor>& bias,
                   const c10::optional<at::Tensor>& residual);
+// Whether the calling thread's GGUF matmuls may take the bf16 path at many rows (linear.cpp); returns the
+// previous setting.
+bool set_blocks_bf16(bool enabled);
 void dequantize_rows(at::Tensor out, const at::Tensor& weight, const c10::optional<at::Tensor>& scales,
                      const c10::optional<at::Tensor>& mins, int64_t group_size, const at::Tensor& ids);
 at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache,
