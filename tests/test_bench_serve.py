@@ -100,6 +100,42 @@ def test_bench_serve_tenants_with_and_without_a_host_tier_side_by_side(capsys, t
     assert code == 0 and "kv offload memory" in table and "\n              1MiB" in table
 
 
+def test_bench_serve_setups_side_by_side_in_the_order_given(capsys, tiny_chat_model):
+    # the tenants of the test above; a row's own --kv-cache-memory overrides the bench's
+    argv = [
+        "--model",
+        str(tiny_chat_model),
+        "--num-prompts",
+        "16",
+        "--input-len",
+        "8-16",
+        "--output-len",
+        "4",
+    ]
+    argv += ["--shared-prefix-len", "64", "--num-shared-prefixes", "6", "--max-concurrency", "2"]
+    argv += ["--ignore-eos", "--kv-cache-memory", "128KiB", "--max-model-len", "256"]
+    setups = ["large cache: --kv-cache-memory 2MiB", "small: "]
+    code, report = _run_json(capsys, [*argv, "--setups", *setups])
+    assert code == 0 and [run["setup"] for run in report["runs"]] == ["large cache", "small"]
+    large, small = (run["summary"] for run in report["runs"])
+    assert large["completed"] == small["completed"] == 16
+    assert large["prefix_cache"]["hits"] > small["prefix_cache"]["hits"]  # 2 MiB holds all 6 tenants
+    with pytest.raises(SystemExit):
+        serve.main([*argv, "--setups", "no label here"])
+    assert "'LABEL: SERVE ARGS'" in capsys.readouterr().err
+
+
+def test_runs_table_names_each_replicas_requests():
+    stats = serve.Stats(1.0, 1.0, 1.0)
+    summary = serve.Summary(10, 0, 2.0, 100, 40, 5.0, 20.0, 70.0, stats, stats, stats, stats, 0.1)
+    summary.replicas = {"a": serve.ReplicaLoad(4, 50, 10), "b": serve.ReplicaLoad(6, 50, 30)}
+    table = serve.format_runs(
+        [("kv", summary, 0), ("one", serve.Summary(**vars(summary) | {"replicas": None}), 0)], "setup"
+    )
+    rows = table.splitlines()
+    assert rows[1].endswith("6 / 4 (1.50x)") and rows[2].endswith("  -")
+
+
 def test_bench_serve_on_a_given_server_with_a_key_over_chat(capsys, tiny_chat_model):
     app = build_app(str(tiny_chat_model), limits=ServerLimits(api_key="k"), max_model_len=256)
     with running_server(app) as base:

@@ -19,7 +19,10 @@ prefill, so give each run against a long-lived server its own seed. `--compare-o
 settings, max_num_seqs capped at the concurrency the server saw) and prints served / offline output
 tokens/s. `--kv-offload-memory none 1GiB` runs the same requests against one server per value (without
 and with a host tier under the prefix cache) and prints them side by side: the prefix hit rate, split
-into the device cache's hits and those loaded from the tiers below it, and the latencies.
+into the device cache's hits and those loaded from the tiers below it, and the latencies. `--setups
+'LABEL: SERVE ARGS' ...` does the same for any `pagedllm serve` arguments (one server against
+`--data-parallel-size 2` replicas, one routing against another), one run per value in the order given,
+each row with its replicas' request counts.
 
 `--soak` also injects faults (pagedllm.bench.soak): clients that disconnect mid-stream, bad
 parameters, over-long prompts, malformed JSON, at `--max-concurrency` past the server's max_num_seqs;
@@ -35,6 +38,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -399,6 +403,13 @@ def _range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"must be LO-HI with 1 <= LO <= HI, got {text!r}") from None
 
 
+def _setup(text: str) -> tuple[str, list[str]]:
+    label, sep, serve_args = text.partition(":")
+    if not sep or not label.strip():
+        raise argparse.ArgumentTypeError(f"a setup is 'LABEL: SERVE ARGS', got {text!r}")
+    return label.strip(), shlex.split(serve_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedllm bench serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -440,6 +451,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="one run per value, side by side: `pagedllm serve --kv-offload-memory SIZE` (a host tier under "
         "the prefix cache), or none (without it)",
+    )
+    engine.add_argument(
+        "--setups",
+        nargs="+",
+        default=None,
+        type=_setup,
+        metavar="'LABEL: ARGS'",
+        help="one run per value, side by side, in this order: `pagedllm serve ARGS` (after the flags above, "
+        "so they override them), its row named LABEL",
     )
     engine.add_argument("--startup-timeout", type=float, default=600.0)
     load = parser.add_argument_group("load")
@@ -534,14 +554,22 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the load generator needs httpx2: pip install 'pagedllm[bench]'")
     if args.compare_offline and (args.base_url or args.endpoint != "completions"):
         parser.error("--compare-offline needs the server this bench starts and --endpoint completions")
-    if args.kv_offload_memory and (args.base_url or args.soak or args.compare_offline):
-        parser.error(
-            "--kv-offload-memory starts a server per value: not with --base-url, --soak, --compare-offline"
-        )
+    for name in ("kv_offload_memory", "setups"):
+        if getattr(args, name) and (args.base_url or args.soak or args.compare_offline):
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag} starts a server per value: not with --base-url, --soak, --compare-offline")
+    if args.kv_offload_memory and args.setups:
+        parser.error("--kv-offload-memory and --setups both name the servers to run: give one")
     if args.soak:
         args.ignore_eos = True  # every well-formed answer then has exactly the length asked for
     if args.kv_offload_memory:
-        return _tier_runs(args, parser)
+        setups = [
+            (size, [] if size.lower() == "none" else ["--kv-offload-memory", size])
+            for size in args.kv_offload_memory
+        ]
+        return _side_by_side(args, parser, setups, "kv offload memory")
+    if args.setups:
+        return _side_by_side(args, parser, args.setups, "setup")
     server, exit_code, base_url, model, requests, report = _measure(args, parser)
     if args.soak:
         code = soak.report(report, args, exit_code)
@@ -628,45 +656,50 @@ def _measure(args, parser, serve_args: list[str] | None = None):
     return server, exit_code, base_url, model, requests, report
 
 
-def _tier_runs(args, parser) -> int:
-    """The same requests against a server per --kv-offload-memory value, one after another, side by side."""
+def _side_by_side(args, parser, setups: list[tuple[str, list[str]]], what: str) -> int:
+    """The same requests against one server per setup (its label, its `pagedllm serve` arguments), one
+    after another, printed side by side."""
     runs = []
-    for size in args.kv_offload_memory:
-        extra = [] if size.lower() == "none" else ["--kv-offload-memory", size]
+    for label, extra in setups:
         server, exit_code, _, _, requests, report = _measure(args, parser, extra)
-        (results, seconds, cpu), prefix_cache, _ = report
+        (results, seconds, cpu), prefix_cache, replicas = report
         summary = summarize(results, seconds, cpu)
-        summary.prefix_cache = prefix_cache
-        runs.append((size, summary, exit_code))
+        summary.prefix_cache, summary.replicas = prefix_cache, replicas
+        runs.append((label, summary, exit_code))
         if exit_code != 0 or summary.failed:
-            print(
-                f"--- the server's log (tail), --kv-offload-memory {size}:\n{server.log_text()}",
-                file=sys.stderr,
-            )
+            print(f"--- the server's log (tail), {what} {label}:\n{server.log_text()}", file=sys.stderr)
     if args.json:
         data = {"config": vars(args) | {"input_len": list(args.input_len)}}
-        data["runs"] = [{"kv_offload_memory": size, "summary": asdict(s)} for size, s, _ in runs]
+        key = what.replace(" ", "_")
+        data["runs"] = [{key: label, "summary": asdict(s), "exit_code": c} for label, s, c in runs]
         print(json.dumps(data, indent=2, default=str))
     else:
         print(f"workload: {_workload(args, len(requests), runs[0][1].prompt_tokens)}")
-        print(f"server: --kv-cache-memory {args.kv_cache_memory}, one per row, started by this bench")
-        print(format_tier_runs(runs))
+        print(f"servers: --kv-cache-memory {args.kv_cache_memory} unless a row says otherwise, one per row")
+        print(format_runs(runs, what))
     return 0 if all(code == 0 and s.failed == 0 for _, s, code in runs) else 1
 
 
-def format_tier_runs(runs: list[tuple[str, Summary, int | None]]) -> str:
-    """One row per --kv-offload-memory run: prefix hits (all, the device cache's, the tiers'), latencies."""
+def format_runs(runs: list[tuple[str, Summary, int | None]], what: str) -> str:
+    """One row per server run: prefix hits (all, the device cache's, the tiers'), latencies, throughput,
+    and the requests each replica finished (a --data-parallel-size server)."""
+    width = max(18, len(what), *(len(label) for label, _, _ in runs))
     head = (
-        f"{'kv offload memory':>18}{'hit rate':>10}{'device':>9}{'tiers':>8}{'TTFT mean':>11}{'p50':>9}"
-        f"{'p99':>9}{'E2E mean':>10}{'out tok/s':>11}{'failed':>8}"
+        f"{what:>{width}}{'hit rate':>10}{'device':>9}{'tiers':>8}{'TTFT mean':>11}{'p50':>9}{'p99':>9}"
+        f"{'E2E mean':>10}{'req/s':>8}{'out tok/s':>11}{'failed':>8}  requests by replica"
     )
     lines = [head + "   (ms)"]
-    for size, s, _ in runs:
+    for label, s, _ in runs:
         pc = s.prefix_cache or PrefixCacheUse(0.0, 0.0)
+        loads = sorted((load.finished for load in (s.replicas or {}).values()), reverse=True)
+        by_replica = " / ".join(f"{n:.0f}" for n in loads) if loads else "-"
+        if len(loads) > 1:
+            by_replica += f" ({loads[0] / max(loads[-1], 1):.2f}x)"
         lines.append(
-            f"{size:>18}{pc.hit_rate:10.1%}{pc.hit_rate - pc.external_hit_rate:9.1%}"
+            f"{label:>{width}}{pc.hit_rate:10.1%}{pc.hit_rate - pc.external_hit_rate:9.1%}"
             f"{pc.external_hit_rate:8.1%}{s.ttft_ms.mean:11.0f}{s.ttft_ms.p50:9.0f}{s.ttft_ms.p99:9.0f}"
-            f"{s.e2e_ms.mean:10.0f}{s.output_tok_s:11.1f}{s.failed:8d}"
+            f"{s.e2e_ms.mean:10.0f}{s.request_throughput:8.2f}{s.output_tok_s:11.1f}{s.failed:8d}"
+            f"  {by_replica}"
         )
     return "\n".join(lines)
 
