@@ -73,21 +73,25 @@ def test_bench_serve_reports_and_compares_with_offline(capsys, tiny_chat_model):
     assert s["prefix_cache"] == {"queries": s["prompt_tokens"], "hits": 0, "external_hits": 0}
 
 
-def test_bench_serve_tenants_with_and_without_a_host_tier_side_by_side(capsys, tiny_chat_model):
-    # 6 tenants' 64-token system prompts (4 blocks of 8 KiB each) over a device cache of 16 blocks: it
-    # keeps about one beside the 2 requests running; a host tier of 1 MiB keeps them all.
+def _tenants(model, num_prompts: int) -> list[str]:
+    """6 tenants' 64-token system prompts (4 blocks of 8 KiB each) over a device cache of 16 blocks: it
+    keeps about one beside the 2 requests running."""
     argv = [
         "--model",
-        str(tiny_chat_model),
+        str(model),
         "--num-prompts",
-        "24",
+        str(num_prompts),
         "--input-len",
         "8-16",
         "--output-len",
         "4",
     ]
     argv += ["--shared-prefix-len", "64", "--num-shared-prefixes", "6", "--max-concurrency", "2"]
-    argv += ["--ignore-eos", "--kv-cache-memory", "128KiB", "--max-model-len", "256"]
+    return argv + ["--ignore-eos", "--kv-cache-memory", "128KiB", "--max-model-len", "256"]
+
+
+def test_bench_serve_tenants_with_and_without_a_host_tier_side_by_side(capsys, tiny_chat_model):
+    argv = _tenants(tiny_chat_model, 24)  # a host tier of 1 MiB keeps every tenant
     code, report = _run_json(capsys, [*argv, "--kv-offload-memory", "none", "1MiB"])
     without, with_tier = (run["summary"] for run in report["runs"])
     assert code == 0 and [run["kv_offload_memory"] for run in report["runs"]] == ["none", "1MiB"]
@@ -101,19 +105,7 @@ def test_bench_serve_tenants_with_and_without_a_host_tier_side_by_side(capsys, t
 
 
 def test_bench_serve_setups_side_by_side_in_the_order_given(capsys, tiny_chat_model):
-    # the tenants of the test above; a row's own --kv-cache-memory overrides the bench's
-    argv = [
-        "--model",
-        str(tiny_chat_model),
-        "--num-prompts",
-        "16",
-        "--input-len",
-        "8-16",
-        "--output-len",
-        "4",
-    ]
-    argv += ["--shared-prefix-len", "64", "--num-shared-prefixes", "6", "--max-concurrency", "2"]
-    argv += ["--ignore-eos", "--kv-cache-memory", "128KiB", "--max-model-len", "256"]
+    argv = _tenants(tiny_chat_model, 16)  # a row's own --kv-cache-memory overrides the bench's
     setups = ["large cache: --kv-cache-memory 2MiB", "small: "]
     code, report = _run_json(capsys, [*argv, "--setups", *setups])
     assert code == 0 and [run["setup"] for run in report["runs"]] == ["large cache", "small"]
