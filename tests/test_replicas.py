@@ -24,7 +24,7 @@ pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
-from pagedllm.bench.serve import free_port  # noqa: E402
+from pagedllm.bench.serve import free_port, replica_counters  # noqa: E402
 
 KEY = "sk-replicas"
 STARTUP_S = 400  # a fresh Ray cluster on 2 shared cores, then two engines
@@ -161,12 +161,21 @@ def test_a_client_that_leaves_frees_its_blocks(replicas, client):
     stream.close()  # the fixture then waits for every replica's blocks to be free
 
 
+def _finished_by_replica(base: str) -> dict[str, float]:
+    """Requests each replica has finished (its e2e latency histogram's count in /metrics)."""
+    status, body = _get(base, "/metrics")
+    assert status == 200, body
+    return {replica: load.finished for replica, load in replica_counters(body.decode()).items()}
+
+
 def test_a_killed_replica_loses_no_waiting_request_and_comes_back(replicas, client):
     base, _ = replicas
     long = {"max_tokens": 48, "extra_body": {"ignore_eos": True}}
 
     def complete(i: int) -> str:
-        return client.completions.create(model="tiny", prompt=f"request {i} " * 8, **long).choices[0].text
+        answer = client.completions.create(model="tiny", prompt=f"request {i} " * 8, **long)
+        assert answer.usage.completion_tokens == 48, answer
+        return answer.choices[0].text
 
     def stream(i: int) -> str:
         try:
@@ -178,14 +187,19 @@ def test_a_killed_replica_loses_no_waiting_request_and_comes_back(replicas, clie
             assert "replica" in str(error)
             return "error"
 
-    with ThreadPoolExecutor(16) as pool:
+    with ThreadPoolExecutor(24) as pool:
         answers = [pool.submit(complete, i) for i in range(8)] + [pool.submit(stream, i) for i in range(8)]
         deadline = time.monotonic() + 60  # a loaded machine may take a while to route the first requests
         while not (busiest := max(_replicas(base), key=lambda r: r["num_running"]))["num_running"]:
             assert time.monotonic() < deadline, "no replica started a request within 60 s"
             time.sleep(0.2)
+        before = {r["replica"] for r in _replicas(base)}
         os.kill(busiest["pid"], signal.SIGKILL)
+        # sent after the kill, before Serve has seen it: the router may still pick the dead replica
+        after = [pool.submit(complete, 100 + i) for i in range(6)]
+        assert _health(base) in (200, 503)  # it answers while the replica is down (503 names the states)
         texts = [a.result(timeout=180) for a in answers]
+        assert all(a.result(timeout=180) for a in after), "a request sent after the kill was lost"
     assert all(texts[:8]), "a non-streaming request was lost"  # retried on the other replica
     assert all(t == "error" or len(t) > 0 for t in texts[8:])
     metrics = _get(base, "/metrics")[1].decode()
@@ -195,5 +209,13 @@ def test_a_killed_replica_loses_no_waiting_request_and_comes_back(replicas, clie
     while len(_replicas(base)) < 2:  # Ray starts a new replica in the dead one's place
         assert time.monotonic() < deadline, "Ray did not bring the killed replica back within 240 s"
         time.sleep(1)
+    (new,) = {r["replica"] for r in _replicas(base)} - before
+    # the new replica takes traffic: new prompts go to the replica holding no blocks of theirs
+    for i in range(20):
+        complete(200 + i)
+        if _finished_by_replica(base).get(new):
+            break
+    assert _finished_by_replica(base).get(new), f"the new replica {new} served none of 20 requests"
+    assert 'pagedllm:replicas{state="RUNNING"} 2' in _get(base, "/metrics")[1].decode()
     found = _wait_all_free(base)
     assert len(found) == 2 and busiest["replica"] not in {r["replica"] for r in found}

@@ -261,17 +261,21 @@ def build_ingress_app(
     async def replicas(kv: bool = False) -> list[dict]:
         return await engines.broadcast("replica_stats", kv=kv).results_async(timeout_s=30)
 
-    def states() -> dict[str, int]:
-        deployment = serve.status().applications[app_name].deployments["EngineReplica"]
-        return {str(state): count for state, count in deployment.replica_states.items()}
+    async def deployment():
+        """What Ray's controller says of the replicas (a blocking call: off the event loop, which serves
+        every stream of the endpoint)."""
+        status = await asyncio.to_thread(serve.status)
+        return status.applications[app_name].deployments["EngineReplica"]
+
+    def by_state(target) -> dict[str, int]:
+        return {str(state): count for state, count in target.replica_states.items()}
 
     @app.get("/health")
     async def health() -> Response:
         """200 while every replica Ray should run is running; else 503 saying what Ray sees."""
-        found = await asyncio.to_thread(states)
-        target = serve.status().applications[app_name].deployments["EngineReplica"]
-        running = found.get("RUNNING", 0)
-        if running and not set(found) - {"RUNNING"}:
+        target = await deployment()
+        found = by_state(target)
+        if found.get("RUNNING", 0) and not set(found) - {"RUNNING"}:
             return Response(status_code=200)
         return error_response(f"replicas by state: {found} ({target.message or target.status})", 503)
 
@@ -280,7 +284,7 @@ def build_ingress_app(
         """Every replica's own metrics, labelled `replica`, and the ingress's count of replica failures."""
         found = await replicas()
         lines = [_labelled(r["metrics"], r["replica"]) for r in found]
-        lines.append(_ingress_metrics(client, await asyncio.to_thread(states), found))
+        lines.append(_ingress_metrics(client, by_state(await deployment()), found))
         return Response(_merge_families(lines), media_type=PROMETHEUS_TEXT)
 
     @app.get("/v1/kv")
@@ -379,7 +383,7 @@ class ReplicaSettings:
     cpus_per_replica: int = 1
     routing: str = "kv"
     imbalanced_threshold: float = 4  # prefix routing: queue-length gap beyond which load wins over cache
-    load_tokens: float = 128  # kv routing: uncached prompt tokens one more request in flight is worth
+    load_tokens: float = 64  # kv routing: uncached prompt tokens one more request in flight is worth
     app_name: str = "pagedllm"
 
     def __post_init__(self) -> None:
