@@ -377,7 +377,7 @@ def _add_replica_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--routing-load-tokens",
         type=float,
-        default=128,
+        default=64,
         help="kv routing: uncached prompt tokens that one more request in flight on a replica is worth",
     )
 

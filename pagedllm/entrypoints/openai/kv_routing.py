@@ -207,7 +207,7 @@ class KVCacheAwareRouter(RequestRouter):
     """Each request to the replica where its uncached prompt tokens plus `load_tokens` per request in
     flight there is least: the longest cached prefix wins unless its replica is that much busier."""
 
-    def initialize_state(self, load_tokens: float = 128.0) -> None:
+    def initialize_state(self, load_tokens: float = 64.0) -> None:
         self.load_tokens = load_tokens
         self.index = kv_index(self._deployment_id.app_name)
         self.in_flight: dict[str, tuple[ReplicaID, tuple[bytes, ...]]] = {}  # request id -> where, what
