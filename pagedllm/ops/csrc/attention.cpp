@@ -130,19 +130,18 @@ struct PagedRows {
     }
   }
 
-  // Asks for block b's rows of [lo, hi) of `count` heads from h0 (default: every head's) to be brought into
-  // the cache ahead of use, and with head 0's, all the block's scales.
-  void prefetch(const T* cache, int64_t b, int64_t hi, int64_t h0 = 0, int64_t count = -1) const {
+  // Asks for block b's rows of [lo, hi) (every head's, and a quantized cache's scales) to be brought into
+  // the cache ahead of use.
+  void prefetch(const T* cache, int64_t b, int64_t hi) const {
     const int64_t first = b * block_size;
     if (first >= hi) return;
     const char* start = reinterpret_cast<const char*>(block_start(cache, b));
     const int64_t rows = std::min(block_size, hi - first), bytes = head_dim * sizeof(T);
-    for (int64_t h = h0; h < (count < 0 ? heads : h0 + count); ++h)
+    for (int64_t h = 0; h < heads; ++h)
       for (int64_t j = 0; j < rows; ++j)
         for (int64_t off = 0; off < bytes; off += 64)
           _mm_prefetch(start + (h * head_stride + j * slot_stride) * sizeof(T) + off, _MM_HINT_T1);
     if constexpr (kScaled<T>) {  // all the block's scales (every head's): a few lines
-      if (h0 > 0) return;
       const char* all = reinterpret_cast<const char*>(cache + table[b] * block_stride + scales.codes);
       for (int64_t off = 0; off < scales.bytes; off += 64) _mm_prefetch(all + off, _MM_HINT_T1);
     }
@@ -581,6 +580,16 @@ struct QueryCodes {
   const VecI* low_of(int64_t head) const { return low.data() + head * per_head(); }
 };
 
+// Reads a byte of each 64-byte line of `bytes` from k and from v, their lines in turn: a block of both
+// caches (its codes and scales are one run of memory) brought in ahead of use. Loads, not prefetch
+// instructions: on the machine measured, prefetching the next scattered block left the int8 decode's
+// time as it was, and these loads cut it (docs/JOURNAL.md, "Int8 KV decode: blocks loaded ahead").
+inline void load_ahead(const int8_t* k, const int8_t* v, int64_t bytes) {
+  int32_t sink = 0;
+  for (int64_t off = 0; off < bytes; off += 64) sink += k[off] + v[off];
+  asm volatile("" : : "r"(sink));  // keeps the loads
+}
+
 // A decode row over an int8 cache (decode_row's contract), in one pass over its keys, a tile of up to
 // kRowsAtOnce keys of a block at a time: the tile's keys are scored in integers against the query's
 // int16 codes (QueryCodes) and folded into a running softmax (each head's max so far; the sums so far
@@ -626,25 +635,26 @@ void decode_row_int8(const Batch<TQ, int8_t>& b, const WorkItem& it, float* part
   const VecF neg_inf = VecF::set1(-std::numeric_limits<float>::infinity());
 
   const PagedRows<int8_t> paged = b.paged(it.seq, it.kv_head, it.kv_heads);
-  for (int64_t first = range.lo / b.block_size, block = first; block < first + kBlocksAhead; ++block) {
-    paged.prefetch(b.k_cache, block, range.hi);
-    paged.prefetch(b.v_cache, block, range.hi);
-  }
+  // Block b of both caches, loaded ahead of use (load_ahead) if the item reads it.
+  auto load_block = [&](int64_t block) {
+    if (block * b.block_size >= range.hi) return;
+    const int64_t start = static_cast<int64_t>(paged.table[block]) * b.block_stride;
+    load_ahead(b.k_cache + start, b.v_cache + start, b.scales.codes + b.scales.bytes);
+  };
+  for (int64_t first = range.lo / b.block_size, block = first; block < first + kBlocksAhead; ++block)
+    load_block(block);
   paged.for_each_block_kv(b.k_cache, b.v_cache, range.lo, range.hi, [&](int64_t t0, int64_t t1, int64_t block,
                                                                           const int8_t* k_rows, const float* k_scales,
                                                                           const int8_t* v_rows, const float* v_scales) {
     for (int64_t ts = t0; ts < t1; ts += W) {
       const int n = static_cast<int>(std::min<int64_t>(W, t1 - ts));
       const VecF in_tile = VecF::set1(static_cast<float>(n)), begin = VecF::zero();
+      if (ts == t0) load_block(block + kBlocksAhead);
       for (int64_t hl = 0; hl < it.kv_heads; ++hl) {
         const int64_t row_offset = hl * b.head_stride + (ts - t0) * b.slot_stride;
         const int64_t scale_offset = hl * b.scales.head_stride + (ts - t0) * b.scales.slot_stride;
         const VecF key_scale = load_strided(k_scales + scale_offset, b.scales.slot_stride, n);
         const VecF value_scale = load_strided(v_scales + scale_offset, b.scales.slot_stride, n);
-        if (ts == t0) {  // the next block's rows of this kv head
-          paged.prefetch(b.k_cache, block + kBlocksAhead, range.hi, hl, 1);
-          paged.prefetch(b.v_cache, block + kBlocksAhead, range.hi, hl, 1);
-        }
         i8::transpose_keys(keys.data(), k_rows + row_offset, b.slot_stride, n, d);
         for (int64_t m = hl * group; m < (hl + 1) * group; ++m) {
           i8::VecI high, low;
