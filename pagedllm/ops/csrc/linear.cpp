@@ -46,7 +46,8 @@ constexpr int64_t kStreamRows = 4;       // up to this many rows of x, weights a
 constexpr int64_t kBlockStreamRows = 16; // the same for GGUF blocks, in register tiles of kRowGroup rows
 constexpr int kRowGroup = 4;
 constexpr int64_t kSpanChunks = 8;       // chunks of 256 columns of x those rows take in turn
-constexpr int64_t kWholeRows = 2;        // up to this many rows of x take whole weight rows, not spans
+constexpr int64_t kRowsAhead = 4;        // weight rows ahead whose span's bytes are prefetched
+constexpr int64_t kWholeRows = 2;        // up to this many rows of x, the 32-value types walk whole weight rows
 constexpr int64_t kIntegerChunkRows = 128;  // rows of x in one work item of K types' integer path at more rows
 constexpr int64_t kTaskWork = 1 << 17;   // multiply-adds a parallel task should have (a spinning thread starts in ~1 us)
 
@@ -629,10 +630,19 @@ struct ActivationBlocks {
   }
 };
 
-// sums[0 .. MR] += x rows m0 .. m0 + MR . chunks [k0, k1) of one weight row of type T. Each x row sums its units in kChains chains of
-// multiply-adds (a unit's work is shorter than one multiply-add's latency).
+// Asks for the lines of the chunk of type T at p (into L1; a prefetch never faults, wherever p points).
+template <typename T>
+inline void prefetch_chunk(const uint8_t* p) {
+  for (int64_t line = 0; line < quants::chunk_bytes<T>(); line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
+}
+
+// sums[0 .. MR] += x rows m0 .. m0 + MR . chunks [k0, k1) of one weight row of type T, prefetching each
+// chunk's bytes `ahead` on. Each x row sums its units in kChains chains of multiply-adds (a unit's work is
+// shorter than one multiply-add's latency).
 template <typename T, int MR>
-void blocks_row(const uint8_t* row, const ActivationBlocks& x, int64_t m0, int64_t k0, int64_t k1, float* sums) {
+void blocks_row(const uint8_t* row, const ActivationBlocks& x, int64_t m0, int64_t k0, int64_t k1, float* sums,
+                int64_t ahead) {
   using namespace quants;
   constexpr int kUnits = kChunkValues / kUnitValues, kChains = std::max(1, 4 / MR);
   VecF acc[MR][kChains], offsets[MR];
@@ -642,6 +652,7 @@ void blocks_row(const uint8_t* row, const ActivationBlocks& x, int64_t m0, int64
   }
   for (int64_t k = k0; k < k1; ++k) {
     const uint8_t* p = row + k * chunk_bytes<T>();
+    prefetch_chunk<T>(p + ahead);
     const int blocks = x.blocks_in(k);
     VecF s[kGroupVectors], c[kGroupVectors], scale[MR][kGroupVectors];
     T::scales(p, blocks, s, c);
@@ -725,17 +736,18 @@ struct ChunkActivations {
 };
 
 // sums[0 .. MR] += x rows m0 .. m0 + MR . chunks [k0, k1) of one weight row of a K type with integer
-// sub-scales (quants.h): a code vector's scaled products are made once and meet every row of x; each row sums in two int32 chains
-// (the even bytes' products and the odd ones').
+// sub-scales (quants.h), prefetching as blocks_row does: a code vector's scaled products are made once and
+// meet every row of x; each row sums in two int32 chains (the even bytes' products and the odd ones').
 template <typename T, int MR>
 void integer_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0, int64_t k0, int64_t k1,
-                       float* sums) {
+                       float* sums, int64_t ahead) {
   using namespace quants;
   VecF acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = VecF::zero();
   const ScaleIndex& index = T::scale_index();
   for (int64_t k = k0; k < k1; ++k) {
     const uint8_t* p = row + k * T::kBlockBytes;
+    prefetch_chunk<T>(p + ahead);
     const IntegerChunk chunk = T::integer_chunk(p);
     VecF dd[MR];
     for (int i = 0; i < MR; ++i) {
@@ -807,9 +819,12 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
     const ActivationBlocks qx(x, float_scales ? m_rows : 0, cols);
     const ChunkActivations cx(x, integer_scales ? m_rows : 0, cols);
     const int64_t chunks = (cols + quants::kChunkValues - 1) / quants::kChunkValues;
-    // one or two rows of x stay in L1 whole, and a weight row read in one run streams fastest; more rows
-    // take spans, kRowGroup rows of x at a time, so that the span stays in L1 while the panel's rows pass
-    const int64_t span = x_rows <= kWholeRows ? chunks : kSpanChunks;
+    // spans of x, kRowGroup rows at a time, so that the span stays in L1 while the panel's rows pass (a
+    // whole row of x, 18 KB at 8,960 columns, was read from L2 from two rows of x on); the panel's rows
+    // are then read a span at a time, too many runs for the hardware's prefetcher: each row prefetches
+    // its span's bytes of the row kRowsAhead on (the panel's last rows: of its first rows' next span).
+    // The 32-value types keep whole rows up to kWholeRows rows of x: their sums are reduced per walk, and
+    // a span walk would change those rows' bits (the K types reduce per kSpanChunks, whatever the walk)
     const int64_t grain = std::max<int64_t>(1, kTaskWork / (kPanelRows * cols * x_rows));
     at::parallel_for(0, items * runs, grain, [&](int64_t begin, int64_t end) {
       static thread_local std::vector<float> sums;
@@ -821,6 +836,7 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
         std::fill(sums.begin(), sums.end(), 0.f);
         quants::with_type(shard.type, [&](auto t) {
           using T = decltype(t);
+          const int64_t span = T::kIntegerScales || x_rows > kWholeRows ? kSpanChunks : chunks;
           for (int64_t k0 = 0; k0 < chunks; k0 += span) {
             const int64_t k1 = std::min(k0 + span, chunks);
             for (int64_t m0 = m_begin; m0 < m_end; m0 += kRowGroup) {
@@ -829,10 +845,14 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
                 for (int64_t n = panel.n0; n < panel.n1; ++n) {
                   const uint8_t* row = shard.data + n * shard.row_bytes;
                   float* row_sums = sums.data() + (n - panel.n0) * x_rows + (m0 - m_begin);
+                  const int64_t ahead = n + kRowsAhead < panel.n1
+                                            ? kRowsAhead * shard.row_bytes
+                                            : (kRowsAhead - (panel.n1 - panel.n0)) * shard.row_bytes +
+                                                  (k1 - k0) * quants::chunk_bytes<T>();
                   if constexpr (T::kIntegerScales) {
-                    integer_chunk_row<T, R>(row, cx, m0, k0, k1, row_sums);
+                    integer_chunk_row<T, R>(row, cx, m0, k0, k1, row_sums, ahead);
                   } else {
-                    blocks_row<T, R>(row, qx, m0, k0, k1, row_sums);
+                    blocks_row<T, R>(row, qx, m0, k0, k1, row_sums, ahead);
                   }
                 }
               });
