@@ -29,6 +29,7 @@
 #include <ATen/ops/linear.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -925,19 +926,24 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
 thread_local bool blocks_bf16 = true;
 constexpr int64_t kScratchValues = int64_t{32} << 20;  // 64 MiB of bf16: every projection of the built-in models but an LM head in one tile
 
-// Rows [n0, n1) of the shards, dequantized into dst (row-major bf16, cols a row), rows split between threads.
-void dequantize_bf16(const std::vector<BlockShard>& shards, int64_t n0, int64_t n1, int64_t cols, c10::BFloat16* dst) {
-  at::parallel_for(n0, n1, std::max<int64_t>(1, kTaskWork / (16 * cols)), [&](int64_t begin, int64_t end) {
+// Rows row_of(0), ..., row_of(count - 1) of the shards dequantized into dst (count rows of cols, row-major):
+// the file's values, rounded to bf16 where T is; rows split between threads.
+template <typename T, typename RowOf>
+void dequantize_shard_rows(const std::vector<BlockShard>& shards, int64_t count, int64_t cols, const RowOf& row_of, T* dst) {
+  at::parallel_for(0, count, std::max<int64_t>(1, kTaskWork / (4 * cols)), [&](int64_t begin, int64_t end) {
     static thread_local std::vector<float> row;
     row.resize(cols);
-    auto shard = shards.begin();
-    for (int64_t n = begin; n < end; ++n) {
-      while (n >= shard->first_row + shard->rows) ++shard;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = row_of(i);
+      const auto shard = std::find_if(shards.begin(), shards.end(), [&](const BlockShard& s) { return n < s.first_row + s.rows; });
+      float* values = row.data();
+      if constexpr (std::is_same_v<T, float>) values = dst + i * cols;
       quants::with_type(shard->type, [&](auto t) {
-        quants::dequantize_row<decltype(t)>(shard->data + (n - shard->first_row) * shard->row_bytes, cols, row.data());
+        quants::dequantize_row<decltype(t)>(shard->data + (n - shard->first_row) * shard->row_bytes, cols, values);
       });
-      c10::BFloat16* out = dst + (n - n0) * cols;
-      for_each_chunk(cols, [&](int64_t k, int valid) { store(load(row.data() + k, valid), out + k, valid); });
+      if constexpr (!std::is_same_v<T, float>) {
+        for_each_chunk(cols, [&](int64_t k, int valid) { store(load(row.data() + k, valid), dst + i * cols + k, valid); });
+      }
     }
   });
 }
@@ -954,7 +960,7 @@ at::Tensor bf16_blocks_linear(const at::Tensor& x, const std::vector<BlockShard>
   for (int64_t n0 = 0; n0 < n_rows; n0 += tile_rows) {
     const int64_t rows = std::min(tile_rows, n_rows - n0);
     const at::Tensor w = scratch.narrow(0, 0, rows * cols).view({rows, cols});
-    dequantize_bf16(shards, n0, n0 + rows, cols, w.data_ptr<c10::BFloat16>());
+    dequantize_shard_rows(shards, rows, cols, [n0](int64_t i) { return n0 + i; }, w.data_ptr<c10::BFloat16>());
     const at::Tensor y = at::linear(xb, w);
     if (rows == n_rows) {
       out = y.to(x.scalar_type());
@@ -1118,23 +1124,12 @@ void dequantize_rows(at::Tensor out, const at::Tensor& weight, const c10::option
   }
   const bool bf16 = out.scalar_type() == at::kBFloat16;
   if (!shards.empty()) {
-    at::parallel_for(0, count, std::max<int64_t>(1, kTaskWork / (4 * cols)), [&](int64_t begin, int64_t end) {
-      std::vector<float> row(bf16 ? cols : 0);
-      for (int64_t i = begin; i < end; ++i) {
-        const auto shard = std::find_if(shards.begin(), shards.end(), [&](const BlockShard& s) {
-          return id[i] < s.first_row + s.rows;
-        });
-        float* dst = bf16 ? row.data() : out.data_ptr<float>() + i * cols;
-        quants::with_type(shard->type, [&](auto t) {
-          quants::dequantize_row<decltype(t)>(shard->data + (id[i] - shard->first_row) * shard->row_bytes, cols, dst);
-        });
-        if (bf16) {
-          for_each_chunk(cols, [&](int64_t k, int n) {
-            store(load(row.data() + k, n), out.data_ptr<c10::BFloat16>() + i * cols + k, n);
-          });
-        }
-      }
-    });
+    const auto row_of = [id](int64_t i) { return id[i]; };
+    if (bf16) {
+      dequantize_shard_rows(shards, count, cols, row_of, out.data_ptr<c10::BFloat16>());
+    } else {
+      dequantize_shard_rows(shards, count, cols, row_of, out.data_ptr<float>());
+    }
     return;
   }
   with_source<false>(weight, scales, mins, group_size, cols, [&](const auto& src) {
