@@ -791,13 +791,22 @@ std::vector<ShardPanel> shard_panels(const std::vector<BlockShard>& shards, int6
 }
 
 // A panel's rows of a shard dequantized into pack_panels' layout ([cols, kPanelCols], zeros past its
-// rows), through `row` (cols floats).
+// rows), kWidth rows at a time through `rows` (kWidth rows of cols floats), moved into the panel by
+// register transposes (one scalar store a value, scattered 48 floats apart, cost more than the
+// dequantization itself).
 template <typename T>
-void dequantize_panel(const BlockShard& shard, const ShardPanel& p, int64_t cols, float* panel, float* row) {
-  for (int r = 0; r < kPanelCols; ++r) {
-    const bool real = p.n0 + r < p.n1;
-    if (real) quants::dequantize_row<T>(shard.data + (p.n0 + r) * shard.row_bytes, cols, row);
-    for (int64_t k = 0; k < cols; ++k) panel[k * kPanelCols + r] = real ? row[k] : 0.f;
+void dequantize_panel(const BlockShard& shard, const ShardPanel& p, int64_t cols, float* panel, float* rows) {
+  constexpr int W = VecF::kWidth;
+  for (int r0 = 0; r0 < kPanelCols; r0 += W) {
+    for (int r = 0; r < W; ++r) {
+      float* row = rows + r * cols;
+      if (p.n0 + r0 + r < p.n1) {
+        quants::dequantize_row<T>(shard.data + (p.n0 + r0 + r) * shard.row_bytes, cols, row);
+      } else {
+        std::fill(row, row + cols, 0.f);
+      }
+    }
+    for (int64_t k = 0; k < cols; k += W) transpose_tile(rows + k, cols, panel + k * kPanelCols + r0, kPanelCols);
   }
 }
 
@@ -876,14 +885,14 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
     const int64_t grain = std::max<int64_t>(1, kTaskWork / (kPanelCols * cols * std::min(kChunkRows, m_rows)));
     const int64_t n_rows = total_rows(shards);
     at::parallel_for(0, items * chunks, grain, [&](int64_t begin, int64_t end) {
-      static thread_local std::vector<float> panel, row;
+      static thread_local std::vector<float> panel, rows;
       panel.resize(kPanelCols * cols);
-      row.resize(cols);
+      rows.resize(VecF::kWidth * cols);
       for (int64_t item = begin; item < end; ++item) {
         const ShardPanel& p = panels[item % items];
         const BlockShard& shard = shards[p.shard];
         const int64_t m0 = item / items * kChunkRows, m1 = std::min(m0 + kChunkRows, m_rows);
-        quants::with_type(shard.type, [&](auto t) { dequantize_panel<decltype(t)>(shard, p, cols, panel.data(), row.data()); });
+        quants::with_type(shard.type, [&](auto t) { dequantize_panel<decltype(t)>(shard, p, cols, panel.data(), rows.data()); });
         panel_rows(panel.data(), shard.first_row + p.n0, static_cast<int>(p.n1 - p.n0), n_rows, cols, x, m0, m1,
                    static_cast<float*>(out.out), static_cast<const float*>(out.bias),
                    static_cast<const float*>(out.residual), out.ld_residual);

@@ -118,14 +118,21 @@ inline void word_halves(__m256i words, int shift, VecF* out) {
   const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   out[0] = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(values));
 }
-// Vector j (of kUnitValues / kWidth) of a unit's codes as floats.
+// Vector j (of kUnitValues / kWidth) of a unit's codes as floats, in registers (a store of the codes and
+// loads of its parts stalled on every vector: store-to-load forwarding fails from a 512-bit store).
 template <bool kSigned>
 inline VecF code_floats(VecB codes, int j) {
-  alignas(64) uint8_t bytes[64];
-  _mm512_store_si512(bytes, codes);
-  const __m128i part = load16(bytes + 16 * j);
+  __m128i part;
+  switch (j) {  // the lane is an immediate; j is a constant once the caller's loop is unrolled
+    case 0: part = _mm512_extracti32x4_epi32(codes, 0); break;
+    case 1: part = _mm512_extracti32x4_epi32(codes, 1); break;
+    case 2: part = _mm512_extracti32x4_epi32(codes, 2); break;
+    default: part = _mm512_extracti32x4_epi32(codes, 3); break;
+  }
   return _mm512_cvtepi32_ps(kSigned ? _mm512_cvtepi8_epi32(part) : _mm512_cvtepu8_epi32(part));
 }
+// Group g's value of the group vectors broadcast to every lane (in registers, as above).
+inline VecF group_value(const VecF* groups, int g) { return _mm512_permutexvar_ps(_mm512_set1_epi32(g), groups[0].v); }
 // Which group vector j of unit u lies in.
 inline int vector_group(int u, int j) { return 4 * u + j; }
 
@@ -204,10 +211,12 @@ inline void word_halves(__m256i words, int shift, VecF* out) {
 }
 template <bool kSigned>
 inline VecF code_floats(VecB codes, int j) {
-  alignas(32) uint8_t bytes[32];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), codes);
-  const __m128i part = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * j));
+  const __m128i half = j < 2 ? _mm256_castsi256_si128(codes) : _mm256_extracti128_si256(codes, 1);
+  const __m128i part = j % 2 == 0 ? half : _mm_unpackhi_epi64(half, half);
   return _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part));
+}
+inline VecF group_value(const VecF* groups, int g) {
+  return _mm256_permutevar8x32_ps(groups[g / 8].v, _mm256_set1_epi32(g % 8));
 }
 inline int vector_group(int u, int j) { return 2 * u + j / 2; }
 
@@ -534,23 +543,18 @@ constexpr int64_t chunk_bytes() {
 // A row of `cols` values as float32 (the values the reference dequantizer gives, bit for bit).
 template <typename T>
 void dequantize_row(const uint8_t* row, int64_t cols, float* out) {
-  alignas(64) float s[kGroups], c[kGroups];
   for (int64_t k = 0; k * kChunkValues < cols; ++k) {
     const uint8_t* p = row + k * chunk_bytes<T>();
     const int blocks = static_cast<int>(std::min<int64_t>(8, (cols - k * kChunkValues) / 32));
-    VecF sv[kGroupVectors], cv[kGroupVectors];
-    T::scales(p, blocks, sv, cv);
-    for (int j = 0; j < kGroupVectors; ++j) {
-      sv[j].store(s + j * VecF::kWidth);
-      cv[j].store(c + j * VecF::kWidth);
-    }
+    VecF s[kGroupVectors], c[kGroupVectors];
+    T::scales(p, blocks, s, c);
     for (int u = 0; u * kUnitValues < blocks * 32; ++u) {
       const VecB codes = T::codes(p, u, blocks);
       for (int j = 0; j < kUnitValues / VecF::kWidth; ++j) {
         const int64_t v = k * kChunkValues + u * kUnitValues + j * VecF::kWidth;
         if (v >= cols) break;
         const int g = vector_group(u, j);
-        fmadd(code_floats<T::kSigned>(codes, j), VecF::set1(s[g]), VecF::set1(c[g])).store(out + v);
+        fmadd(code_floats<T::kSigned>(codes, j), group_value(s, g), group_value(c, g)).store(out + v);
       }
     }
   }

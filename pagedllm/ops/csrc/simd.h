@@ -124,6 +124,31 @@ inline void lookup_nibbles(const uint8_t* p, VecF table, VecF& low, VecF& high) 
   high = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table.v);
 }
 
+// The kWidth x kWidth floats at src (rows ld_src apart) transposed into dst (rows ld_dst apart): dst row
+// k holds column k of src. Interleaves within 128-bit lanes, then moves whole lanes.
+inline void transpose_tile(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld_src);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[i + j]: lane l holds column 4l + j of rows i .. i + 3
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512 a = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x44), b = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xEE);
+    const __m512 c = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x44), d = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xEE);
+    _mm512_storeu_ps(dst + j * ld_dst, _mm512_shuffle_f32x4(a, c, 0x88));
+    _mm512_storeu_ps(dst + (4 + j) * ld_dst, _mm512_shuffle_f32x4(a, c, 0xDD));
+    _mm512_storeu_ps(dst + (8 + j) * ld_dst, _mm512_shuffle_f32x4(b, d, 0x88));
+    _mm512_storeu_ps(dst + (12 + j) * ld_dst, _mm512_shuffle_f32x4(b, d, 0xDD));
+  }
+}
+
 #else  // AVX2 + FMA
 
 struct VecF {
@@ -238,6 +263,24 @@ inline VecF scale_by_pow2(VecF a, VecF n) {  // a * 2^n, n integral in [-126, 12
   return _mm256_mul_ps(a.v, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
 }
 
+inline void transpose_tile(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld_src);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // r[i + j]: lane l holds column 4l + j of rows i .. i + 3
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {
+    _mm256_storeu_ps(dst + j * ld_dst, _mm256_permute2f128_ps(r[j], r[4 + j], 0x20));
+    _mm256_storeu_ps(dst + (4 + j) * ld_dst, _mm256_permute2f128_ps(r[j], r[4 + j], 0x31));
+  }
+}
 #endif
 
 // 16-bit integer dot products over "units" of kBlocks blocks of 32 columns: a weight unit's codes widened
