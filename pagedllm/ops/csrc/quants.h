@@ -119,7 +119,7 @@ inline void word_halves(__m256i words, int shift, VecF* out) {
   out[0] = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(values));
 }
 // Vector j (of kUnitValues / kWidth) of a unit's codes as floats, in registers (a store of the codes and
-// loads of its parts stalled on every vector: store-to-load forwarding fails from a 512-bit store).
+// narrower reloads of its parts can stall store-to-load forwarding on every vector).
 template <bool kSigned>
 inline VecF code_floats(VecB codes, int j) {
   __m128i part;
