@@ -29,6 +29,7 @@
 #include <ATen/ops/linear.h>
 
 #include <algorithm>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -51,6 +52,24 @@ constexpr int64_t kRowsAhead = 4;        // weight rows ahead whose span's bytes
 constexpr int64_t kWholeRows = 2;        // up to this many rows of x, the 32-value types walk whole weight rows
 constexpr int64_t kIntegerChunkRows = 128;  // rows of x in one work item of K types' integer path at more rows
 constexpr int64_t kTaskWork = 1 << 17;   // multiply-adds a parallel task should have (a spinning thread starts in ~1 us)
+
+// A std::vector whose data starts on a 64-byte cache line. The quantized rows of x below are read a
+// vector at a time: from std::vector's 16-byte alignment each 64-byte load of them spanned two lines,
+// which doubled the K types' time per chunk at 8-16 rows of x (docs/JOURNAL.md).
+template <typename T>
+struct LineAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kLine{64};
+  LineAllocator() = default;
+  template <typename U>
+  LineAllocator(const LineAllocator<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kLine)); }
+  void deallocate(T* p, size_t) { ::operator delete(p, kLine); }
+  bool operator==(const LineAllocator&) const { return true; }
+  bool operator!=(const LineAllocator&) const { return false; }
+};
+template <typename T>
+using LineVector = std::vector<T, LineAllocator<T>>;
 
 // Lanes of vector j of a unit with `valid` columns.
 inline int lanes(int valid, int j) { return std::clamp(valid - j * VecF::kWidth, 0, VecF::kWidth); }
@@ -316,8 +335,8 @@ constexpr int64_t kBlock = 32;
 // blocks up to a chunk (kWidth blocks), zeros beyond.
 struct QuantizedRows {
   int64_t blocks, padded;
-  std::vector<int16_t> q;         // [rows, padded * kBlock]
-  std::vector<float> scale, sum;  // [rows, padded]
+  LineVector<int16_t> q;         // [rows, padded * kBlock]
+  LineVector<float> scale, sum;  // [rows, padded]
 
   QuantizedRows(const float* x, int64_t rows, int64_t cols)
       : blocks(cols / kBlock),
@@ -576,8 +595,8 @@ int64_t total_rows(const std::vector<BlockShard>& shards) {
 // in quants::dot's order, with each 16-value group's scale and scale * (sum of its codes).
 struct ActivationBlocks {
   int64_t cols, chunks, padded;
-  std::vector<int16_t> q;               // [rows, padded]
-  std::vector<float> scale, code_sum;   // [rows, padded / 16]
+  LineVector<int16_t> q;               // [rows, padded]
+  LineVector<float> scale, code_sum;   // [rows, padded / 16]
 
   ActivationBlocks(const float* x, int64_t rows, int64_t cols_)
       : cols(cols_),
@@ -687,8 +706,8 @@ void blocks_row(const uint8_t* row, const ActivationBlocks& x, int64_t m0, int64
 // 16-value group's dx * (sum of its codes).
 struct ChunkActivations {
   int64_t chunks;
-  std::vector<int16_t> q;              // [rows, chunks * 256]
-  std::vector<float> scale, code_sum;  // [rows, chunks], [rows, chunks * 16]
+  LineVector<int16_t> q;              // [rows, chunks * 256]
+  LineVector<float> scale, code_sum;  // [rows, chunks], [rows, chunks * 16]
 
   ChunkActivations(const float* x, int64_t rows, int64_t cols)
       : chunks(cols / quants::kChunkValues),
