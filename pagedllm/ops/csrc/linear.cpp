@@ -853,7 +853,11 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
     // are then read a span at a time, too many runs for the hardware's prefetcher: each row prefetches
     // its span's bytes of the row kRowsAhead on (the panel's last rows: of its first rows' next span).
     // The 32-value types keep whole rows up to kWholeRows rows of x: their sums are reduced per walk, and
-    // a span walk would change those rows' bits (the K types reduce per kSpanChunks, whatever the walk)
+    // a span walk would change those rows' bits (the K types reduce per kSpanChunks, whatever the walk).
+    // The K types walk whole rows at one row of x, whose codes fit in L1 at any width here: the panel is
+    // then one sequential stream, which a span walk over its 32 rows read at two thirds of the rate on the
+    // 8,960-column down projection; that stream prefetches a fixed kRowsAhead spans' bytes ahead (4 whole
+    // rows, 29 KB there, was too far)
     const int64_t grain = std::max<int64_t>(1, kTaskWork / (kPanelRows * cols * x_rows));
     at::parallel_for(0, items * runs, grain, [&](int64_t begin, int64_t end) {
       static thread_local std::vector<float> sums;
@@ -865,7 +869,9 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
         std::fill(sums.begin(), sums.end(), 0.f);
         quants::with_type(shard.type, [&](auto t) {
           using T = decltype(t);
-          const int64_t span = T::kIntegerScales || x_rows > kWholeRows ? kSpanChunks : chunks;
+          const bool whole_rows = x_rows <= (T::kIntegerScales ? 1 : kWholeRows);
+          const int64_t span = whole_rows ? chunks : kSpanChunks;
+          const int64_t stream_ahead = kRowsAhead * kSpanChunks * quants::chunk_bytes<T>();
           for (int64_t k0 = 0; k0 < chunks; k0 += span) {
             const int64_t k1 = std::min(k0 + span, chunks);
             for (int64_t m0 = m_begin; m0 < m_end; m0 += kRowGroup) {
@@ -874,7 +880,8 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
                 for (int64_t n = panel.n0; n < panel.n1; ++n) {
                   const uint8_t* row = shard.data + n * shard.row_bytes;
                   float* row_sums = sums.data() + (n - panel.n0) * x_rows + (m0 - m_begin);
-                  const int64_t ahead = n + kRowsAhead < panel.n1
+                  const int64_t ahead = whole_rows && T::kIntegerScales ? stream_ahead
+                                        : n + kRowsAhead < panel.n1
                                             ? kRowsAhead * shard.row_bytes
                                             : (kRowsAhead - (panel.n1 - panel.n0)) * shard.row_bytes +
                                                   (k1 - k0) * quants::chunk_bytes<T>();
