@@ -21,7 +21,8 @@ holds, and K/V bytes are what the cache holds (ops.kv_block_bytes: a quantized c
 The cpu kernels' decode over an int8 cache is checked against the reference on the query codes it
 attends with (attended_query). `--kv-sweep` times decode with every sequence at each `--contexts`
 length, the caches in each `--kv-dtype` side by side (interleaved in one run), each checked against the
-reference first.
+reference first. Each cache dtype's blocks hold its default number of tokens (kv.default_block_size: the
+engine's when block_size is unset) unless `--block-size` sets one for all.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from pagedllm.kv import default_block_size
 from pagedllm.ops import BACKENDS, get_backend_name, kv_block_bytes, reference
 from pagedllm.ops.kv_cache import is_quantized, kv_blocks
 from pagedllm.ops.synthetic import PagedBatch, random_paged_batch
@@ -66,6 +68,7 @@ class Row:
     backend: str
     dtype: str  # the queries'
     kv_dtype: str  # the caches'
+    block_size: int  # tokens per cache block
     num_seqs: int
     tokens: int
     paged_ms: float
@@ -171,6 +174,18 @@ def median_ms(
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def block_size_of(kv_dtype: str, args: argparse.Namespace) -> int:
+    """Tokens per block of a kv_dtype cache: --block-size, else the dtype's default (the engine's)."""
+    return args.block_size or default_block_size(KV_DTYPES[kv_dtype].itemsize)
+
+
+def describe_blocks(kv_dtypes: list[str], args: argparse.Namespace) -> str:
+    """The block sizes of the caches a table reports, for its header."""
+    if args.block_size is not None:
+        return f"block {args.block_size}"
+    return "blocks " + ", ".join(f"{kv} {block_size_of(kv, args)}" for kv in kv_dtypes)
+
+
 def make_batch(
     shape: str, dtype: str, kv_dtype: str, context_lens: list[int], args: argparse.Namespace, scattered: bool
 ) -> PagedBatch:
@@ -179,8 +194,9 @@ def make_batch(
     num_heads, num_kv_heads, head_dim = SHAPES[shape]
     queries, cache = DTYPES[dtype], KV_DTYPES[kv_dtype]
     quantized = is_quantized(cache)
+    block_size = block_size_of(kv_dtype, args)
     b = random_paged_batch(
-        context_lens, [1] * len(context_lens), num_heads, num_kv_heads, head_dim, args.block_size,
+        context_lens, [1] * len(context_lens), num_heads, num_kv_heads, head_dim, block_size,
         queries if quantized else cache, args.device, seed=args.seed, scattered=scattered,
         head_major=torch.device(args.device).type == "cpu", kv_dtype=cache if quantized else None,
     )  # fmt: skip
@@ -245,6 +261,7 @@ def run_case(
         backend=backend,
         dtype=dtype,
         kv_dtype=kv_dtype,
+        block_size=block_size_of(kv_dtype, args),
         num_seqs=len(context_lens),
         tokens=sum(context_lens),
         paged_ms=ms["paged"],
@@ -272,6 +289,7 @@ class SweepRow:
     dtype: str  # the queries'
     context: int  # of every sequence
     num_seqs: int
+    block_size: dict[str, int]  # tokens per cache block
     paged_ms: dict[str, float]
     kv_gb_s: dict[str, float]  # K/V bytes the cache holds (scales included) / paged time
     threads: int
@@ -300,6 +318,7 @@ def sweep_case(shape: str, backend: str, dtype: str, context: int, args: argpars
         dtype=dtype,
         context=context,
         num_seqs=args.num_seqs,
+        block_size={kv: block_size_of(kv, args) for kv in ms},
         paged_ms=ms,
         kv_gb_s={kv: _kv_bytes(shape, kv, tokens) / ms[kv] / 1e6 for kv in ms},
         threads=torch.get_num_threads(),
@@ -343,13 +362,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         help="--kv-sweep's context lengths (default: " + " ".join(map(str, SWEEP_CONTEXTS)) + ")",
     )
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--block-size",
+        type=int,
+        help="tokens per cache block, for every KV dtype (default: each dtype's, the engine's default)",
+    )
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per case instead of a table")
     args = p.parse_args(argv)
+    if args.block_size is not None and args.block_size < 1:
+        p.error(f"--block-size must be >= 1, got {args.block_size}")
     if not 1 <= args.min_context <= args.max_context:
         p.error(f"need 1 <= --min-context <= --max-context, got {args.min_context}, {args.max_context}")
     if args.contexts is not None and not args.kv_sweep:
@@ -417,8 +442,9 @@ def print_sweep(args: argparse.Namespace) -> None:
     if not args.json:
         print(
             f"paged decode, every sequence at the context shown, K/V in each dtype (scales included): "
-            f"{args.num_seqs} seqs, block {args.block_size}, {torch.get_num_threads()} threads, "
-            f"{args.device}, median of {args.reps} reps interleaved across the dtypes"
+            f"{args.num_seqs} seqs, {describe_blocks(args.kv_dtype, args)} tokens, "
+            f"{torch.get_num_threads()} threads, {args.device}, "
+            f"median of {args.reps} reps interleaved across the dtypes"
         )
         print(f"{'shape':8} {'backend':8} {'q':5} {'context':>7} " + " ".join(cols))
     for row in iter_sweep(args):
@@ -441,10 +467,12 @@ def main(argv: list[str] | None = None) -> int:
         print_sweep(args)
         return 0
     if not args.json:
+        kv_dtypes = args.kv_dtype or list(dict.fromkeys(SAME_AS_QUERIES[d] for d in args.dtypes))
         print(
             "paged decode (blocks scattered) vs the same backend on in-order blocks vs dense SDPA: "
-            f"{args.num_seqs} seqs, context {args.min_context}-{args.max_context}, block {args.block_size}, "
-            f"{torch.get_num_threads()} threads, {args.device}, median of {args.reps} interleaved reps"
+            f"{args.num_seqs} seqs, context {args.min_context}-{args.max_context}, "
+            f"{describe_blocks(kv_dtypes, args)} tokens, {torch.get_num_threads()} threads, {args.device}, "
+            f"median of {args.reps} interleaved reps"
         )
         print(
             f"{'shape':8} {'backend':8} {'dtype':5} {'KV':8} {'paged ms':>9} {'in-order ms':>11} "

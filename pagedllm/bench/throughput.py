@@ -4,12 +4,13 @@ The same requests run through the engine with the paged KV layout and with conti
 (`max` and `pow2` reservation), all with the same KV memory, and optionally through Hugging Face
 transformers' `generate` on the same weights. `--quantization` runs each layout once per weight
 storage; with `--memory-budget` (weights + KV) smaller weights leave more KV blocks; `--kv-cache-dtype`
-runs each layout once per KV cache dtype at the same KV memory (int8 / fp8: about 3.8x float32's blocks at
-head_dim 64), its rows' `= paged` against the first dtype's paged run. Printed: the
-workload's totals, then per system the output tokens and tokens/s, pagedllm's weight memory and KV
-blocks, mean and max running batch, the mean share of KV slots holding live tokens over the steps in
-which a request waits (KV memory is the bottleneck: `bench memory`'s steps; all steps if none),
-preemptions ("-" where a system does not report it), and the ratios measured in this one run.
+runs each layout once per KV cache dtype at the same KV memory (int8 / fp8: about 3.8x float32's tokens at
+head_dim 64, in blocks of 4x the tokens unless `--block-size` is given), its rows' `= paged` against the
+first dtype's paged run. Printed: the workload's totals, then per system the output tokens and tokens/s,
+pagedllm's weight memory and KV blocks, mean and max running batch, the mean share of KV slots holding
+live tokens over the steps in which a request waits (KV memory is the bottleneck: `bench memory`'s steps;
+all steps if none), preemptions ("-" where a system does not report it), and the ratios measured in this
+one run.
 pagedllm's time is the sum of its add_request and step calls only: the per-step readings (batch size,
 KV usage) are taken between steps, outside the clock.
 
@@ -385,7 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
         "at the same KV memory",
     )
     parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--block-size", type=int, help="tokens per KV block (default: each KV cache dtype's, as the engine's)"
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument(
         "--watermark",
@@ -441,7 +444,10 @@ def main(argv: list[str] | None = None) -> int:
     from pagedllm.engine.kv_sizing import kv_block_bytes, model_kv_groups
     from pagedllm.engine.llm_engine import load_shared_model
 
-    configs = {kv: EngineConfig(dtype=args.dtype, kv_cache_dtype=kv) for kv in args.kv_cache_dtype}
+    configs = {
+        kv: EngineConfig(dtype=args.dtype, kv_cache_dtype=kv, block_size=args.block_size)
+        for kv in args.kv_cache_dtype
+    }
     config = configs[args.kv_cache_dtype[0]]
     held = [load_shared_model(args.model, config.torch_dtype, "cpu", q) for q in args.quantization]
     model_config = held[0].config  # the loaded models are held for the whole run
@@ -456,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
                 model_config,
                 model_config.num_kv_heads,
                 c.kv_torch_dtype,
-                args.block_size,
+                c.block_size,
                 model_kv_groups(model_config, hybrid).layers_per_group,
             )
             for hybrid in (False, True)

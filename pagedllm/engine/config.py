@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from pagedllm.engine.speculative import SpeculativeConfig
+from pagedllm.kv import default_block_size
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPES.update({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16})
@@ -49,7 +50,9 @@ class EngineConfig:
     model: str = "smollm2-135m"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "cpu"
-    block_size: int = 16
+    # Tokens per KV block; None: the KV cache dtype's default (kv.default_block_size: blocks of the same bytes
+    # whatever the dtype, so 16 float32, 32 bfloat16, 64 int8 / fp8 tokens), resolved at construction.
+    block_size: int | None = None
     # KV cache size (of each rank); ignored when num_kv_blocks or memory_budget is given
     kv_cache_memory: int | str = "1GiB"
     # auto: the model's dtype; bfloat16 halves K/V memory, int8 / fp8 quarter it (scales included; fp32 math)
@@ -115,6 +118,8 @@ class EngineConfig:
                 f"{self.torch_dtype}, so a float32 cache would hold the same values in twice the memory; "
                 "choose 'auto', 'bfloat16', 'int8' or 'fp8'"
             )
+        if self.block_size is None:
+            self.block_size = default_block_size(self.kv_torch_dtype.itemsize)
         if self.kv_layout not in ("paged", "contiguous"):
             raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
         if self.contiguous_reserve not in ("max", "pow2"):

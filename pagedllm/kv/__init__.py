@@ -6,7 +6,7 @@ Pure Python: imports no torch and nothing else from pagedllm.
 from pagedllm.kv.contiguous import ContiguousAllocator, SlotRun
 from pagedllm.kv.groups import KVGroups, kv_groups
 from pagedllm.kv.interface import USAGE_PARTS, KVAllocator, KVUsage, NoFreeBlocks, SlotState
-from pagedllm.kv.paged import NO_BLOCK, BlockStates, PagedAllocator
+from pagedllm.kv.paged import NO_BLOCK, BlockStates, PagedAllocator, default_block_size
 
 __all__ = [
     "USAGE_PARTS",
@@ -20,5 +20,6 @@ __all__ = [
     "PagedAllocator",
     "SlotRun",
     "SlotState",
+    "default_block_size",
     "kv_groups",
 ]

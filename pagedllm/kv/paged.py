@@ -45,6 +45,19 @@ from pagedllm.kv.tiers import HostPool, Prefetch, PrefixTiers
 
 GROWTH_ROOM_TOKENS = 128  # free slots after a sequence's newest block set aside for it (BlockPool.room)
 NO_BLOCK = -1  # a block_tables entry a window group has given back: no query reads that position again
+# A block of the default size holds this many bytes of each K/V value position (one dim of one KV head over
+# the block's tokens): 16 float32 tokens, vLLM's GPU default. A narrower cache dtype gets more tokens a block
+# rather than fewer bytes, so decode attention reads runs of memory as long as float32's from each scattered
+# block (docs/JOURNAL.md, "Int8 KV: blocks of equal bytes").
+DEFAULT_BLOCK_VALUE_BYTES = 64
+
+
+def default_block_size(value_bytes: int) -> int:
+    """Tokens per KV block when block_size is not set, for a cache storing each K/V value in `value_bytes`
+    bytes: 16 for float32, 32 for bfloat16 / float16, 64 for int8 / fp8 (whose scales ride beside)."""
+    if value_bytes not in (1, 2, 4):
+        raise ValueError(f"a KV cache value takes 1, 2 or 4 bytes, got {value_bytes!r}")
+    return DEFAULT_BLOCK_VALUE_BYTES // value_bytes
 
 
 @dataclass(frozen=True)

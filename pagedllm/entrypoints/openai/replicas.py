@@ -441,8 +441,7 @@ def build_replicas(
         max_ongoing_requests=limits.max_concurrent_requests,
         graceful_shutdown_timeout_s=shutdown_timeout,
     )
-    block_size = engine_kwargs.get("block_size") or EngineConfig.block_size
-    hashed = (model, block_size) if kv_events else None
+    hashed = (model, EngineConfig(model, **engine_kwargs).block_size) if kv_events else None
     return ingress.bind(engines, limits, settings.app_name, hashed)
 
 
