@@ -36,6 +36,7 @@ def test_json_rows_per_backend_and_dtype(capsys):
         for dtype, kv_dtype in (("fp32", "float32"), ("bf16", "bfloat16"))  # the cache in the queries' dtype
     ]
     for r in rows:
+        assert r["block_size"] == {"float32": 16, "bfloat16": 32}[r["kv_dtype"]]  # each dtype's default
         assert r["num_seqs"] == 3 and 15 <= r["tokens"] <= 120
         assert r["paged_ms"] > 0 and r["in_order_ms"] > 0 and r["contiguous_ms"] > 0
         # the ratios are of the medians the row reports (both as measured, unrounded)
@@ -83,12 +84,14 @@ def test_kv_sweep_puts_each_cache_dtype_side_by_side(capsys):
     ]
     for r in rows:
         assert list(r["paged_ms"]) == list(r["kv_gb_s"]) == ["float32", "bfloat16", "int8"]
+        assert r["block_size"] == {"float32": 16, "bfloat16": 32, "int8": 64}  # the same bytes a block
         tokens = 2 * r["context"]
         for kv_dtype, row_bytes in (("float32", 4 * 256), ("bfloat16", 2 * 256), ("int8", 256 + 4)):
             expected = 2 * tokens * row_bytes / r["paged_ms"][kv_dtype] / 1e6  # gemma3: one KV head of 256
             assert r["kv_gb_s"][kv_dtype] == pytest.approx(expected, rel=1e-12)
     assert kernel.main([*argv, "--shapes", "smollm2", "--kv-dtype", "float32", "fp8"]) == 0
     lines = capsys.readouterr().out.splitlines()
+    assert "2 seqs, blocks float32 16, fp8 64 tokens," in lines[0]
     assert lines[1].split() == [
         "shape", "backend", "q", "context", "float32", "ms", "fp8", "ms", "float32", "GB/s", "fp8", "GB/s",
         "float32/fp8",
@@ -99,6 +102,30 @@ def test_kv_sweep_puts_each_cache_dtype_side_by_side(capsys):
     (f32, fp8), ratio, half = map(float, first[4:6]), float(first[-1]), 5e-4
     lowest, highest = (f32 - half) / (fp8 + half), (f32 + half) / max(fp8 - half, 1e-12)
     assert lowest - 0.005 <= ratio <= highest + 0.005
+
+
+def test_a_block_size_given_is_every_cache_dtypes(capsys):
+    argv = [
+        "--kv-sweep",
+        "--contexts",
+        "40",
+        "--num-seqs",
+        "2",
+        "--reps",
+        "1",
+        "--warmup",
+        "0",
+        "--block-size",
+        "8",
+    ]
+    assert kernel.main([*argv, "--shapes", "smollm2", "--kv-dtype", "float32", "int8", "--json"]) == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert row["block_size"] == {"float32": 8, "int8": 8}
+    assert kernel.main([*argv, "--shapes", "smollm2", "--kv-dtype", "float32", "int8"]) == 0
+    assert "2 seqs, block 8 tokens," in capsys.readouterr().out.splitlines()[0]
+    with pytest.raises(SystemExit):
+        kernel.main([*argv[:-1], "0"])
+    assert "--block-size must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_contexts_without_the_sweep_are_refused(capsys):

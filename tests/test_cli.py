@@ -73,9 +73,9 @@ def test_every_kv_cache_dtype_is_a_choice_and_reaches_the_engine(capsys, caplog)
             assert cli._engine_kwargs(parse([*command, "--kv-cache-dtype", name]))["kv_cache_dtype"] == name
     caplog.set_level("INFO", logger="pagedllm")
     assert cli.main(["generate", PROMPT, "--max-tokens", "2", *SMALL, "--kv-cache-dtype", "int8"]) == 0
-    block_bytes = 2 * 30 * 16 * 3 * (64 + 4)  # K and V, every layer, 16 tokens, 3 heads: codes + scale
+    block_bytes = 2 * 30 * 64 * 3 * (64 + 4)  # K and V, every layer, 64 tokens (int8's default), 3 heads
     blocks = 32 * 2**20 // block_bytes
-    assert f"{blocks} blocks of 16 tokens ({blocks * 16} tokens" in caplog.text, caplog.text
+    assert f"{blocks} blocks of 64 tokens ({blocks * 64} tokens" in caplog.text, caplog.text
 
 
 def test_an_unknown_kv_cache_dtype_names_the_choices(capsys):

@@ -235,6 +235,18 @@ def test_kv_cache_dtype_names_and_their_block_bytes():
     assert kv_block_bytes(16, 3, 64, FP8) == kv_block_bytes(16, 3, 64, INT8)
 
 
+def test_the_default_block_size_holds_float32s_bytes_and_a_given_one_wins():
+    """block_size unset: a block holds as many bytes of each value position as 16 float32 tokens do
+    (kv.default_block_size), so a cache of narrower values gets more tokens a block; one given is kept."""
+    tokens = {"auto": 16, "float32": 16, "bfloat16": 32, "int8": 64, "fp8": 64, "fp8_e4m3": 64}
+    for name, block_size in tokens.items():
+        assert EngineConfig(kv_cache_dtype=name).block_size == block_size
+        assert EngineConfig(kv_cache_dtype=name, block_size=8).block_size == 8
+    assert EngineConfig(dtype="bfloat16").block_size == EngineConfig(dtype="float16").block_size == 32
+    with pytest.raises(ValueError, match="block_size must be a positive integer, got 0"):
+        EngineConfig(kv_cache_dtype="int8", block_size=0)
+
+
 def _steps(model, kv_dtype: torch.dtype) -> list[torch.Tensor]:
     """Logits of a prefill of three prompts, then decode steps mixed with a later prompt's chunks, on a
     fresh quantized cache (handed out in shuffled order)."""
@@ -302,7 +314,7 @@ def test_a_quantized_cache_tracks_the_float32_cache(kv_cache_dtype, tol, min_agr
     """SmolLM2 (float32 weights), 32 greedy tokens on 8 prompts against a float32 cache's (_agreed_tokens):
     at least min_agreed of the 256 tokens before any divergence (measured on an AVX-512 build, keys
     smoothed: int8 256, fp8 112, its prompts parting at near-ties). The same KV memory holds 256 / 68
-    times the float32 cache's blocks."""
+    times the float32 cache's tokens, in blocks of 64 (the default for a byte a value)."""
     llm = LLM(
         "smollm2-135m",
         quantization="none",
@@ -314,7 +326,8 @@ def test_a_quantized_cache_tracks_the_float32_cache(kv_cache_dtype, tol, min_agr
     assert (
         llm.engine.runner.kv_caches[0][0].dtype == EngineConfig(kv_cache_dtype=kv_cache_dtype).kv_torch_dtype
     )
-    block_bytes = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * (cfg.head_dim + 4)
+    assert llm.engine.config.block_size == llm.engine.allocator.block_size == 64
+    block_bytes = 2 * cfg.num_layers * 64 * cfg.num_kv_heads * (cfg.head_dim + 4)
     assert llm.engine.allocator.num_total_blocks == 16 * 2**20 // block_bytes
     agreed = _agreed_tokens(fp32_greedy, llm.generate(PROMPTS, GREEDY_LOGPROBS), tol)
     assert agreed >= min_agreed, agreed
@@ -342,6 +355,22 @@ def test_swap_preemption_and_forks_on_an_int8_cache_keep_the_tokens():
     assert tight.engine.scheduler.num_preemptions > 0 and tight.engine.scheduler.num_blocks_swapped_in > 0
     assert _agreed_tokens(expected, got, 0.2) >= 0.9 * 9 * 40
     assert_all_blocks_free(tight)
+
+
+@pytest.mark.parametrize(("block_size", "hit"), [(None, 128), (16, 144)])
+def test_prefix_hits_on_an_int8_cache_are_whole_blocks(block_size, hit):
+    """A 150-token prompt sent again: its full blocks come from the prefix cache, codes with their scales
+    (the same greedy tokens). Hits are counted per full block: two blocks of int8's default 64 tokens
+    (128), or with block_size=16 given, nine blocks of 16 (144)."""
+    llm = LLM("smollm2-135m", kv_cache_dtype="int8", block_size=block_size, max_model_len=256)
+    assert llm.engine.config.block_size == (block_size or 64)
+    prompt = torch.randint(49152, (150,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    (first,) = llm.generate([prompt], params)
+    (second,) = llm.generate([prompt], params)
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, hit)
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_all_blocks_free(llm)
 
 
 def test_two_ranks_on_int8_caches_generate_the_tokens_of_one(tiny_llama_dir):

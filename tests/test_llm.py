@@ -92,7 +92,8 @@ def fp32_greedy(smollm2_llm):
 def test_half_precision_dtypes_track_fp32(dtype, kv_cache_dtype, tol, fp32_greedy, smollm2_llm):
     """16 greedy tokens on 8 prompts against fp32: the same tokens with chosen-token logprobs within
     `tol` nats, until a divergence that must be a near-tie in fp32 (both tokens within `tol` there).
-    A bf16 KV cache under an fp32 model holds twice the blocks in the same memory."""
+    A bf16 KV cache under an fp32 model holds twice the tokens in the same memory (in blocks of 32 tokens,
+    the default for two bytes a value, against float32's 16)."""
     from pagedllm import LLM
 
     llm = LLM(
@@ -101,8 +102,10 @@ def test_half_precision_dtypes_track_fp32(dtype, kv_cache_dtype, tol, fp32_greed
     stored = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
     assert llm.engine.runner.kv_caches[0][0].dtype == getattr(torch, stored)
     cfg = llm.engine.model.config
+    block_size = 16 if stored == "float32" else 32
+    assert llm.engine.config.block_size == block_size
     block_bytes = (
-        2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 16 * (4 if stored == "float32" else 2)
+        2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * (4 if stored == "float32" else 2)
     )
     assert llm.engine.num_kv_blocks == 16 * 2**20 // block_bytes
     agreed = 0

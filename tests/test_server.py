@@ -338,6 +338,7 @@ def test_metrics(client, server):
         == 64 * 2**20 // block_bytes * block_bytes
     )
     assert gauges["pagedllm:kv_cache_blocks"] == engine.num_kv_blocks
+    assert gauges["pagedllm:kv_cache_block_size"] == engine.config.block_size == 16  # float32's default
 
 
 def test_echo_puts_the_prompt_before_the_completion(client, llm):

@@ -51,6 +51,7 @@ class EngineMetrics:
         )
         self.kv_cache_memory = Gauge("pagedllm:kv_cache_memory_bytes", "Memory of the KV cache", registry=reg)
         self.kv_cache_blocks = Gauge("pagedllm:kv_cache_blocks", "KV cache blocks in all", registry=reg)
+        self.kv_block_size = Gauge("pagedllm:kv_cache_block_size", "Tokens per KV block", registry=reg)
         self.prompt_tokens = Counter("pagedllm:prompt_tokens", "Prompt tokens", registry=reg)
         self.generation_tokens = Counter("pagedllm:generation_tokens", "Generated tokens", registry=reg)
         self.preemptions = Counter("pagedllm:num_preemptions", "Preemptions", registry=reg)
@@ -132,6 +133,7 @@ class EngineMetrics:
         self.weight_memory.set(engine.weight_bytes)
         self.kv_cache_memory.set(engine.kv_cache_bytes)
         self.kv_cache_blocks.set(engine.num_kv_blocks)
+        self.kv_block_size.set(engine.config.block_size)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting + stats.num_swapped)
         usage = stats.kv_usage
