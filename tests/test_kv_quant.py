@@ -335,12 +335,12 @@ def test_a_quantized_cache_tracks_the_float32_cache(kv_cache_dtype, tol, min_agr
 
 
 def test_swap_preemption_and_forks_on_an_int8_cache_keep_the_tokens():
-    """3 blocks of 64 tokens (int8's default) for 8 sequences of ~50 tokens and one request's n = 2 fork
-    (copy-on-write): blocks swap out to the host pool with their scales and back, on the default storage
-    (SmolLM2's GGUF blocks, a layer in one call). Against a cache big enough for all (_agreed_tokens, 0.2
-    nats): steps of other batches round differently (1e-3 nats with a float32 cache), and int8 codes flipping
-    at those roundings move logprobs by up to ~0.1 nats; a block that came back without its scales would move
-    them by far more."""
+    """12 blocks of 16 tokens (given: a sequence of ~50 tokens never outgrows one block of int8's default 64)
+    for 8 sequences of ~50 tokens and one request's n = 2 fork (copy-on-write): blocks swap out to the host
+    pool with their scales and back, on the default storage (SmolLM2's GGUF blocks, a layer in one call).
+    Against a cache big enough for all (_agreed_tokens, 0.2 nats): steps of other batches round differently
+    (1e-3 nats with a float32 cache), and int8 codes flipping at those roundings move logprobs by up to ~0.1
+    nats; a block that came back without its scales would move them by far more."""
     things = ("cat", "dog", "robot", "dragon", "river", "cloud", "sun", "mountain")
     prompts = [f"Write a short story about a {thing}." for thing in things]
     params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=5)] * 7
@@ -350,7 +350,12 @@ def test_swap_preemption_and_forks_on_an_int8_cache_keep_the_tokens():
     assert roomy.engine.scheduler.num_preemptions == 0
     assert_all_blocks_free(roomy)
     tight = LLM(
-        "smollm2-135m", kv_cache_dtype="int8", num_kv_blocks=3, max_model_len=512, preemption_mode="swap"
+        "smollm2-135m",
+        kv_cache_dtype="int8",
+        num_kv_blocks=12,
+        block_size=16,
+        max_model_len=512,
+        preemption_mode="swap",
     )
     got = tight.generate(prompts, params)
     assert tight.engine.scheduler.num_preemptions > 0 and tight.engine.scheduler.num_blocks_swapped_in > 0
