@@ -441,7 +441,9 @@ def build_replicas(
         max_ongoing_requests=limits.max_concurrent_requests,
         graceful_shutdown_timeout_s=shutdown_timeout,
     )
-    hashed = (model, EngineConfig(model, **engine_kwargs).block_size) if kv_events else None
+    # the block size the replicas' engines resolve (the server fills a None max_num_batched_tokens later)
+    settled = {name: value for name, value in engine_kwargs.items() if value is not None}
+    hashed = (model, EngineConfig(model, **settled).block_size) if kv_events else None
     return ingress.bind(engines, limits, settings.app_name, hashed)
 
 
