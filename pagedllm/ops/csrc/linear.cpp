@@ -592,19 +592,23 @@ int64_t total_rows(const std::vector<BlockShard>& shards) {
 }
 
 // Rows of x as int16 blocks of 32 (scale max |x| / 32767), zero-padded to whole chunks of 256, each unit
-// in quants::dot's order, with each 16-value group's scale and scale * (sum of its codes).
+// in quants::dot's order, with each 16-value group's scale and scale * (sum of its codes); for the types
+// read in quads (quants::kQuads), where `quads` asks for them, also the codes in quants::quad_position's
+// order with each block's scale and scale * (sum of its codes) in lanes 2b, 2b + 1 of a chunk's 16 floats.
 struct ActivationBlocks {
   int64_t cols, chunks, padded;
-  LineVector<int16_t> q;               // [rows, padded]
-  LineVector<float> scale, code_sum;   // [rows, padded / 16]
+  LineVector<int16_t> q, quad_q;             // [rows, padded] each
+  LineVector<float> scale, code_sum, pairs;  // [rows, padded / 16] each
 
-  ActivationBlocks(const float* x, int64_t rows, int64_t cols_)
+  ActivationBlocks(const float* x, int64_t rows, int64_t cols_, bool dots, bool quads)
       : cols(cols_),
         chunks((cols_ + quants::kChunkValues - 1) / quants::kChunkValues),
         padded(chunks * quants::kChunkValues),
-        q(rows * padded, 0),
-        scale(rows * padded / quants::kGroupValues, 0.f),
-        code_sum(rows * padded / quants::kGroupValues, 0.f) {
+        q(dots ? rows * padded : 0, 0),
+        quad_q(quads ? rows * padded : 0, 0),
+        scale(dots ? rows * padded / quants::kGroupValues : 0, 0.f),
+        code_sum(dots ? rows * padded / quants::kGroupValues : 0, 0.f),
+        pairs(quads ? rows * padded / quants::kGroupValues : 0, 0.f) {
     constexpr int kVectors = 32 / VecF::kWidth, kPerGroup = quants::kGroupValues / VecF::kWidth;
     constexpr int kUnit = quants::kUnitValues;
     alignas(64) int16_t codes[32];
@@ -624,17 +628,28 @@ struct ActivationBlocks {
           store_int16(r, codes + j * VecF::kWidth);
           sums[j / kPerGroup] += reduce_add(r);
         }
-        // value i of the block: unit position (i % kUnit) in dot's order
-        int16_t* row = q.data() + m * padded;
-        for (int i = 0; i < 32; ++i) {
-          const int64_t v_index = b * 32 + i, in_unit = v_index % kUnit;
-          const int64_t lane = in_unit / 16, half = in_unit % 16 / 8;
-          row[v_index - in_unit + half * (kUnit / 2) + lane * 8 + in_unit % 8] = codes[i];
+        if (dots) {
+          // value i of the block: unit position (i % kUnit) in dot's order
+          int16_t* row = q.data() + m * padded;
+          for (int i = 0; i < 32; ++i) {
+            const int64_t v_index = b * 32 + i, in_unit = v_index % kUnit;
+            const int64_t lane = in_unit / 16, half = in_unit % 16 / 8;
+            row[v_index - in_unit + half * (kUnit / 2) + lane * 8 + in_unit % 8] = codes[i];
+          }
+          for (int g = 0; g < 2; ++g) {
+            scale[(m * padded + b * 32) / quants::kGroupValues + g] = d;
+            code_sum[(m * padded + b * 32) / quants::kGroupValues + g] = d * sums[g];
+          }
         }
-        for (int g = 0; g < 2; ++g) {
-          scale[(m * padded + b * 32) / quants::kGroupValues + g] = d;
-          code_sum[(m * padded + b * 32) / quants::kGroupValues + g] = d * sums[g];
+#if defined(PAGEDLLM_AVX512)
+        if (quads) {
+          int16_t* chunk = quad_q.data() + m * padded + b / 8 * quants::kChunkValues;
+          for (int i = 0; i < 32; ++i) chunk[quants::quad_position(static_cast<int>(b % 8), i)] = codes[i];
+          float* pair = pairs.data() + (m * padded + b * 32) / quants::kGroupValues;
+          pair[0] = d;
+          pair[1] = d * (sums[0] + sums[1]);  // exact: integers below 2^24
         }
+#endif
       }
     }
   }
@@ -647,6 +662,12 @@ struct ActivationBlocks {
   }
   VecF sums(int64_t m, int64_t k, int j) const {
     return VecF::load(code_sum.data() + (m * padded + k * quants::kChunkValues) / quants::kGroupValues + j * VecF::kWidth);
+  }
+  const int16_t* quad_vector(int64_t m, int64_t k, int v) const {
+    return quad_q.data() + m * padded + k * quants::kChunkValues + v * (quants::kChunkValues / 8);
+  }
+  VecF block_pairs(int64_t m, int64_t k) const {
+    return VecF::load(pairs.data() + (m * padded + k * quants::kChunkValues) / quants::kGroupValues);
   }
 };
 
@@ -700,6 +721,39 @@ void blocks_row(const uint8_t* row, const ActivationBlocks& x, int64_t m0, int64
     sums[i] += reduce_add(sum);
   }
 }
+
+#if defined(PAGEDLLM_AVX512)
+// blocks_row for the types read in quads (quants.h): per chunk and row of x, each quad's int32 sums of its
+// four vectors' multiply-adds, converted once and multiplied by its blocks' d dx; the m dx (sum q) terms
+// from the odd lanes of dm times the chunk's (dx, dx sum q) pairs.
+template <typename T, int MR>
+void quad_row(const uint8_t* row, const ActivationBlocks& x, int64_t m0, int64_t k0, int64_t k1, float* sums,
+              int64_t ahead) {
+  using namespace quants;
+  VecF acc[MR][2], offsets[MR];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = offsets[i] = VecF::zero();
+  for (int64_t k = k0; k < k1; ++k) {
+    const uint8_t* p = row + k * chunk_bytes<T>();
+    prefetch_chunk<T>(p + ahead);
+    const int blocks = x.blocks_in(k);
+    const QuadChunk chunk = q4_1_quads(p, blocks);
+    VecB words[2][kQuadVectors];
+    for (int q = 0; q < 2; ++q)
+      for (int r = 0; r < kQuadVectors; ++r) words[q][r] = quad_vector(chunk.codes[q], r);
+    for (int i = 0; i < MR; ++i) {
+      const VecF scaled = chunk.dm * x.block_pairs(m0 + i, k);  // d dx, m dx sum q
+      offsets[i] = _mm512_mask_add_ps(offsets[i].v, 0xaaaa, offsets[i].v, scaled.v);
+      for (int q = 0; q < 2; ++q) {
+        if (q * 4 >= blocks) break;
+        VecI dots = _mm512_madd_epi16(words[q][0], _mm512_load_si512(x.quad_vector(m0 + i, k, 4 * q)));
+        for (int r = 1; r < kQuadVectors; ++r) dots = add_products(dots, words[q][r], x.quad_vector(m0 + i, k, 4 * q + r));
+        acc[i][q] = fmadd(VecF::from_int(dots), quad_scales(scaled, q), acc[i][q]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) sums[i] += reduce_add(acc[i][0] + acc[i][1] + offsets[i]);
+}
+#endif
 
 // Rows of x as int16 with one scale per chunk of 256 values (max |x| / 32767), for the K types' integer
 // sub-scales (quants.h): each chunk's values in quants::chunk_position's order, its scale dx, and each
@@ -845,7 +899,14 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
     const int64_t x_rows = std::min(m_rows, m_rows <= kBlockStreamRows ? kBlockStreamRows : kIntegerChunkRows);
     const int64_t runs = (m_rows + x_rows - 1) / x_rows;
     // each form of x only where a shard reads it
-    const ActivationBlocks qx(x, float_scales ? m_rows : 0, cols);
+    bool dots = false, quads = false;
+    for (const BlockShard& shard : shards) {
+      quants::with_type(shard.type, [&](auto t) {
+        using T = decltype(t);
+        if constexpr (!T::kIntegerScales) (quants::kQuads<T> ? quads : dots) = true;
+      });
+    }
+    const ActivationBlocks qx(x, float_scales ? m_rows : 0, cols, dots, quads);
     const ChunkActivations cx(x, integer_scales ? m_rows : 0, cols);
     const int64_t chunks = (cols + quants::kChunkValues - 1) / quants::kChunkValues;
     // spans of x, kRowGroup rows at a time, so that the span stays in L1 while the panel's rows pass (a
@@ -888,7 +949,15 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
                   if constexpr (T::kIntegerScales) {
                     integer_chunk_row<T, R>(row, cx, m0, k0, k1, row_sums, ahead);
                   } else {
+#if defined(PAGEDLLM_AVX512)
+                    if constexpr (quants::kQuads<T>) {
+                      quad_row<T, R>(row, qx, m0, k0, k1, row_sums, ahead);
+                    } else {
+                      blocks_row<T, R>(row, qx, m0, k0, k1, row_sums, ahead);
+                    }
+#else
                     blocks_row<T, R>(row, qx, m0, k0, k1, row_sums, ahead);
+#endif
                   }
                 }
               });

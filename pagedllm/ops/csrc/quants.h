@@ -369,6 +369,69 @@ struct Q8_0 {
   }
 };
 
+#if defined(PAGEDLLM_AVX512)
+// Q4_1 at few rows of x, in "quads" (AVX-512): a chunk's 160 bytes are 40 32-bit words, block b's d and m
+// (float16) in word 5b and its codes in words 5b + 1 .. 5b + 4, so that one vpermt2d moves the code words
+// of blocks 4q .. 4q + 3 (quad q) into one vector, block 4q + L's word t in lane 4L + t, and another their
+// (d, m) words into lanes 2b, 2b + 1 of one vector of floats: no gather (whose 8 loads cost 10-30% of a
+// chunk), no shuffle of codes to widen them. The nibbles of each 16-bit word, masked and shifted out, are
+// four vectors of words (kQuadVectors: value 4t + 2k of the word k of lane 4L + t, then 4t + 2k + 1,
+// 4t + 2k + 16, 4t + 2k + 17; x in that order, quad_position), so each 32-bit lane of their multiply-adds
+// sums one block: a quad's int32 sums take one conversion to float and one multiply by its blocks' d dx,
+// where the dot order above converts each 64 values.
+constexpr int kQuadVectors = 4;
+struct QuadChunk {
+  VecF dm;           // d_b, m_b of the chunk's blocks in lanes 2b, 2b + 1 (0 past its blocks)
+  VecB codes[2];     // each quad's code words
+};
+// Where value i (0 .. 31) of a chunk's block b (0 .. 7) sits in x's int16 codes of the chunk.
+constexpr int quad_position(int b, int i) {
+  const int j = i % 16, t = j / 4, k = j % 4 / 2, r = 2 * (i / 16) + j % 2;
+  return (4 * (b / 4) + r) * 32 + (4 * (b % 4) + t) * 2 + k;
+}
+// The chunk at p holding `blocks` blocks: masked loads read nothing past them (a row's last chunk may hold
+// 2, and the weight's end may follow) and give zeros there, so d, m and the codes are 0 past the blocks.
+inline QuadChunk q4_1_quads(const uint8_t* p, int blocks) {
+  const int words = 5 * blocks;
+  const auto part = [&](int first) {  // words first .. first + 15
+    const int n = std::clamp(words - first, 0, 16);
+    return _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << n) - 1), p + 4 * first);
+  };
+  const __m512i a = part(0), b = part(16), c = part(24), s = part(20);
+  const __m512i dm = _mm512_permutex2var_epi32(a, _mm512_setr_epi32(0, 5, 10, 15, 16, 21, 26, 31, 0, 0, 0, 0, 0, 0, 0, 0), s);
+  QuadChunk chunk;
+  chunk.dm = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
+  chunk.codes[0] = _mm512_permutex2var_epi32(a, _mm512_setr_epi32(1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14, 16, 17, 18, 19), b);
+  // blocks 4-7: words 21 .. 31 from b (lanes 5 ..), 32 .. 39 from c (its lanes 8 .., indices 24 ..)
+  chunk.codes[1] = _mm512_permutex2var_epi32(b, _mm512_setr_epi32(5, 6, 7, 8, 10, 11, 12, 13, 15, 24, 25, 26, 28, 29, 30, 31), c);
+  return chunk;
+}
+// Vector r of a quad's code words as 16-bit values (the low byte's low nibble, the high byte's, the low
+// byte's high nibble, the high byte's).
+inline VecB quad_vector(VecB words, int r) {
+  const __m512i low = _mm512_set1_epi16(15);
+  switch (r) {  // the shift is an immediate; r is a constant once the caller's loop is unrolled
+    case 0: return _mm512_and_si512(words, low);
+    case 1: return _mm512_and_si512(_mm512_srli_epi16(words, 8), low);
+    case 2: return _mm512_and_si512(_mm512_srli_epi16(words, 4), low);
+    default: return _mm512_srli_epi16(words, 12);
+  }
+}
+// Each block's scale per lane of quad q (lane 4L + t: block 4q + L's lane 2(4q + L) of dm-ordered values).
+inline VecF quad_scales(VecF per_block, int q) {
+  const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(8 * q), _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6));
+  return _mm512_permutexvar_ps(index, per_block.v);
+}
+#endif
+
+// Whether type T is read in quads at few rows of x (Q4_1 on AVX-512, above).
+template <typename T>
+constexpr bool kQuads = false;
+#if defined(PAGEDLLM_AVX512)
+template <>
+inline constexpr bool kQuads<Q4_1> = true;
+#endif
+
 // Q4_K / Q5_K's eight 6-bit scales and mins as bytes (sub-block j in byte j), unpacked as llama.cpp's
 // get_scale_min_k4 reads them, four at a time in 32-bit words.
 struct KScaleBytes {
