@@ -134,6 +134,55 @@ def test_bf16_path_on_mixed_shards_with_bias_and_residual(kernels, types, dtype)
     assert torch.equal(few, kernels.linear(x[:19], data, layout, None, 0, bias, residual[:19]))
 
 
+def needs_amx(kernels) -> None:
+    if not kernels.kernels().blocks_amx():
+        pytest.skip("the fused AMX path needs an AVX-512 build and cpublas::could_pack(bf16) (AMX tiles)")
+
+
+def bf16_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x and W rounded to bf16, multiplied exactly: what the AMX path's float32 sums approximate."""
+    return x.bfloat16().double() @ w.bfloat16().double().T
+
+
+def sum_tolerance(x: torch.Tensor, w: torch.Tensor) -> float:
+    """float32 sums of bf16 products in brgemm's order: 2^-24 a rounding, a few dozen roundings deep."""
+    return 2**-18 * (x.abs().double() @ w.abs().T).max().item() + 1e-6
+
+
+@pytest.mark.parametrize("name,cols", [*_cases(), ("Q6_K", 4608), ("Q5_0", 4608)])
+@pytest.mark.parametrize("rows", [1, 17, 100])
+def test_each_block_type_on_amx_panels(kernels, name, cols, rows):
+    """Many rows where the CPU has AMX: panels of 64 weight rows dequantized to bf16 in cache and multiplied
+    by brgemm into float32 sums. 77 rows: a panel of 13 rows (the rest zeros); 896 and 96 columns: a last
+    chunk of 4 and of 3 blocks; 4,608 columns: panels of 32 rows (linear.cpp's vnni_panel_rows)."""
+    needs_amx(kernels)
+    data, layout, w = storage([random_blocks(GGMLQuantizationType[name], 77, cols, seed=rows)])
+    x = torch.randn(rows, cols) * torch.logspace(-2, 2, cols)[torch.randperm(cols)]
+    out = kernels.linear(x, data, layout, None, 1, None, None)
+    assert out.shape == (rows, 77) and out.dtype == torch.float32
+    want = x.double() @ w.T
+    assert ((out.double() - want).abs() <= 2**-7 * (x.abs().double() @ w.abs().T)).all()
+    # the file's values and x each rounded to bf16 once, summed in float32 (no bf16 output)
+    torch.testing.assert_close(out.double(), bf16_product(x, w), atol=sum_tolerance(x, w), rtol=0)
+
+
+@pytest.mark.parametrize("types", [("Q5_0", "Q5_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K")], ids="-".join)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_panels_on_mixed_shards_with_bias_and_residual(kernels, types, dtype):
+    """A fused projection's shards, each in its own panels (100 rows: a whole panel and one of 36)."""
+    needs_amx(kernels)
+    cols = 896 if types[0] == "Q5_0" else 512
+    sizes = (100, 8, 8)
+    parts = [random_blocks(GGMLQuantizationType[t], sizes[i], cols, seed=i) for i, t in enumerate(types)]
+    data, layout, w = storage(parts)
+    x, bias, residual = (t.to(dtype) for t in (torch.randn(40, cols), torch.randn(116), torch.randn(40, 116)))
+    out = kernels.linear(x, data, layout, None, 20, bias, residual)
+    assert out.dtype == dtype
+    want = bf16_product(x, w) + bias.double() + residual.double()
+    atol = sum_tolerance(x, w) + (2**-8 * want.abs() if dtype == torch.bfloat16 else 2**-22 * want.abs())
+    assert ((out.double() - want).abs() <= atol).all()
+
+
 def test_a_thread_that_switches_the_bf16_path_off_keeps_the_blocks_path_at_any_rows(kernels):
     """set_blocks_bf16(False) (the model runner's, for a step of decode rows only): a call past its bf16 row
     count computes what group_size 0 does, bit for bit, until the setting is restored."""

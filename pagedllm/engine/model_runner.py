@@ -15,7 +15,7 @@ from pagedllm.engine import prompt_logprobs
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.kv import KVGroups, kv_groups
 from pagedllm.models.attention import AttentionMetadata
-from pagedllm.models.quantization import bf16_for_prompts, multiplies_in_bf16
+from pagedllm.models.quantization import bf16_gate, multiplies_in_bf16, takes_bf16
 from pagedllm.ops import reference
 from pagedllm.ops.kv_cache import is_quantized, key_smoothing
 
@@ -86,7 +86,7 @@ class ModelRunner:
         lm_head: torch.nn.Module | None = None,
     ):
         self.model = model
-        self.gates_bf16 = multiplies_in_bf16(model)  # GGUF layers' bf16 path: prompt steps only
+        self.gates_bf16 = multiplies_in_bf16(model)  # GGUF layers' bf16 path: per step (takes_bf16)
         self.lm_head = lm_head  # None: the model's own; a draft's may be over part of the vocabulary
         self.device = torch.device(device)
         self.num_blocks, self.block_size, self.num_host_blocks = num_blocks, block_size, num_host_blocks
@@ -164,7 +164,11 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             layer_groups=self.groups.layer_group,
         )
-        gate = bf16_for_prompts(step.computes_prompt) if self.gates_bf16 else contextlib.nullcontext()
+        gate = (
+            bf16_gate(takes_bf16(step.computes_prompt, step.max_query_len))
+            if self.gates_bf16
+            else contextlib.nullcontext()
+        )
         with gate:
             hidden = self.model(self._tensor(step.input_ids), self._tensor(step.positions), meta)
             if int(step.num_logits.sum()) < len(hidden):  # some rows need no logits: keep the others

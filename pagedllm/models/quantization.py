@@ -95,8 +95,11 @@ class GGUFLinear(KernelLinear):
     (a prefill, a big batch) has its weight dequantized into a shared bf16 scratch and multiplied by
     oneDNN's bf16 GEMM (csrc/linear.cpp bf16_blocks_linear): about twice the integer and float32 paths'
     speed there, at a bf16 model's rounding. Fewer rows keep the blocks' integer path, and so do the rows
-    of a step that computes no prompt tokens, however many (bf16_for_prompts): decoding, and speculation's
-    verify passes, multiply the file's values whatever the batch beside them."""
+    of a step that computes no prompt tokens, however many (takes_bf16): decoding, and speculation's
+    verify passes, multiply the file's values whatever the batch beside them. On a CPU with AMX
+    (cpu.blocks_amx) the bf16 path instead dequantizes the weight panel by panel in cache and multiplies
+    with AMX tiles into float32 sums (vnni_blocks_linear): from fewer rows (AMX_ROWS), and for decode
+    steps too (takes_bf16)."""
 
     name = "gguf"
     STREAM_ROWS = 16  # csrc/linear.cpp kBlockStreamRows
@@ -104,6 +107,10 @@ class GGUFLinear(KernelLinear):
     # types with integer sub-scales keep their integer path longer; the others switch as soon as their
     # streamed integer path ends.
     BF16_ROWS = {GGMLQuantizationType.Q4_K: 64, GGMLQuantizationType.Q6_K: 64}
+    # The same on AMX (docs/JOURNAL.md, "GGUF blocks on AMX"): with no whole-weight scratch the panels pass
+    # the integer path at 10-12 rows.
+    AMX_ROWS = {GGMLQuantizationType.Q4_K: 12, GGMLQuantizationType.Q6_K: 12}
+    AMX_OTHER_ROWS = 10
 
     def create_weights(self, layer: Linear) -> None:
         layer.params_dtype = layer.weight.dtype
@@ -126,7 +133,11 @@ class GGUFLinear(KernelLinear):
         never, where the CPU does not multiply bf16."""
         if not cpu.bf16_matmul_available():
             return 0
-        return max(self.BF16_ROWS.get(s.qtype, self.STREAM_ROWS + 1) for s in shards)
+        if cpu.blocks_amx():
+            table, other = self.AMX_ROWS, self.AMX_OTHER_ROWS
+        else:
+            table, other = self.BF16_ROWS, self.STREAM_ROWS + 1
+        return max(table.get(s.qtype, other) for s in shards)
 
 
 def multiplies_in_bf16(model: torch.nn.Module) -> bool:
@@ -135,13 +146,21 @@ def multiplies_in_bf16(model: torch.nn.Module) -> bool:
     return any(m.stored.format == "gguf" and m.stored.group_size > 0 for m in layers)
 
 
+def takes_bf16(computes_prompt: bool, max_query_len: int) -> bool:
+    """Whether a step's GGUF layers may take their bf16 path at many rows: a step that computes prompt
+    tokens (a prefill, or a chunk of one beside decodes); on AMX (cpu.blocks_amx) also a decode step of one
+    row a sequence, where the panels cost a batch less than the integer path from as many rows as a
+    prompt's call (docs/JOURNAL.md, "GGUF blocks on AMX"). Never a step of decode rows with drafts:
+    speculation's verify passes keep the blocks' integer path, so that its greedy tokens are those a
+    sequence decoded alone (or in a batch below AMX_ROWS) gets."""
+    return computes_prompt or (max_query_len == 1 and cpu.blocks_amx())
+
+
 @contextlib.contextmanager
-def bf16_for_prompts(computes_prompt: bool) -> Iterator[None]:
-    """Within it, this thread's GGUF layers take their bf16 path at many rows only if the step computes
-    prompt tokens (a prefill, or a chunk of one beside decodes): a step of decode rows only keeps the
-    blocks' integer path, so a sequence's greedy tokens are the same decoded alone, in a batch, or
-    verified several at a time by speculation."""
-    previous = cpu.set_blocks_bf16(computes_prompt)
+def bf16_gate(enabled: bool) -> Iterator[None]:
+    """Within it, this thread's GGUF layers take their bf16 path at many rows only if `enabled`
+    (takes_bf16)."""
+    previous = cpu.set_blocks_bf16(enabled)
     try:
         yield
     finally:

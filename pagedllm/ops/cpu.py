@@ -103,6 +103,13 @@ def bf16_matmul_available() -> bool:
 
 
 @functools.cache
+def blocks_amx() -> bool:
+    """Whether the build in use multiplies GGUF blocks' many-row calls on AMX tiles (oneDNN's brgemm on bf16
+    panels dequantized in cache, csrc/linear.cpp vnni_blocks_linear), not through the bf16 scratch."""
+    return bf16_matmul_available() and kernels().blocks_amx()
+
+
+@functools.cache
 def _sources_digest() -> str:
     """A short hash of the kernel sources: builds of different versions get different cache folders."""
     digest = hashlib.sha256()

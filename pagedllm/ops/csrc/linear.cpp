@@ -23,6 +23,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
@@ -218,6 +219,22 @@ struct Epilogue {
     } else {
       static_cast<float*>(out)[m * ld_out + n] = sum;
     }
+  }
+  VecF read_vector(const void* p, int64_t i, int valid) const {
+    return bf16 ? load(static_cast<const c10::BFloat16*>(p) + i, valid) : load(static_cast<const float*>(p) + i, valid);
+  }
+  // store(m, n + i, sums[i]) for i < count, a vector at a time (the same values).
+  void store_row(int64_t m, int64_t n, const float* sums, int64_t count) const {
+    for_each_chunk(count, [&](int64_t i, int valid) {
+      VecF sum = load(sums + i, valid);
+      if (bias != nullptr) sum = sum + read_vector(bias, n + i, valid);
+      if (residual != nullptr) sum = sum + read_vector(residual, m * ld_residual + n + i, valid);
+      if (bf16) {
+        pagedllm::store(sum, static_cast<c10::BFloat16*>(out) + m * ld_out + n + i, valid);
+      } else {
+        pagedllm::store(sum, static_cast<float*>(out) + m * ld_out + n + i, valid);
+      }
+    });
   }
 };
 
@@ -551,7 +568,8 @@ void panel_matmul(const float* packed, int64_t n_rows, int64_t cols, const float
 //     (quants.h's s, c). More rows: each thread dequantizes a panel of weight rows once into a float32
 //     buffer in cache (exactly the file's values) and runs the float path's register tiles over it.
 // With group_size > 0 (set where the CPU multiplies bf16), from group_size rows of x on: the weight
-// dequantized to bf16 and multiplied by oneDNN (bf16_blocks_linear, below).
+// dequantized to bf16 and multiplied by oneDNN (bf16_blocks_linear, below), or on AMX panel by panel in
+// cache (vnni_blocks_linear).
 struct BlockShard {
   int64_t type, rows, first_row, row_bytes;
   const uint8_t* data;
@@ -1078,6 +1096,89 @@ at::Tensor bf16_blocks_linear(const at::Tensor& x, const std::vector<BlockShard>
   return out;
 }
 
+// Many rows of x on GGUF blocks where the CPU has AMX (could_pack(bf16): oneDNN's brgemm ukernel runs bf16
+// tiles): without the scratch above, which a whole weight's dequantization sends through memory. Each
+// thread dequantizes a panel of weight rows once into a bf16 panel in brgemm's VNNI layout
+// ([K / 2][rows][2]: each pair of columns' values for the panel's rows side by side), which stays in L2,
+// and multiplies every row of x (rounded to bf16 once a call) by it into float32 sums, kVnniXRows rows of
+// x a call; the epilogue adds bias and residual. The values multiplied are the file's rounded to bf16,
+// the sums float32 (no bf16 output rounding). Panels of 64 rows, 32 where 64 would pass kVnniPanelBytes
+// (a wide down projection's panel beside its rows of x overflowed L2). Crossovers and panel sizes:
+// docs/JOURNAL.md, "GGUF blocks on AMX".
+constexpr int64_t kVnniPanelBytes = 512 << 10;
+constexpr int64_t kVnniXRows = 32;  // rows of x a brgemm call: its M
+
+int64_t vnni_panel_rows(int64_t cols) { return cols * 64 * 2 <= kVnniPanelBytes ? 64 : 32; }
+
+#if defined(PAGEDLLM_AVX512)
+// Panel p of a shard into VNNI form, 16 rows at a time, a chunk of 256 columns at a time: the rows'
+// floats (in L1), each row's 32 columns converted to 16 bf16 pairs (a 32-bit lane each) and transposed
+// so that a pair's 16 rows are contiguous. Rows past the shard's are zeros.
+template <typename T>
+__attribute__((target("avx512bf16"))) void vnni_panel(const BlockShard& shard, const ShardPanel& p, int64_t cols,
+                                                      int64_t panel_rows, c10::BFloat16* panel) {
+  constexpr int W = 16, kValues = quants::kChunkValues;
+  alignas(64) float rows[W][kValues];
+  for (int64_t r0 = 0; r0 < panel_rows; r0 += W) {
+    const int64_t valid = std::clamp<int64_t>(p.n1 - p.n0 - r0, 0, W);
+    for (int64_t k = 0; k * kValues < cols; ++k) {
+      const int values = static_cast<int>(std::min<int64_t>(kValues, cols - k * kValues));
+      for (int r = 0; r < W; ++r) {
+        if (r < valid) {
+          quants::dequantize_chunk<T>(shard.data + (p.n0 + r0 + r) * shard.row_bytes, k, cols, rows[r]);
+        } else {
+          std::fill(rows[r], rows[r] + values, 0.f);
+        }
+      }
+      for (int j = 0; j < values; j += 2 * W) {
+        __m512 pairs[W];
+        for (int r = 0; r < W; ++r) {
+          pairs[r] = reinterpret_cast<__m512>(_mm512_cvtne2ps_pbh(_mm512_load_ps(rows[r] + j + W), _mm512_load_ps(rows[r] + j)));
+        }
+        transpose16(pairs);
+        float* dst = reinterpret_cast<float*>(panel) + (k * kValues + j) / 2 * panel_rows + r0;
+        for (int i = 0; i < W; ++i) _mm512_storeu_ps(dst + i * panel_rows, pairs[i]);
+      }
+    }
+  }
+}
+
+at::Tensor vnni_blocks_linear(const at::Tensor& x, const std::vector<BlockShard>& shards, int64_t n_rows, int64_t cols,
+                              const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
+  const int64_t m_rows = x.size(0);
+  const at::Tensor xb = x.to(at::kBFloat16).contiguous();
+  at::Tensor out = at::empty({m_rows, n_rows}, x.options());
+  const Epilogue epilogue{out.data_ptr(),
+                          bias.has_value() ? bias->data_ptr() : nullptr,
+                          residual.has_value() ? residual->data_ptr() : nullptr,
+                          n_rows,
+                          residual.has_value() ? residual->stride(0) : 0,
+                          x.scalar_type() == at::kBFloat16};
+  const int64_t np = vnni_panel_rows(cols);
+  const std::vector<ShardPanel> panels = shard_panels(shards, np);
+  const c10::BFloat16* a = xb.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, static_cast<int64_t>(panels.size()), 1, [&](int64_t begin, int64_t end) {
+    static thread_local LineVector<c10::BFloat16> panel;
+    static thread_local LineVector<float> sums;
+    panel.resize(cols * np);
+    sums.resize(kVnniXRows * np);
+    for (int64_t item = begin; item < end; ++item) {
+      const ShardPanel& p = panels[item];
+      const BlockShard& shard = shards[p.shard];
+      quants::with_type(shard.type, [&](auto t) { vnni_panel<decltype(t)>(shard, p, cols, np, panel.data()); });
+      for (int64_t m = 0; m < m_rows; m += kVnniXRows) {
+        const int64_t mr = std::min(kVnniXRows, m_rows - m);
+        at::native::cpublas::brgemm(mr, np, cols, cols, np, np, false, a + m * cols, panel.data(), sums.data(), true);
+        for (int64_t i = 0; i < mr; ++i)
+          epilogue.store_row(m + i, shard.first_row + p.n0, sums.data() + i * np, p.n1 - p.n0);
+      }
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+  return out;
+}
+#endif
+
 // Calls fn(source) with the row source for this weight format: for int8 / int4 codes in groups of whole
 // blocks, their CodeRows (integer dot products) if kInteger.
 template <bool kInteger, typename Fn>
@@ -1147,6 +1248,16 @@ at::Tensor torch_linear(const at::Tensor& x, const at::Tensor& weight, const c10
 
 }  // namespace
 
+// Whether GGUF blocks' bf16 path is vnni_blocks_linear: an AVX-512 build on a CPU with AMX bf16 tiles.
+bool blocks_amx() {
+#if defined(PAGEDLLM_AVX512)
+  static const bool available = at::native::cpublas::could_pack(at::kBFloat16);
+  return available;
+#else
+  return false;
+#endif
+}
+
 bool set_blocks_bf16(bool enabled) {
   const bool previous = blocks_bf16;
   blocks_bf16 = enabled;
@@ -1183,8 +1294,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                     residual->stride(1) == 1 && residual->scalar_type() == x.scalar_type(),
                 "residual must be a [", m_rows, ", ", n_rows, "] tensor of x's dtype with contiguous rows");
   }
-  // GGUF blocks: group_size, where set, is the number of rows from which they go to bf16_blocks_linear
-  if (blocks && blocks_bf16 && group_size > 0 && m_rows >= group_size && n_rows > 0) return bf16_blocks_linear(x, shards, n_rows, cols, bias, residual);
+  // GGUF blocks: group_size, where set, is the number of rows from which they are multiplied in bf16
+  if (blocks && blocks_bf16 && group_size > 0 && m_rows >= group_size && n_rows > 0) {
+#if defined(PAGEDLLM_AVX512)
+    if (blocks_amx()) return vnni_blocks_linear(x, shards, n_rows, cols, bias, residual);
+#endif
+    return bf16_blocks_linear(x, shards, n_rows, cols, bias, residual);
+  }
   at::Tensor out = at::empty({m_rows, n_rows}, x.options());
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const Epilogue epilogue{out.data_ptr(),

@@ -603,24 +603,36 @@ constexpr int64_t chunk_bytes() {
   return kChunkValues / T::kBlockValues * T::kBlockBytes;
 }
 
-// A row of `cols` values as float32 (the values the reference dequantizer gives, bit for bit).
+// Chunk k (256 values, fewer at the end of a row of 32-value blocks) of a row of `cols` values as float32
+// at out: the values the reference dequantizer gives, bit for bit.
 template <typename T>
-void dequantize_row(const uint8_t* row, int64_t cols, float* out) {
-  for (int64_t k = 0; k * kChunkValues < cols; ++k) {
-    const uint8_t* p = row + k * chunk_bytes<T>();
-    const int blocks = static_cast<int>(std::min<int64_t>(8, (cols - k * kChunkValues) / 32));
-    VecF s[kGroupVectors], c[kGroupVectors];
-    T::scales(p, blocks, s, c);
-    for (int u = 0; u * kUnitValues < blocks * 32; ++u) {
-      const VecB codes = T::codes(p, u, blocks);
-      for (int j = 0; j < kUnitValues / VecF::kWidth; ++j) {
-        const int64_t v = k * kChunkValues + u * kUnitValues + j * VecF::kWidth;
-        if (v >= cols) break;
-        const int g = vector_group(u, j);
-        fmadd(code_floats<T::kSigned>(codes, j), group_value(s, g), group_value(c, g)).store(out + v);
-      }
+void dequantize_chunk(const uint8_t* row, int64_t k, int64_t cols, float* out) {
+  const uint8_t* p = row + k * chunk_bytes<T>();
+  const int blocks = static_cast<int>(std::min<int64_t>(8, (cols - k * kChunkValues) / 32));
+  VecF s[kGroupVectors], c[kGroupVectors];
+  T::scales(p, blocks, s, c);
+  // each group's s and c broadcast from memory (a load each, where group_value's permutes compete with
+  // code_floats' for the one shuffle port)
+  alignas(64) float scale[kGroups], offset[kGroups];
+  for (int j = 0; j < kGroupVectors; ++j) {
+    s[j].store(scale + j * VecF::kWidth);
+    c[j].store(offset + j * VecF::kWidth);
+  }
+  for (int u = 0; u * kUnitValues < blocks * 32; ++u) {
+    const VecB codes = T::codes(p, u, blocks);
+    for (int j = 0; j < kUnitValues / VecF::kWidth; ++j) {
+      const int v = u * kUnitValues + j * VecF::kWidth;
+      if (v >= blocks * 32) break;
+      const int g = vector_group(u, j);
+      fmadd(code_floats<T::kSigned>(codes, j), VecF::set1(scale[g]), VecF::set1(offset[g])).store(out + v);
     }
   }
+}
+
+// A row of `cols` values as float32.
+template <typename T>
+void dequantize_row(const uint8_t* row, int64_t cols, float* out) {
+  for (int64_t k = 0; k * kChunkValues < cols; ++k) dequantize_chunk<T>(row, k, cols, out + k * kChunkValues);
 }
 
 }  // namespace quants

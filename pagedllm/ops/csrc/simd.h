@@ -124,11 +124,10 @@ inline void lookup_nibbles(const uint8_t* p, VecF table, VecF& low, VecF& high) 
   high = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table.v);
 }
 
-// The kWidth x kWidth floats at src (rows ld_src apart) transposed into dst (rows ld_dst apart): dst row
-// k holds column k of src. Interleaves within 128-bit lanes, then moves whole lanes.
-inline void transpose_tile(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
-  __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld_src);
+// The 16 x 16 32-bit lanes of r transposed in registers: r[k] then holds lane k of each old r[i], in i's
+// order. Interleaves within 128-bit lanes, then moves whole lanes.
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
     t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
@@ -142,11 +141,21 @@ inline void transpose_tile(const float* src, int64_t ld_src, float* dst, int64_t
   for (int j = 0; j < 4; ++j) {
     const __m512 a = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x44), b = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xEE);
     const __m512 c = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x44), d = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xEE);
-    _mm512_storeu_ps(dst + j * ld_dst, _mm512_shuffle_f32x4(a, c, 0x88));
-    _mm512_storeu_ps(dst + (4 + j) * ld_dst, _mm512_shuffle_f32x4(a, c, 0xDD));
-    _mm512_storeu_ps(dst + (8 + j) * ld_dst, _mm512_shuffle_f32x4(b, d, 0x88));
-    _mm512_storeu_ps(dst + (12 + j) * ld_dst, _mm512_shuffle_f32x4(b, d, 0xDD));
+    t[j] = _mm512_shuffle_f32x4(a, c, 0x88);
+    t[4 + j] = _mm512_shuffle_f32x4(a, c, 0xDD);
+    t[8 + j] = _mm512_shuffle_f32x4(b, d, 0x88);
+    t[12 + j] = _mm512_shuffle_f32x4(b, d, 0xDD);
   }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// The kWidth x kWidth floats at src (rows ld_src apart) transposed into dst (rows ld_dst apart): dst row
+// k holds column k of src.
+inline void transpose_tile(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
+  __m512 r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld_src);
+  transpose16(r);
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ld_dst, r[i]);
 }
 
 #else  // AVX2 + FMA
