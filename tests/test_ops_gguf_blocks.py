@@ -4,7 +4,8 @@ every instruction-set build this CPU runs, against the `gguf` package's dequanti
 x is rounded to int16 blocks (scale max |x| / 32767) and meets the codes in integer arithmetic: at any
 number of rows in blocks of 256 for Q4_K and Q6_K (their integer sub-scales), at up to 16 rows in blocks of
 32 for the other types (more rows multiply their dequantized values in float32); the reference rounds x
-the same way, written here independently.
+the same way, written here independently. From group_size rows on (where set) x and W are rounded to bf16:
+through a whole-weight scratch and oneDNN's GEMM, or on a CPU with AMX through panels and brgemm.
 """
 
 import numpy as np
