@@ -208,6 +208,14 @@ struct Epilogue {
   int64_t ld_out, ld_residual;
   bool bf16;
 
+  // Into out [m, n] (row-major, float32 or bf16), with bias and residual of out's dtype where given.
+  static Epilogue into(const at::Tensor& out, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& residual) {
+    return {out.data_ptr(), bias.has_value() ? bias->data_ptr() : nullptr,
+            residual.has_value() ? residual->data_ptr() : nullptr, out.size(1),
+            residual.has_value() ? residual->stride(0) : 0, out.scalar_type() == at::kBFloat16};
+  }
+
   float read(const void* p, int64_t i) const {
     return bf16 ? static_cast<float>(static_cast<const c10::BFloat16*>(p)[i]) : static_cast<const float*>(p)[i];
   }
@@ -1148,12 +1156,7 @@ at::Tensor vnni_blocks_linear(const at::Tensor& x, const std::vector<BlockShard>
   const int64_t m_rows = x.size(0);
   const at::Tensor xb = x.to(at::kBFloat16).contiguous();
   at::Tensor out = at::empty({m_rows, n_rows}, x.options());
-  const Epilogue epilogue{out.data_ptr(),
-                          bias.has_value() ? bias->data_ptr() : nullptr,
-                          residual.has_value() ? residual->data_ptr() : nullptr,
-                          n_rows,
-                          residual.has_value() ? residual->stride(0) : 0,
-                          x.scalar_type() == at::kBFloat16};
+  const Epilogue epilogue = Epilogue::into(out, bias, residual);
   const int64_t np = vnni_panel_rows(cols);
   const std::vector<ShardPanel> panels = shard_panels(shards, np);
   const c10::BFloat16* a = xb.data_ptr<c10::BFloat16>();
@@ -1303,12 +1306,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   }
   at::Tensor out = at::empty({m_rows, n_rows}, x.options());
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const Epilogue epilogue{out.data_ptr(),
-                          bias.has_value() ? bias->data_ptr() : nullptr,
-                          residual.has_value() ? residual->data_ptr() : nullptr,
-                          n_rows,
-                          residual.has_value() ? residual->stride(0) : 0,
-                          x.scalar_type() == at::kBFloat16};
+  const Epilogue epilogue = Epilogue::into(out, bias, residual);
   if (m_rows == 0 || n_rows == 0) return out;
   if (blocks) {
     blocks_matmul(shards, cols, xf.data_ptr<float>(), m_rows, epilogue);
