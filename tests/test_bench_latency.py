@@ -25,9 +25,12 @@ def test_latency_reports_ttft_decode_rate_and_itl_per_system(capsys):
         for run in system["runs"]:
             assert len(run["tokens"]) == 5 and len(run["itl_s"]) == 4  # EOS ignored: every token comes
             assert run["ttft_s"] > 0 and all(gap > 0 for gap in run["itl_s"])
-    # The same weights, fp32 arithmetic either way: the same greedy tokens.
-    assert [r["tokens"] for r in systems["pagedllm gguf"]["runs"]] == [
-        r["tokens"] for r in systems["pagedllm kernel"]["runs"]
+    # The same weights: the same greedy tokens where both sum float32 products of the same values. Where
+    # the CPU multiplies bf16, the blocks take their bf16 path from 10 rows on (the 40-token prompt: a bf16
+    # model's rounding, and these random prompts have near-ties): only the 9-token prompt is compared there.
+    compared = 1 if cpu.bf16_matmul_available() else 2
+    assert [r["tokens"] for r in systems["pagedllm gguf"]["runs"][:compared]] == [
+        r["tokens"] for r in systems["pagedllm kernel"]["runs"][:compared]
     ]
 
 
