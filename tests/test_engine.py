@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from helpers import assert_all_blocks_free
+from helpers import assert_all_blocks_free, batch_invariant_llm
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.config import EngineConfig
@@ -20,8 +20,9 @@ GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def reference_tokens():
-    """The same batch, on the same (default) storage, with a cache big enough that nothing is preempted."""
-    llm = LLM("smollm2-135m", max_model_len=512)
+    """The same batch, on the same storage (the file's blocks, batch-invariant), with a cache big enough that
+    nothing is preempted."""
+    llm = batch_invariant_llm("smollm2-135m", max_model_len=512)
     outputs = llm.generate(PROMPTS, GREEDY)
     assert llm.engine.stats().num_preemptions == 0
     assert_all_blocks_free(llm)
@@ -31,7 +32,7 @@ def reference_tokens():
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_gives_the_same_tokens_as_no_preemption(mode, reference_tokens):
     # 8 sequences of ~50 tokens need ~32 blocks of 16; 12 blocks force preemption.
-    llm = LLM("smollm2-135m", num_kv_blocks=12, max_model_len=512, preemption_mode=mode)
+    llm = batch_invariant_llm("smollm2-135m", num_kv_blocks=12, max_model_len=512, preemption_mode=mode)
     outputs = llm.generate(PROMPTS, GREEDY)
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0

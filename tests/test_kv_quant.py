@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import assert_all_blocks_free
+from helpers import assert_all_blocks_free, batch_invariant_llm
 from models_helpers import PagedCache, forward_chunks
 from oracles import dense_attention, dense_batch_attention
 from test_llm import PROMPTS
@@ -368,7 +368,7 @@ def test_prefix_hits_on_an_int8_cache_are_whole_blocks(block_size, hit):
     """A 150-token prompt sent again: its full blocks come from the prefix cache, codes with their scales
     (the same greedy tokens). Hits are counted per full block: two blocks of int8's default 64 tokens
     (128), or with block_size=16 given, nine blocks of 16 (144)."""
-    llm = LLM("smollm2-135m", kv_cache_dtype="int8", block_size=block_size, max_model_len=256)
+    llm = batch_invariant_llm("smollm2-135m", kv_cache_dtype="int8", block_size=block_size, max_model_len=256)
     assert llm.engine.config.block_size == (block_size or 64)
     prompt = torch.randint(49152, (150,), generator=torch.Generator().manual_seed(5)).tolist()
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
