@@ -36,6 +36,24 @@ def batch_invariant_llm(*args, **kwargs):
         return LLM(*args, **kwargs)
 
 
+def agreed_greedy_tokens(expected, outputs, tol: float) -> int:
+    """Tokens of `outputs` equal to `expected`'s (both with logprobs) before each one's first divergence,
+    which must be a near-tie in `expected` (both tokens within `tol` nats there); up to it, the chosen
+    tokens' logprobs are within `tol` of expected's. For runs whose steps group rows differently (another
+    kernel path, another rounding of the same arithmetic): corrupt or stale KV moves logprobs by more."""
+    agreed = 0
+    for want_out, got_out in zip(expected, outputs, strict=True):
+        for want_seq, got_seq in zip(want_out.outputs, got_out.outputs, strict=True):
+            for i, (want, got) in enumerate(zip(want_seq.token_ids, got_seq.token_ids, strict=True)):
+                top = want_seq.logprobs[i]
+                if want != got:
+                    assert got in top and top[want] - top[got] < tol, (got_out.prompt, i)
+                    break
+                agreed += 1
+                assert abs(got_seq.logprobs[i][got] - top[want]) < tol, (got_out.prompt, i)
+    return agreed
+
+
 @contextlib.contextmanager
 def running_server(app) -> Iterator[str]:
     """Serve `app` with uvicorn on a free loopback port until the block ends; yields the base URL."""
