@@ -911,10 +911,20 @@ void dequantize_panel(const BlockShard& shard, const ShardPanel& p, int64_t cols
 
 void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const float* x, int64_t m_rows,
                    const Epilogue& out) {
-  bool integer_scales = false, float_scales = false;
+  // the forms of x the shards read: the K types' chunks (integer sub-scales), the other types' blocks in
+  // dot's order or in quads
+  bool integer_scales = false, dots = false, quads = false;
   for (const BlockShard& shard : shards) {
-    quants::with_type(shard.type, [&](auto t) { (decltype(t)::kIntegerScales ? integer_scales : float_scales) = true; });
+    quants::with_type(shard.type, [&](auto t) {
+      using T = decltype(t);
+      if constexpr (T::kIntegerScales) {
+        integer_scales = true;
+      } else {
+        (quants::kQuads<T> ? quads : dots) = true;
+      }
+    });
   }
+  const bool float_scales = dots || quads;
   // K types with integer sub-scales take it at any number of rows (faster than the float panels below
   // at every batch measured: docs/JOURNAL.md); the other types up to kBlockStreamRows
   if (m_rows <= kBlockStreamRows || !float_scales) {
@@ -925,13 +935,6 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
     const int64_t x_rows = std::min(m_rows, m_rows <= kBlockStreamRows ? kBlockStreamRows : kIntegerChunkRows);
     const int64_t runs = (m_rows + x_rows - 1) / x_rows;
     // each form of x only where a shard reads it
-    bool dots = false, quads = false;
-    for (const BlockShard& shard : shards) {
-      quants::with_type(shard.type, [&](auto t) {
-        using T = decltype(t);
-        if constexpr (!T::kIntegerScales) (quants::kQuads<T> ? quads : dots) = true;
-      });
-    }
     const ActivationBlocks qx(x, float_scales ? m_rows : 0, cols, dots, quads);
     const ChunkActivations cx(x, integer_scales ? m_rows : 0, cols);
     const int64_t chunks = (cols + quants::kChunkValues - 1) / quants::kChunkValues;

@@ -131,8 +131,6 @@ inline VecF code_floats(VecB codes, int j) {
   }
   return _mm512_cvtepi32_ps(kSigned ? _mm512_cvtepi8_epi32(part) : _mm512_cvtepu8_epi32(part));
 }
-// Group g's value of the group vectors broadcast to every lane (in registers, as above).
-inline VecF group_value(const VecF* groups, int g) { return _mm512_permutexvar_ps(_mm512_set1_epi32(g), groups[0].v); }
 // Which group vector j of unit u lies in.
 inline int vector_group(int u, int j) { return 4 * u + j; }
 
@@ -214,9 +212,6 @@ inline VecF code_floats(VecB codes, int j) {
   const __m128i half = j < 2 ? _mm256_castsi256_si128(codes) : _mm256_extracti128_si256(codes, 1);
   const __m128i part = j % 2 == 0 ? half : _mm_unpackhi_epi64(half, half);
   return _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part));
-}
-inline VecF group_value(const VecF* groups, int g) {
-  return _mm256_permutevar8x32_ps(groups[g / 8].v, _mm256_set1_epi32(g % 8));
 }
 inline int vector_group(int u, int j) { return 2 * u + j / 2; }
 
@@ -611,8 +606,8 @@ void dequantize_chunk(const uint8_t* row, int64_t k, int64_t cols, float* out) {
   const int blocks = static_cast<int>(std::min<int64_t>(8, (cols - k * kChunkValues) / 32));
   VecF s[kGroupVectors], c[kGroupVectors];
   T::scales(p, blocks, s, c);
-  // each group's s and c broadcast from memory (a load each, where group_value's permutes compete with
-  // code_floats' for the one shuffle port)
+  // each group's s and c broadcast from memory (a load each: a permute of the group vectors per value
+  // competed with code_floats' for the one shuffle port)
   alignas(64) float scale[kGroups], offset[kGroups];
   for (int j = 0; j < kGroupVectors; ++j) {
     s[j].store(scale + j * VecF::kWidth);
