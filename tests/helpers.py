@@ -21,6 +21,16 @@ def assert_all_blocks_free(llm_or_engine) -> None:
     assert stats.kv_all_free, stats.kv_usage
 
 
+def skip_unless_onednn_packs(dtype) -> None:
+    """oneDNN packs bf16 weights only on CPUs with AVX-512 or AVX-NE-CONVERT (AVX2-only CPUs: it refuses,
+    and the default linear method does not choose it there)."""
+    import pytest
+    import torch
+
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN packs bf16 only on AVX-512 or AVX-NE-CONVERT CPUs")
+
+
 def batch_invariant_llm(*args, **kwargs):
     """An LLM whose GGUF blocks never take their bf16 path (the default's at many rows where the CPU
     multiplies bf16), for tests that compare, token for token, runs whose steps hold other rows: a

@@ -11,6 +11,8 @@ from helpers import assert_all_blocks_free
 
 from pagedllm.bench import throughput
 from pagedllm.bench.workload import make_prompts
+from pagedllm.engine.op_profile import weight_kind
+from pagedllm.models.linear import Linear
 
 
 def test_throughput_bench_json(capsys):
@@ -89,8 +91,6 @@ def linear_op(engine) -> str:
     alone: the op with the most self CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    from pagedllm.models.linear import Linear
-
     layer = next(m for m in engine.model.modules() if isinstance(m, Linear))
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
         layer(torch.randn(3, layer.in_features))
@@ -129,7 +129,8 @@ def test_profile_reports_phases_gemm_floor_and_top_ops(capsys, smollm2_llm):
     # Then the profiled decode steps op by op, at the workload's batch (tests/test_op_profile.py checks
     # the numbers), against the rates this process measured: the same read rate as the K/V line's.
     assert profile[16].startswith("  3 decode steps profiled at batch 3: ")
-    assert profile[18].startswith("    matmul float32 (121 layers)")
+    layer = next(m for m in smollm2_llm.engine.model.modules() if isinstance(m, Linear))
+    assert profile[18].startswith(f"    matmul {weight_kind(layer)} (121 layers)")  # (oneDNN) on AVX2
     assert profile[-2].startswith(f"  this process measures: memory read {read:.1f} GB/s")
     assert " of the float32 GEMM rate" in profile[-1]
 

@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from helpers import assert_all_blocks_free
+from helpers import assert_all_blocks_free, skip_unless_onednn_packs
 from models_helpers import PagedCache, forward_chunks, greedy_generate, hf_greedy, hf_logits
 from transformers import (
     AutoModelForCausalLM,
@@ -367,6 +367,8 @@ def test_a_layer_in_one_call_equals_its_ops_one_by_one(
     monkeypatch.setattr(cpu, "selected_isa", lambda: isa)
     if method is not None:
         monkeypatch.setenv("PAGEDLLM_LINEAR_METHOD", method)
+    if method == "onednn":
+        skip_unless_onednn_packs(dtype)
     _, folder = checkpoint
     model = load_model(str(folder), dtype=dtype, quantization=quantization, max_num_seqs=4).model
     one_call = [getattr(layer, "one_call", None) is not None for layer in model.layers]

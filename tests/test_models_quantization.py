@@ -8,6 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+from helpers import skip_unless_onednn_packs
 from models_helpers import GGUF_TYPES as TYPES
 from models_helpers import random_blocks
 
@@ -153,6 +154,8 @@ def test_rows_taken_from_a_layer_compute_its_outputs_at_those_rows(method, dtype
     fused layer's shards, still in their blocks), so the outputs equal the whole layer's there."""
     if method is OneDNNLinear and not torch.backends.mkldnn.is_available():
         pytest.skip("torch without oneDNN")
+    if method is OneDNNLinear:
+        skip_unless_onednn_packs(dtype)
     layer = _layer(method(), dtype=dtype)
     process_linear_layers(layer)
     ids = torch.tensor([0, 3, 15, 16, 17, 30, 39])  # GGUF: Q8_0 rows 0-15, Q4_1 rows 16-39

@@ -67,6 +67,10 @@ def test_weight_kinds_name_block_types_dtypes_and_multipliers():
     assert weight_kind(dense) == "float32 (dense)"
 
 
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    reason="oneDNN packs bf16 only on AVX-512 or AVX-NE-CONVERT",
+)
 def test_bfloat16_weights_through_onednn_are_one_kind_of_their_bytes():
     from pagedllm import LLM
 

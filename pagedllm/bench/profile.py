@@ -102,25 +102,39 @@ class MachineRates:
     """What this process measures the machine does: a read of memory in order, and a large GEMM."""
 
     read_gb_s: float  # a sum over 512 MiB of float32
-    gemm_gflop_s: dict[torch.dtype, float]  # torch.mm of two 2048 x 2048 matrices, per dtype
+    gemm_gflop_s: dict[torch.dtype, float]  # torch.mm of two n x n matrices, per dtype
+    gemm_n: dict[torch.dtype, int] = field(default_factory=dict)  # that n, where not GEMM_N
 
     @classmethod
     def measure(cls, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> MachineRates:
         from pagedllm.bench.kernel import read_bandwidth_gb_s
 
-        return cls(read_bandwidth_gb_s(torch.device("cpu")), {d: gemm_gflop_s(d) for d in dtypes})
+        sized = {d: gemm_gflop_s(d) for d in dtypes}
+        rates = {d: rate for d, (rate, _) in sized.items()}
+        smaller = {d: n for d, (_, n) in sized.items() if n != GEMM_N}
+        return cls(read_bandwidth_gb_s(torch.device("cpu")), rates, smaller)
 
 
-def gemm_gflop_s(dtype: torch.dtype, n: int = 2048, reps: int = 3) -> float:
-    """GFLOP/s of torch.mm on two n x n matrices of `dtype` (best of reps)."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
+GEMM_N = 2048
+GEMM_SECONDS = 1.0  # the longest one product of a smaller n may take
+
+
+def gemm_gflop_s(dtype: torch.dtype, reps: int = 3) -> tuple[float, int]:
+    """GFLOP/s of torch.mm on two n x n matrices of `dtype` (best of reps), and n: GEMM_N, or smaller where
+    the next doubling of n would take over GEMM_SECONDS a product (a dtype the CPU has no instructions for,
+    as bf16 on AVX2-only CPUs, runs oneDNN's reference loops: minutes a product at 2048)."""
+    n = 256
+    while True:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * n**3 / best / 1e9
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+        if n == GEMM_N or best * 8 > GEMM_SECONDS:
+            return 2.0 * n**3 / best / 1e9, n
+        n *= 2
 
 
 def step_breakdown(
@@ -165,10 +179,13 @@ def step_breakdown(
     other = ops.forward_seconds - ops.matmul_seconds - ops.attention_seconds
     lines.append(line("other ops of the forward pass", other))
     lines.append(line("host: schedule, inputs, sample, rest", ops.step_seconds - ops.forward_seconds))
-    gemm = " / ".join(f"{str(d)[6:]} {rate:.0f}" for d, rate in rates.gemm_gflop_s.items())
+    gemm = " / ".join(
+        f"{str(d)[6:]} {rate:.0f}" + (f" (n = {rates.gemm_n[d]})" if d in rates.gemm_n else "")
+        for d, rate in rates.gemm_gflop_s.items()
+    )
     lines.append(
         f"  this process measures: memory read {rates.read_gb_s:.1f} GB/s (a sum over 512 MiB); "
-        f"GEMM {gemm} GFLOP/s (2048 x 2048 x 2048)"
+        f"GEMM {gemm} GFLOP/s (n x n x n, n = {GEMM_N} unless given)"
     )
     read = weight_bytes * steps / ops.matmul_seconds / 1e9
     compute = flops / ops.matmul_seconds / 1e9

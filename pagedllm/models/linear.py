@@ -18,6 +18,7 @@ them into its storage (process). A tied LM head also serves the token embedding 
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -26,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.ops import cpu
+
+logger = logging.getLogger(__name__)
 
 LINEAR_METHOD_ENV_VAR = "PAGEDLLM_LINEAR_METHOD"
 
@@ -280,6 +283,13 @@ def default_linear_method(
     kernels = cpu.unavailable_reason() is None
     if kernels and (few_rows(max_num_seqs) or (dtype == torch.float32 and cpu.avx512_selected())):
         return KernelLinear()
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        # oneDNN refuses to pack bf16 on such CPUs (AVX2-only); torch's own bf16 matmul works, slowly
+        logger.warning(
+            "bfloat16 weights on a CPU without bf16 instructions for oneDNN: batched matmuls take torch's "
+            "generic bf16 path, several times slower than float32 (dtype='float32' is faster here)"
+        )
+        return KernelLinear() if kernels else DenseLinear()
     return OneDNNLinear() if torch.backends.mkldnn.is_available() else DenseLinear()
 
 
