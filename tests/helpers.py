@@ -27,7 +27,9 @@ def skip_unless_onednn_packs(dtype) -> None:
     import pytest
     import torch
 
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    from pagedllm.ops import cpu
+
+    if dtype == torch.bfloat16 and not cpu.onednn_packs_bf16():
         pytest.skip("oneDNN packs bf16 only on AVX-512 or AVX-NE-CONVERT CPUs")
 
 

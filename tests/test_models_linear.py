@@ -100,7 +100,7 @@ def test_default_method_per_device_and_dtype(monkeypatch):
     assert default_linear_method("cpu", torch.float32).name == fp32
     assert default_linear_method("cpu", torch.float32, max_num_seqs=256).name == fp32
     # bfloat16 to oneDNN where it packs bf16, else to the kernel (its one-row stream, torch's matmul above)
-    bf16 = "onednn" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "kernel"
+    bf16 = "onednn" if cpu.onednn_packs_bf16() else "kernel"
     assert default_linear_method("cpu", torch.bfloat16, max_num_seqs=256).name == bf16
     assert default_linear_method("cpu", torch.float16).name == "dense"
     assert default_linear_method("cuda", torch.bfloat16).name == "dense"

@@ -283,8 +283,7 @@ def default_linear_method(
     kernels = cpu.unavailable_reason() is None
     if kernels and (few_rows(max_num_seqs) or (dtype == torch.float32 and cpu.avx512_selected())):
         return KernelLinear()
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        # oneDNN refuses to pack bf16 on such CPUs (AVX2-only); torch's own bf16 matmul works, slowly
+    if dtype == torch.bfloat16 and not cpu.onednn_packs_bf16():  # torch's own bf16 matmul works, slowly
         logger.warning(
             "bfloat16 weights on a CPU without bf16 instructions for oneDNN: batched matmuls take torch's "
             "generic bf16 path, several times slower than float32 (dtype='float32' is faster here)"

@@ -99,7 +99,13 @@ def bf16_matmul_available() -> bool:
     """Whether the AVX-512 kernels run and the CPU multiplies bf16 in hardware (AVX512_BF16, which oneDNN's
     bf16 GEMM uses): then GGUF blocks are multiplied in bf16 at many rows (models/quantization.py)."""
     flags = _cpu_flags()
-    return avx512_selected() and "avx512_bf16" in flags and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return avx512_selected() and "avx512_bf16" in flags and onednn_packs_bf16()
+
+
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN packs and multiplies bf16 weights on this CPU (AVX-512 or AVX-NE-CONVERT; on AVX2-only
+    CPUs it refuses to pack them)."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 @functools.cache
