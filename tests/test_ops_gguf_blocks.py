@@ -151,11 +151,12 @@ def sum_tolerance(x: torch.Tensor, w: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("name,cols", [*_cases(), ("Q6_K", 4608), ("Q5_0", 4608)])
-@pytest.mark.parametrize("rows", [1, 17, 100])
+@pytest.mark.parametrize("rows", [1, 17, 64, 100])
 def test_each_block_type_on_amx_panels(kernels, name, cols, rows):
     """Many rows where the CPU has AMX: panels of 64 weight rows dequantized to bf16 in cache and multiplied
-    by brgemm into float32 sums. 77 rows: a panel of 13 rows (the rest zeros); 896 and 96 columns: a last
-    chunk of 4 and of 3 blocks; 4,608 columns: panels of 32 rows (linear.cpp's vnni_panel_rows)."""
+    by brgemm into float32 sums; up to 64 rows of x the panel is brgemm's A (row-major), above it B (VNNI
+    pairs; linear.cpp's kVnniRowPanelRows). 77 rows: a panel of 13 rows; 896 and 96 columns: a last chunk
+    of 4 and of 3 blocks; 4,608 columns: panels of 32 rows (linear.cpp's vnni_panel_rows)."""
     needs_amx(kernels)
     data, layout, w = storage([random_blocks(GGMLQuantizationType[name], 77, cols, seed=rows)])
     x = torch.randn(rows, cols) * torch.logspace(-2, 2, cols)[torch.randperm(cols)]
@@ -169,14 +170,18 @@ def test_each_block_type_on_amx_panels(kernels, name, cols, rows):
 
 @pytest.mark.parametrize("types", [("Q5_0", "Q5_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K")], ids="-".join)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_amx_panels_on_mixed_shards_with_bias_and_residual(kernels, types, dtype):
-    """A fused projection's shards, each in its own panels (100 rows: a whole panel and one of 36)."""
+@pytest.mark.parametrize("rows", [40, 100])
+def test_amx_panels_on_mixed_shards_with_bias_and_residual(kernels, types, dtype, rows):
+    """A fused projection's shards, each in its own panels (100 rows: a whole panel and one of 36), 40 rows
+    of x (the panel as brgemm's A) and 100 (as B)."""
     needs_amx(kernels)
     cols = 896 if types[0] == "Q5_0" else 512
     sizes = (100, 8, 8)
     parts = [random_blocks(GGMLQuantizationType[t], sizes[i], cols, seed=i) for i, t in enumerate(types)]
     data, layout, w = storage(parts)
-    x, bias, residual = (t.to(dtype) for t in (torch.randn(40, cols), torch.randn(116), torch.randn(40, 116)))
+    x, bias, residual = (
+        t.to(dtype) for t in (torch.randn(rows, cols), torch.randn(116), torch.randn(rows, 116))
+    )
     out = kernels.linear(x, data, layout, None, 20, bias, residual)
     assert out.dtype == dtype
     want = bf16_product(x, w) + bias.double() + residual.double()

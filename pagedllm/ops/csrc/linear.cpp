@@ -1109,25 +1109,29 @@ at::Tensor bf16_blocks_linear(const at::Tensor& x, const std::vector<BlockShard>
 
 // Many rows of x on GGUF blocks where the CPU has AMX (could_pack(bf16): oneDNN's brgemm ukernel runs bf16
 // tiles): without the scratch above, which a whole weight's dequantization sends through memory. Each
-// thread dequantizes a panel of weight rows once into a bf16 panel in brgemm's VNNI layout
-// ([K / 2][rows][2]: each pair of columns' values for the panel's rows side by side), which stays in L2,
-// and multiplies every row of x (rounded to bf16 once a call) by it into float32 sums, kVnniXRows rows of
-// x a call; the epilogue adds bias and residual. The values multiplied are the file's rounded to bf16,
-// the sums float32 (no bf16 output rounding). Panels of 64 rows, 32 where 64 would pass kVnniPanelBytes
-// (a wide down projection's panel beside its rows of x overflowed L2). Crossovers and panel sizes:
-// docs/JOURNAL.md, "GGUF blocks on AMX".
+// thread dequantizes a panel of weight rows once into bf16, which stays in L2, and multiplies every row of
+// x (rounded to bf16 once a call) by it into float32 sums, kVnniXRows rows of x a brgemm call; the epilogue
+// adds bias and residual. Up to kVnniRowPanelRows rows of x (decode steps, where filling the panels is most
+// of the time) the panel is brgemm's A, row-major as the file stores the rows, and x is B in VNNI layout
+// ([K / 2][rows of x][2], built once a call), the sums [panel rows][rows of x] transposed in the epilogue;
+// above it x is A and the panel B in VNNI layout ([K / 2][panel rows][2]), a register transpose of every
+// 512 values that the brgemm of many rows repays. The values multiplied are the file's rounded to bf16, the
+// sums float32 (no bf16 output rounding). Panels of 64 rows, 32 where 64 would pass kVnniPanelBytes (a
+// wide down projection's panel beside its rows of x overflowed L2). Crossovers and panel sizes:
+// docs/JOURNAL.md, "GGUF blocks on AMX" and "The panel as A".
 constexpr int64_t kVnniPanelBytes = 512 << 10;
-constexpr int64_t kVnniXRows = 32;  // rows of x a brgemm call: its M
+constexpr int64_t kVnniXRows = 32;  // rows of x a brgemm call
+constexpr int64_t kVnniRowPanelRows = 64;
 
 int64_t vnni_panel_rows(int64_t cols) { return cols * 64 * 2 <= kVnniPanelBytes ? 64 : 32; }
 
 #if defined(PAGEDLLM_AVX512)
-// Panel p of a shard into VNNI form, 16 rows at a time, a chunk of 256 columns at a time: the rows'
-// floats (in L1), each row's 32 columns converted to 16 bf16 pairs (a 32-bit lane each) and transposed
-// so that a pair's 16 rows are contiguous. Rows past the shard's are zeros.
+// Panel p of a shard as brgemm's B: VNNI pairs, 16 rows at a time, a chunk of 256 columns at a time: the
+// rows' floats (in L1), each row's 32 columns converted to 16 bf16 pairs (a 32-bit lane each) and
+// transposed so that a pair's 16 rows are contiguous. Rows past the shard's are zeros.
 template <typename T>
-__attribute__((target("avx512bf16"))) void vnni_panel(const BlockShard& shard, const ShardPanel& p, int64_t cols,
-                                                      int64_t panel_rows, c10::BFloat16* panel) {
+__attribute__((target("avx512bf16"))) void vnni_pair_panel(const BlockShard& shard, const ShardPanel& p,
+                                                           int64_t cols, int64_t panel_rows, c10::BFloat16* panel) {
   constexpr int W = 16, kValues = quants::kChunkValues;
   alignas(64) float rows[W][kValues];
   for (int64_t r0 = 0; r0 < panel_rows; r0 += W) {
@@ -1154,29 +1158,87 @@ __attribute__((target("avx512bf16"))) void vnni_panel(const BlockShard& shard, c
   }
 }
 
+// Panel p of a shard as brgemm's A: its rows as bf16, row-major, a chunk of 256 columns at a time through
+// a row of floats in L1.
+template <typename T>
+__attribute__((target("avx512bf16"))) void vnni_row_panel(const BlockShard& shard, const ShardPanel& p, int64_t cols,
+                                                          c10::BFloat16* panel) {
+  constexpr int W = 16, kValues = quants::kChunkValues;
+  alignas(64) float chunk[kValues];
+  for (int64_t r = 0; r < p.n1 - p.n0; ++r) {
+    const uint8_t* row = shard.data + (p.n0 + r) * shard.row_bytes;
+    for (int64_t k = 0; k * kValues < cols; ++k) {
+      const int values = static_cast<int>(std::min<int64_t>(kValues, cols - k * kValues));
+      quants::dequantize_chunk<T>(row, k, cols, chunk);
+      for (int j = 0; j < values; j += 2 * W) {  // values: whole 32-value blocks
+        const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_load_ps(chunk + j + W), _mm512_load_ps(chunk + j));
+        _mm512_storeu_si512(panel + r * cols + k * kValues + j, reinterpret_cast<__m512i>(pairs));
+      }
+    }
+  }
+}
+
+// The 32-bit elements src [rows][cols] (rows ld_src apart) transposed into dst [cols][ld_dst]: 16 x 16 at
+// a time in registers where whole.
+void transpose_words(const uint32_t* src, int64_t rows, int64_t cols, int64_t ld_src, uint32_t* dst, int64_t ld_dst) {
+  int64_t r = 0;
+  for (; r + 16 <= rows; r += 16) {
+    int64_t c = 0;
+    for (; c + 16 <= cols; c += 16) {
+      transpose_tile(reinterpret_cast<const float*>(src + r * ld_src + c), ld_src,
+                     reinterpret_cast<float*>(dst + c * ld_dst + r), ld_dst);
+    }
+    for (; c < cols; ++c)
+      for (int64_t i = r; i < r + 16; ++i) dst[c * ld_dst + i] = src[i * ld_src + c];
+  }
+  for (; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+}
+
 at::Tensor vnni_blocks_linear(const at::Tensor& x, const std::vector<BlockShard>& shards, int64_t n_rows, int64_t cols,
                               const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
   const int64_t m_rows = x.size(0);
+  const bool panel_is_a = m_rows <= kVnniRowPanelRows;
   const at::Tensor xb = x.to(at::kBFloat16).contiguous();
+  const c10::BFloat16* xs = xb.data_ptr<c10::BFloat16>();
+  at::Tensor xv;  // panel_is_a: x as B, VNNI pairs of each kVnniXRows rows at m * cols, as brgemm calls read them
+  if (panel_is_a) {
+    xv = at::empty(xb.sizes(), xb.options());
+    for (int64_t m = 0; m < m_rows; m += kVnniXRows) {
+      const int64_t mr = std::min(kVnniXRows, m_rows - m);
+      transpose_words(reinterpret_cast<const uint32_t*>(xs + m * cols), mr, cols / 2, cols / 2,
+                      reinterpret_cast<uint32_t*>(xv.data_ptr<c10::BFloat16>() + m * cols), mr);
+    }
+  }
   at::Tensor out = at::empty({m_rows, n_rows}, x.options());
   const Epilogue epilogue = Epilogue::into(out, bias, residual);
   const int64_t np = vnni_panel_rows(cols);
   const std::vector<ShardPanel> panels = shard_panels(shards, np);
-  const c10::BFloat16* a = xb.data_ptr<c10::BFloat16>();
   at::parallel_for(0, static_cast<int64_t>(panels.size()), 1, [&](int64_t begin, int64_t end) {
     static thread_local LineVector<c10::BFloat16> panel;
-    static thread_local LineVector<float> sums;
+    static thread_local LineVector<float> sums, by_row;
     panel.resize(cols * np);
     sums.resize(kVnniXRows * np);
+    by_row.resize(kVnniXRows * np);
     for (int64_t item = begin; item < end; ++item) {
       const ShardPanel& p = panels[item];
       const BlockShard& shard = shards[p.shard];
-      quants::with_type(shard.type, [&](auto t) { vnni_panel<decltype(t)>(shard, p, cols, np, panel.data()); });
+      const int64_t pr = p.n1 - p.n0;
+      quants::with_type(shard.type, [&](auto t) {
+        if (panel_is_a) return vnni_row_panel<decltype(t)>(shard, p, cols, panel.data());
+        vnni_pair_panel<decltype(t)>(shard, p, cols, np, panel.data());
+      });
       for (int64_t m = 0; m < m_rows; m += kVnniXRows) {
         const int64_t mr = std::min(kVnniXRows, m_rows - m);
-        at::native::cpublas::brgemm(mr, np, cols, cols, np, np, false, a + m * cols, panel.data(), sums.data(), true);
-        for (int64_t i = 0; i < mr; ++i)
-          epilogue.store_row(m + i, shard.first_row + p.n0, sums.data() + i * np, p.n1 - p.n0);
+        if (panel_is_a) {  // sums [pr][mr], by_row [mr][np]
+          at::native::cpublas::brgemm(pr, mr, cols, cols, mr, mr, false, panel.data(), xv.data_ptr<c10::BFloat16>() + m * cols,
+                                      sums.data(), true);
+          transpose_words(reinterpret_cast<const uint32_t*>(sums.data()), pr, mr, mr,
+                          reinterpret_cast<uint32_t*>(by_row.data()), np);
+        } else {  // by_row [mr][np]
+          at::native::cpublas::brgemm(mr, np, cols, cols, np, np, false, xs + m * cols, panel.data(), by_row.data(), true);
+        }
+        for (int64_t i = 0; i < mr; ++i) epilogue.store_row(m + i, shard.first_row + p.n0, by_row.data() + i * np, pr);
       }
     }
     at::native::cpublas::brgemm_release(true);
