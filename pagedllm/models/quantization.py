@@ -107,10 +107,9 @@ class GGUFLinear(KernelLinear):
     # types with integer sub-scales keep their integer path longer; the others switch as soon as their
     # streamed integer path ends.
     BF16_ROWS = {GGMLQuantizationType.Q4_K: 64, GGMLQuantizationType.Q6_K: 64}
-    # The same on AMX (docs/JOURNAL.md, "GGUF blocks on AMX"): with no whole-weight scratch the panels pass
-    # the integer path at 10-12 rows.
-    AMX_ROWS = {GGMLQuantizationType.Q4_K: 12, GGMLQuantizationType.Q6_K: 12}
-    AMX_OTHER_ROWS = 10
+    # On AMX, for every type (docs/JOURNAL.md, "GGUF blocks on AMX", "The panel as A"): with no whole-weight
+    # scratch and the panel filled row-major the panels pass the integer path at 8-10 rows.
+    AMX_ROWS = 10
 
     def create_weights(self, layer: Linear) -> None:
         layer.params_dtype = layer.weight.dtype
@@ -134,10 +133,8 @@ class GGUFLinear(KernelLinear):
         if not cpu.bf16_matmul_available():
             return 0
         if cpu.blocks_amx():
-            table, other = self.AMX_ROWS, self.AMX_OTHER_ROWS
-        else:
-            table, other = self.BF16_ROWS, self.STREAM_ROWS + 1
-        return max(table.get(s.qtype, other) for s in shards)
+            return self.AMX_ROWS
+        return max(self.BF16_ROWS.get(s.qtype, self.STREAM_ROWS + 1) for s in shards)
 
 
 def multiplies_in_bf16(model: torch.nn.Module) -> bool:
