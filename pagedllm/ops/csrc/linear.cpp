@@ -1201,14 +1201,13 @@ at::Tensor vnni_blocks_linear(const at::Tensor& x, const std::vector<BlockShard>
   const bool panel_is_a = m_rows <= kVnniRowPanelRows;
   const at::Tensor xb = x.to(at::kBFloat16).contiguous();
   const c10::BFloat16* xs = xb.data_ptr<c10::BFloat16>();
-  at::Tensor xv;  // panel_is_a: x as B, VNNI pairs of each kVnniXRows rows at m * cols, as brgemm calls read them
-  if (panel_is_a) {
-    xv = at::empty(xb.sizes(), xb.options());
-    for (int64_t m = 0; m < m_rows; m += kVnniXRows) {
-      const int64_t mr = std::min(kVnniXRows, m_rows - m);
-      transpose_words(reinterpret_cast<const uint32_t*>(xs + m * cols), mr, cols / 2, cols / 2,
-                      reinterpret_cast<uint32_t*>(xv.data_ptr<c10::BFloat16>() + m * cols), mr);
-    }
+  // panel_is_a: x as B, the VNNI pairs of each kVnniXRows rows at m * cols, as the brgemm calls read them
+  const at::Tensor xv = panel_is_a ? at::empty(xb.sizes(), xb.options()) : xb;
+  const c10::BFloat16* xvs = xv.data_ptr<c10::BFloat16>();
+  for (int64_t m = 0; panel_is_a && m < m_rows; m += kVnniXRows) {
+    const int64_t mr = std::min(kVnniXRows, m_rows - m);
+    transpose_words(reinterpret_cast<const uint32_t*>(xs + m * cols), mr, cols / 2, cols / 2,
+                    reinterpret_cast<uint32_t*>(xv.data_ptr<c10::BFloat16>() + m * cols), mr);
   }
   at::Tensor out = at::empty({m_rows, n_rows}, x.options());
   const Epilogue epilogue = Epilogue::into(out, bias, residual);
@@ -1231,8 +1230,7 @@ at::Tensor vnni_blocks_linear(const at::Tensor& x, const std::vector<BlockShard>
       for (int64_t m = 0; m < m_rows; m += kVnniXRows) {
         const int64_t mr = std::min(kVnniXRows, m_rows - m);
         if (panel_is_a) {  // sums [pr][mr], by_row [mr][np]
-          at::native::cpublas::brgemm(pr, mr, cols, cols, mr, mr, false, panel.data(), xv.data_ptr<c10::BFloat16>() + m * cols,
-                                      sums.data(), true);
+          at::native::cpublas::brgemm(pr, mr, cols, cols, mr, mr, false, panel.data(), xvs + m * cols, sums.data(), true);
           transpose_words(reinterpret_cast<const uint32_t*>(sums.data()), pr, mr, mr,
                           reinterpret_cast<uint32_t*>(by_row.data()), np);
         } else {  // by_row [mr][np]
