@@ -107,8 +107,9 @@ class GGUFLinear(KernelLinear):
     # types with integer sub-scales keep their integer path longer; the others switch as soon as their
     # streamed integer path ends.
     BF16_ROWS = {GGMLQuantizationType.Q4_K: 64, GGMLQuantizationType.Q6_K: 64}
-    # On AMX, for every type (docs/JOURNAL.md, "GGUF blocks on AMX", "The panel as A"): with no whole-weight
-    # scratch and the panel filled row-major the panels pass the integer path at 8-10 rows.
+    # On AMX, for every type (docs/JOURNAL.md, "GGUF blocks on AMX", "Session 10: the panel as brgemm's
+    # A"): with no whole-weight scratch and the panel filled row-major the panels pass the integer path at
+    # 8-10 rows.
     AMX_ROWS = 10
 
     def create_weights(self, layer: Linear) -> None:

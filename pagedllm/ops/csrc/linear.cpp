@@ -1118,7 +1118,7 @@ at::Tensor bf16_blocks_linear(const at::Tensor& x, const std::vector<BlockShard>
 // 512 values that the brgemm of many rows repays. The values multiplied are the file's rounded to bf16, the
 // sums float32 (no bf16 output rounding). Panels of 64 rows, 32 where 64 would pass kVnniPanelBytes (a
 // wide down projection's panel beside its rows of x overflowed L2). Crossovers and panel sizes:
-// docs/JOURNAL.md, "GGUF blocks on AMX" and "The panel as A".
+// docs/JOURNAL.md, "GGUF blocks on AMX" and "Session 10: the panel as brgemm's A".
 constexpr int64_t kVnniPanelBytes = 512 << 10;
 constexpr int64_t kVnniXRows = 32;  // rows of x a brgemm call
 constexpr int64_t kVnniRowPanelRows = 64;
