@@ -1203,11 +1203,11 @@ at::Tensor vnni_blocks_linear(const at::Tensor& x, const std::vector<BlockShard>
   const c10::BFloat16* xs = xb.data_ptr<c10::BFloat16>();
   // panel_is_a: x as B, the VNNI pairs of each kVnniXRows rows at m * cols, as the brgemm calls read them
   const at::Tensor xv = panel_is_a ? at::empty(xb.sizes(), xb.options()) : xb;
-  const c10::BFloat16* xvs = xv.data_ptr<c10::BFloat16>();
+  c10::BFloat16* xvs = xv.data_ptr<c10::BFloat16>();
   for (int64_t m = 0; panel_is_a && m < m_rows; m += kVnniXRows) {
     const int64_t mr = std::min(kVnniXRows, m_rows - m);
     transpose_words(reinterpret_cast<const uint32_t*>(xs + m * cols), mr, cols / 2, cols / 2,
-                    reinterpret_cast<uint32_t*>(xv.data_ptr<c10::BFloat16>() + m * cols), mr);
+                    reinterpret_cast<uint32_t*>(xvs + m * cols), mr);
   }
   at::Tensor out = at::empty({m_rows, n_rows}, x.options());
   const Epilogue epilogue = Epilogue::into(out, bias, residual);
