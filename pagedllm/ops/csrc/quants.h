@@ -149,8 +149,7 @@ inline VecI add_products(VecI acc, VecI a, const int16_t* x) {
 }
 inline VecI add_int(VecI a, VecI b) { return _mm512_add_epi32(a, b); }
 inline VecI zero_int() { return _mm512_setzero_si512(); }
-inline VecB broadcast_bytes(uint64_t bytes) { return _mm512_set1_epi64(static_cast<int64_t>(bytes)); }
-inline VecB broadcast_bytes(const uint8_t* p) { return _mm512_broadcast_i32x4(load16(p)); }
+inline VecB broadcast_bytes(__m128i bytes) { return _mm512_broadcast_i32x4(bytes); }
 
 #else  // AVX2
 
@@ -230,8 +229,7 @@ inline VecI add_products(VecI acc, VecI a, const int16_t* x) {
 }
 inline VecI add_int(VecI a, VecI b) { return _mm256_add_epi32(a, b); }
 inline VecI zero_int() { return _mm256_setzero_si256(); }
-inline VecB broadcast_bytes(uint64_t bytes) { return _mm256_set1_epi64x(static_cast<int64_t>(bytes)); }
-inline VecB broadcast_bytes(const uint8_t* p) { return _mm256_broadcastsi128_si256(load16(p)); }
+inline VecB broadcast_bytes(__m128i bytes) { return _mm256_broadcastsi128_si256(bytes); }
 
 #endif
 
@@ -427,31 +425,29 @@ template <>
 inline constexpr bool kQuads<Q4_1> = true;
 #endif
 
-// Q4_K / Q5_K's eight 6-bit scales and mins as bytes (sub-block j in byte j), unpacked as llama.cpp's
-// get_scale_min_k4 reads them, four at a time in 32-bit words.
-struct KScaleBytes {
-  uint64_t scales, mins;
-};
-inline KScaleBytes k_scale_bytes(const uint8_t* p) {
-  uint32_t q[3];
-  std::memcpy(q, p + 4, 12);
-  constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
-  return {(q[0] & kLow6) | uint64_t{(q[2] & kLow4) | (((q[0] >> 6) & kLow2) << 4)} << 32,
-          (q[1] & kLow6) | uint64_t{((q[2] >> 4) & kLow4) | (((q[1] >> 6) & kLow2) << 4)} << 32};
+// Q4_K / Q5_K's eight 6-bit scales and mins (12 bytes at p + 4, packed as llama.cpp's get_scale_min_k4
+// reads them) as one vector of bytes: sub-block j's scale in byte j, its min in byte 8 + j. In vector
+// registers: the scalar unpacking was a quarter of a Q4_K chunk's time at one row of x (docs/JOURNAL.md).
+inline __m128i k_scale_bytes(const uint8_t* p) {
+  const __m128i raw = load16(p + 4);  // bytes 0-3 scales 0-3, 4-7 mins 0-3, 8-11 the rest's low nibbles
+  // the low 6 bits of scales / mins 0-3; the low (scales 4-7) and high (mins 4-7) nibbles of bytes 8-11
+  const __m128i low = _mm_shuffle_epi8(raw, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i bits = _mm_and_si128(_mm_blend_epi32(low, _mm_srli_epi16(low, 4), 0x8),
+                                     _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  // the top 2 bits of bytes 0-7, the high bits of scales / mins 4-7
+  const __m128i high = _mm_shuffle_epi8(raw, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  return _mm_or_si128(bits, _mm_srli_epi16(_mm_and_si128(high, _mm_set1_epi8(static_cast<char>(0xc0))), 2));
 }
+// The float16 pair d, dmin at p as floats in lanes 0 and 1 (one conversion for both).
+inline __m128 half_pair(const uint8_t* p) { return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits32(p)))); }
 
-// Eight bytes (one a 32-value sub-block) as the floats of its sixteen 16-value groups, each byte twice.
-inline void pair_floats(uint64_t bytes, VecF* out) {
-  const __m128i b = _mm_cvtsi64_si128(static_cast<int64_t>(bytes));  // from a register: a vector load of
-  bytes_as_floats<false>(_mm_unpacklo_epi8(b, b), out);                // just-stored words would stall
-}
-
-// Q4_K / Q5_K's (scale, min) pairs as each group's s and c.
+// Q4_K / Q5_K's (scale, min) pairs as each group's s and c (each byte twice: two 16-value groups a sub-block).
 inline void k_scales(const uint8_t* p, VecF* s, VecF* c) {
-  const KScaleBytes bytes = k_scale_bytes(p);
-  pair_floats(bytes.scales, s);
-  pair_floats(bytes.mins, c);
-  const VecF d = VecF::set1(half(p)), minus_dmin = VecF::set1(-half(p + 2));
+  const __m128i bytes = k_scale_bytes(p);
+  bytes_as_floats<false>(_mm_unpacklo_epi8(bytes, bytes), s);
+  bytes_as_floats<false>(_mm_unpackhi_epi8(bytes, bytes), c);
+  const __m128 dm = half_pair(p);
+  const VecF d = VecF::set1(_mm_cvtss_f32(dm)), minus_dmin = VecF::set1(-_mm_cvtss_f32(_mm_movehdup_ps(dm)));
   for (int j = 0; j < kGroupVectors; ++j) {
     s[j] = s[j] * d;
     c[j] = c[j] * minus_dmin;
@@ -476,10 +472,11 @@ struct Q4_K {
   static VecB codes(const uint8_t* p, int u, int) { return k_nibbles(p + 16, u); }
 
   static IntegerChunk integer_chunk(const uint8_t* p) {
-    const KScaleBytes bytes = k_scale_bytes(p);
-    IntegerChunk chunk{broadcast_bytes(bytes.scales), half(p), {}};
-    pair_floats(bytes.mins, chunk.offsets);
-    const VecF minus_dmin = VecF::set1(-half(p + 2));
+    const __m128i bytes = k_scale_bytes(p);
+    const __m128 dm = half_pair(p);
+    IntegerChunk chunk{broadcast_bytes(bytes), _mm_cvtss_f32(dm), {}};
+    bytes_as_floats<false>(_mm_unpackhi_epi8(bytes, bytes), chunk.offsets);
+    const VecF minus_dmin = VecF::set1(-_mm_cvtss_f32(_mm_movehdup_ps(dm)));
     for (int j = 0; j < kGroupVectors; ++j) chunk.offsets[j] = chunk.offsets[j] * minus_dmin;
     return chunk;
   }
@@ -546,7 +543,7 @@ struct Q6_K {
 #endif
   }
   static IntegerChunk integer_chunk(const uint8_t* p) {
-    IntegerChunk chunk{broadcast_bytes(p + 192), half(p + 208), {}};
+    IntegerChunk chunk{broadcast_bytes(load16(p + 192)), half(p + 208), {}};
     bytes_as_floats<true>(load16(p + 192), chunk.offsets);
     const VecF minus_32d = VecF::set1(-32.f * chunk.d);
     for (int j = 0; j < kGroupVectors; ++j) chunk.offsets[j] = chunk.offsets[j] * minus_32d;
