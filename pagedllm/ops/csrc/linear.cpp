@@ -748,6 +748,15 @@ void blocks_row(const uint8_t* row, const ActivationBlocks& x, int64_t m0, int64
   }
 }
 
+// blocks_row compiled as a function of its own, for Q8_0: inlined into blocks_matmul's work loop, its row
+// took 2.0-2.2 ns a block against 1.55-1.65 alone (GCC's code for the signed codes' widening there); the
+// other types' rows are 5-10% faster inlined (docs/JOURNAL.md).
+template <typename T, int MR>
+__attribute__((noinline)) void blocks_row_apart(const uint8_t* row, const ActivationBlocks& x, int64_t m0, int64_t k0,
+                                                int64_t k1, float* sums, int64_t ahead) {
+  blocks_row<T, MR>(row, x, m0, k0, k1, sums, ahead);
+}
+
 #if defined(PAGEDLLM_AVX512)
 // blocks_row for the types read in quads (quants.h): per chunk and row of x, each quad's int32 sums of its
 // four vectors' multiply-adds, converted once and multiplied by its blocks' d dx; the m dx (sum q) terms
@@ -975,19 +984,25 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
                                             ? kRowsAhead * shard.row_bytes
                                             : (kRowsAhead - (panel.n1 - panel.n0)) * shard.row_bytes +
                                                   (k1 - k0) * quants::chunk_bytes<T>();
+                  // the row's sums kept apart from `sums` until it ends: summed there through the pointer,
+                  // Q8_0's rows took 1.5x as long (the next row's loads waited on those stores)
+                  float row_sum[R] = {};
                   if constexpr (T::kIntegerScales) {
-                    integer_chunk_row<T, R>(row, cx, m0, k0, k1, row_sums, ahead);
+                    integer_chunk_row<T, R>(row, cx, m0, k0, k1, row_sum, ahead);
+                  } else if constexpr (T::kSigned) {
+                    blocks_row_apart<T, R>(row, qx, m0, k0, k1, row_sum, ahead);
                   } else {
 #if defined(PAGEDLLM_AVX512)
                     if constexpr (quants::kQuads<T>) {
-                      quad_row<T, R>(row, qx, m0, k0, k1, row_sums, ahead);
+                      quad_row<T, R>(row, qx, m0, k0, k1, row_sum, ahead);
                     } else {
-                      blocks_row<T, R>(row, qx, m0, k0, k1, row_sums, ahead);
+                      blocks_row<T, R>(row, qx, m0, k0, k1, row_sum, ahead);
                     }
 #else
-                    blocks_row<T, R>(row, qx, m0, k0, k1, row_sums, ahead);
+                    blocks_row<T, R>(row, qx, m0, k0, k1, row_sum, ahead);
 #endif
                   }
+                  for (int i = 0; i < R; ++i) row_sums[i] += row_sum[i];
                 }
               });
             }
