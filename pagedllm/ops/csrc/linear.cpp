@@ -749,8 +749,8 @@ void blocks_row(const uint8_t* row, const ActivationBlocks& x, int64_t m0, int64
 }
 
 // blocks_row compiled as a function of its own, for Q8_0: inlined into blocks_matmul's work loop, its row
-// took 2.0-2.2 ns a block against 1.55-1.65 alone (GCC's code for the signed codes' widening there); the
-// other types' rows are 5-10% faster inlined (docs/JOURNAL.md).
+// took 2.0-2.2 ns a block against 1.55-1.65 alone (measured with GCC; why, not found); the other types'
+// rows are 5-10% faster inlined (docs/JOURNAL.md, session 11).
 template <typename T, int MR>
 __attribute__((noinline)) void blocks_row_apart(const uint8_t* row, const ActivationBlocks& x, int64_t m0, int64_t k0,
                                                 int64_t k1, float* sums, int64_t ahead) {
@@ -985,7 +985,7 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
                                             : (kRowsAhead - (panel.n1 - panel.n0)) * shard.row_bytes +
                                                   (k1 - k0) * quants::chunk_bytes<T>();
                   // the row's sums kept apart from `sums` until it ends: summed there through the pointer,
-                  // Q8_0's rows took 1.5x as long (the next row's loads waited on those stores)
+                  // Q8_0's rows took 1.5x as long (docs/JOURNAL.md, session 11)
                   float row_sum[R] = {};
                   if constexpr (T::kIntegerScales) {
                     integer_chunk_row<T, R>(row, cx, m0, k0, k1, row_sum, ahead);
@@ -1219,10 +1219,12 @@ at::Tensor vnni_blocks_linear(const at::Tensor& x, const std::vector<BlockShard>
   // panel_is_a: x as B, the VNNI pairs of each kVnniXRows rows at m * cols, as the brgemm calls read them
   const at::Tensor xv = panel_is_a ? at::empty(xb.sizes(), xb.options()) : xb;
   c10::BFloat16* xvs = xv.data_ptr<c10::BFloat16>();
-  for (int64_t m = 0; panel_is_a && m < m_rows; m += kVnniXRows) {
-    const int64_t mr = std::min(kVnniXRows, m_rows - m);
-    transpose_words(reinterpret_cast<const uint32_t*>(xs + m * cols), mr, cols / 2, cols / 2,
-                    reinterpret_cast<uint32_t*>(xvs + m * cols), mr);
+  if (panel_is_a) {
+    for (int64_t m = 0; m < m_rows; m += kVnniXRows) {
+      const int64_t mr = std::min(kVnniXRows, m_rows - m);
+      transpose_words(reinterpret_cast<const uint32_t*>(xs + m * cols), mr, cols / 2, cols / 2,
+                      reinterpret_cast<uint32_t*>(xvs + m * cols), mr);
+    }
   }
   at::Tensor out = at::empty({m_rows, n_rows}, x.options());
   const Epilogue epilogue = Epilogue::into(out, bias, residual);

@@ -438,16 +438,22 @@ inline __m128i k_scale_bytes(const uint8_t* p) {
   const __m128i high = _mm_shuffle_epi8(raw, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
   return _mm_or_si128(bits, _mm_srli_epi16(_mm_and_si128(high, _mm_set1_epi8(static_cast<char>(0xc0))), 2));
 }
-// The float16 pair d, dmin at p as floats in lanes 0 and 1 (one conversion for both).
-inline __m128 half_pair(const uint8_t* p) { return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits32(p)))); }
+// A K super-block's float16 d and dmin (at p, p + 2) as floats, in one conversion.
+struct KScale {
+  float d, dmin;
+};
+inline KScale k_scale(const uint8_t* p) {
+  const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits32(p))));
+  return {_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm))};
+}
 
 // Q4_K / Q5_K's (scale, min) pairs as each group's s and c (each byte twice: two 16-value groups a sub-block).
 inline void k_scales(const uint8_t* p, VecF* s, VecF* c) {
   const __m128i bytes = k_scale_bytes(p);
   bytes_as_floats<false>(_mm_unpacklo_epi8(bytes, bytes), s);
   bytes_as_floats<false>(_mm_unpackhi_epi8(bytes, bytes), c);
-  const __m128 dm = half_pair(p);
-  const VecF d = VecF::set1(_mm_cvtss_f32(dm)), minus_dmin = VecF::set1(-_mm_cvtss_f32(_mm_movehdup_ps(dm)));
+  const KScale scale = k_scale(p);
+  const VecF d = VecF::set1(scale.d), minus_dmin = VecF::set1(-scale.dmin);
   for (int j = 0; j < kGroupVectors; ++j) {
     s[j] = s[j] * d;
     c[j] = c[j] * minus_dmin;
@@ -473,10 +479,10 @@ struct Q4_K {
 
   static IntegerChunk integer_chunk(const uint8_t* p) {
     const __m128i bytes = k_scale_bytes(p);
-    const __m128 dm = half_pair(p);
-    IntegerChunk chunk{broadcast_bytes(bytes), _mm_cvtss_f32(dm), {}};
+    const KScale scale = k_scale(p);
+    IntegerChunk chunk{broadcast_bytes(bytes), scale.d, {}};
     bytes_as_floats<false>(_mm_unpackhi_epi8(bytes, bytes), chunk.offsets);
-    const VecF minus_dmin = VecF::set1(-_mm_cvtss_f32(_mm_movehdup_ps(dm)));
+    const VecF minus_dmin = VecF::set1(-scale.dmin);
     for (int j = 0; j < kGroupVectors; ++j) chunk.offsets[j] = chunk.offsets[j] * minus_dmin;
     return chunk;
   }
