@@ -299,16 +299,19 @@ int64_t partial_size(const Batch<TQ, TKV>& b) {
 
 // ---- Plan: the work items ----
 
-// Below this many multiply-adds in all, a call runs on the calling thread: one sequence's decode
-// attention over a few hundred tokens takes less time than waking the pool's passive threads.
-constexpr int64_t kInlineWork = 1 << 19;
+// Below this many multiply-adds in all, a call runs on the calling thread. Threads that sleep at once
+// take tens of microseconds to wake, more than one sequence's decode attention over a few hundred tokens
+// takes; threads still spinning from the matmul before (pagedllm's default) start in ~1 us, and one
+// user's 200-token context split between two of them took 21 us a layer against 33 inline (SmolLM2, its
+// keys out of L2: docs/JOURNAL.md, session 12).
+inline int64_t inline_work() { return threads_sleep_at_once() ? int64_t{1} << 19 : int64_t{1} << 15; }
 
 // Runs fn(i) for i in [0, n) on the intra-op thread pool (inline when `work` is small), handing out items
 // one at a time so that sequences of very different lengths still balance across threads.
 template <typename F>
 void parallel_dynamic(int64_t n, int64_t work, const F& fn) {
   std::atomic<int64_t> next{0};
-  const int64_t tasks = work < kInlineWork ? 1 : std::min<int64_t>(n, at::get_num_threads());
+  const int64_t tasks = work < inline_work() ? 1 : std::min<int64_t>(n, at::get_num_threads());
   at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
     for (int64_t i = next++; i < n; i = next++) fn(i);
   });
@@ -341,7 +344,7 @@ void refuse_bad_block_id(const Batch<TQ, TKV>& b) {
 template <typename TQ, typename TKV>
 void split_long_rows(const Batch<TQ, TKV>& b, Plan& plan) {
   const int64_t threads = at::get_num_threads();
-  if (threads <= 1 || plan.work < kInlineWork) return;
+  if (threads <= 1 || plan.work < inline_work()) return;
   int64_t all_pairs = 0;  // (key, kv head) pairs read for each query row, over all items
   for (const WorkItem& it : plan.items) all_pairs += b.keys_of(it.seq) * it.kv_heads * it.rows();
   const int64_t share = std::max<int64_t>(1, all_pairs / (2 * threads));

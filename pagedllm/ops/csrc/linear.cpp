@@ -956,7 +956,9 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
     // The K types walk whole rows at one row of x, whose codes fit in L1 at any width here: the panel is
     // then one sequential stream, which a span walk over its 32 rows read at two thirds of the rate on the
     // 8,960-column down projection; that stream prefetches a fixed kRowsAhead spans' bytes ahead (4 whole
-    // rows, 29 KB there, was too far)
+    // rows, 29 KB there, was too far). Whole rows of the 32-value types prefetch kRowsAhead rows on past the
+    // panel's end too: a thread's next item is the next panel, and the rows there (the old rule's: the
+    // panel's first rows again) cost the 0.5B's one-row step 4% (docs/JOURNAL.md, session 12)
     const int64_t grain = std::max<int64_t>(1, kTaskWork / (kPanelRows * cols * x_rows));
     at::parallel_for(0, items * runs, grain, [&](int64_t begin, int64_t end) {
       static thread_local std::vector<float> sums;
@@ -980,7 +982,7 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
                   const uint8_t* row = shard.data + n * shard.row_bytes;
                   float* row_sums = sums.data() + (n - panel.n0) * x_rows + (m0 - m_begin);
                   const int64_t ahead = whole_rows && T::kIntegerScales ? stream_ahead
-                                        : n + kRowsAhead < panel.n1
+                                        : whole_rows || n + kRowsAhead < panel.n1
                                             ? kRowsAhead * shard.row_bytes
                                             : (kRowsAhead - (panel.n1 - panel.n0)) * shard.row_bytes +
                                                   (k1 - k0) * quants::chunk_bytes<T>();
