@@ -1,11 +1,12 @@
 """The C++ linear kernel on GGUF blocks as the file stores them (ops/csrc/quants.h), every block type on
 every instruction-set build this CPU runs, against the `gguf` package's dequantizer and float64 matmuls.
 
-x is rounded to int16 blocks (scale max |x| / 32767) and meets the codes in integer arithmetic: at any
-number of rows in blocks of 256 for Q4_K and Q6_K (their integer sub-scales), at up to 16 rows in blocks of
-32 for the other types (more rows multiply their dequantized values in float32); the reference rounds x
-the same way, written here independently. From group_size rows on (where set) x and W are rounded to bf16:
-through a whole-weight scratch and oneDNN's GEMM, or on a CPU with AMX through panels and brgemm.
+x is rounded to int16 blocks (scale max |x| / 32767) and meets the codes in integer arithmetic: in blocks of
+256 for Q4_K and Q6_K (their integer sub-scales) at any number of rows (with the AVX2 builds, below 64), at
+up to 16 rows in blocks of 32 for the other types (more rows multiply their dequantized values in float32);
+the reference rounds x the same way, written here independently. From group_size rows on (where set) x and
+W are rounded to bf16: through a whole-weight scratch and oneDNN's GEMM, or on a CPU with AMX through panels
+and brgemm.
 """
 
 import numpy as np
@@ -32,12 +33,15 @@ def storage(parts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 STREAMED_ROWS = 16  # linear.cpp's kBlockStreamRows
 INTEGER_SCALES = {"Q4_K", "Q6_K"}  # quants.h's kIntegerScales
+NARROW_INTEGER_ROWS = 64  # linear.cpp's kNarrowIntegerRows: from here AVX2 builds' K types take float panels
 
 
-def expected(x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
-    if name in INTEGER_SCALES:
+def expected(x: torch.Tensor, w: torch.Tensor, name: str, isa: str) -> torch.Tensor:
+    """What the kernels compute, with the many-row paths' gate on (set_blocks_bf16's default)."""
+    rows = x.shape[0]
+    if name in INTEGER_SCALES and not (isa.startswith("avx2") and rows >= NARROW_INTEGER_ROWS):
         return int16_blocks(x, 256).double() @ w.T
-    return (int16_blocks(x) if x.shape[0] <= STREAMED_ROWS else x).double() @ w.T
+    return (int16_blocks(x) if rows <= STREAMED_ROWS else x).double() @ w.T
 
 
 def tolerance(x: torch.Tensor, w: torch.Tensor) -> float:
@@ -63,16 +67,26 @@ def test_each_block_type_matches_the_reference(kernels, name, cols, rows):
     x = torch.randn(rows, cols) * torch.logspace(-2, 2, cols)[torch.randperm(cols)]  # blocks of mixed size
     out = kernels.linear(x, data, layout)
     assert out.shape == (rows, 37) and out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), expected(x, w, name), atol=tolerance(x, w), rtol=0)
+    torch.testing.assert_close(
+        out.double(), expected(x, w, name, kernels.selected_isa()), atol=tolerance(x, w), rtol=0
+    )
 
 
 @pytest.mark.parametrize("name", sorted(INTEGER_SCALES))
 def test_integer_scales_give_a_row_the_same_bits_in_any_batch(kernels, name):
+    """With the many-row paths' gate off, as the model runner sets it for a step of decode rows; on, the
+    AVX2 builds' K types take the float panels from NARROW_INTEGER_ROWS rows (the reference test)."""
     data, layout, _ = storage([random_blocks(GGMLQuantizationType[name], 40, 2304)])
     x = torch.randn(300, 2304)
-    alone = kernels.linear(x[:1], data, layout)
-    for rows in (5, 300):
-        assert torch.equal(kernels.linear(x[:rows], data, layout)[:1], alone)
+    previous = kernels.set_blocks_bf16(False)
+    try:
+        alone = kernels.linear(x[:1], data, layout)
+        for rows in (5, 300):
+            assert torch.equal(kernels.linear(x[:rows], data, layout)[:1], alone)
+    finally:
+        kernels.set_blocks_bf16(previous)
+    gated = kernels.linear(x, data, layout)[:1]
+    assert torch.equal(gated, alone) == (not kernels.selected_isa().startswith("avx2"))
 
 
 @pytest.mark.parametrize("types", [("Q5_0", "Q5_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K")], ids="-".join)
@@ -85,7 +99,7 @@ def test_mixed_shards_of_a_fused_projection_with_bias_and_residual(kernels, type
     data, layout, w = storage(parts)
     x, bias, residual = torch.randn(rows, cols), torch.randn(56), torch.randn(rows, 56)
     out = kernels.linear(x, data, layout, None, 0, bias, residual)
-    want = expected(x, w, types[0]) + bias.double() + residual.double()
+    want = expected(x, w, types[0], kernels.selected_isa()) + bias.double() + residual.double()
     torch.testing.assert_close(out.double(), want, atol=tolerance(x, w), rtol=0)
 
 
@@ -96,7 +110,9 @@ def test_bf16_activations_in_and_out(kernels, rows):
     out = kernels.linear(x, data, layout)
     assert out.dtype == torch.bfloat16
     scale = (x.double().abs() @ w.abs().T).max().item()
-    torch.testing.assert_close(out.double(), expected(x, w, "Q4_K"), atol=1e-2 * scale, rtol=1e-2)
+    torch.testing.assert_close(
+        out.double(), expected(x, w, "Q4_K", kernels.selected_isa()), atol=1e-2 * scale, rtol=1e-2
+    )
 
 
 def bf16_tolerance(x: torch.Tensor, w: torch.Tensor, want: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from pagedllm.engine import prompt_logprobs
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.kv import KVGroups, kv_groups
 from pagedllm.models.attention import AttentionMetadata
-from pagedllm.models.quantization import bf16_gate, multiplies_in_bf16, takes_bf16
+from pagedllm.models.quantization import bf16_gate, gates_many_rows, takes_bf16
 from pagedllm.ops import reference
 from pagedllm.ops.kv_cache import is_quantized, key_smoothing
 
@@ -86,7 +86,8 @@ class ModelRunner:
         lm_head: torch.nn.Module | None = None,
     ):
         self.model = model
-        self.gates_bf16 = multiplies_in_bf16(model)  # GGUF layers' bf16 path: per step (takes_bf16)
+        # GGUF layers' bf16 path (with AVX2, their K types' float panels): per step (takes_bf16)
+        self.gates_bf16 = gates_many_rows(model)
         self.lm_head = lm_head  # None: the model's own; a draft's may be over part of the vocabulary
         self.device = torch.device(device)
         self.num_blocks, self.block_size, self.num_host_blocks = num_blocks, block_size, num_host_blocks

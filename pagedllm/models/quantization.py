@@ -138,19 +138,22 @@ class GGUFLinear(KernelLinear):
         return max(self.BF16_ROWS.get(s.qtype, self.STREAM_ROWS + 1) for s in shards)
 
 
-def multiplies_in_bf16(model: torch.nn.Module) -> bool:
-    """Whether a GGUF layer of `model` multiplies many rows in bf16 (GGUFLinear.bf16_rows)."""
+def gates_many_rows(model: torch.nn.Module) -> bool:
+    """Whether a GGUF layer of `model` has a many-row path whose sums for a row change with the rows beside
+    it, which the runner then allows per step (takes_bf16): the bf16 path (GGUFLinear.bf16_rows), or with
+    the AVX2 kernels the K types' float panels (csrc/linear.cpp kNarrowIntegerRows)."""
     layers = (m for m in model.modules() if isinstance(getattr(m, "method", None), GGUFLinear))
-    return any(m.stored.format == "gguf" and m.stored.group_size > 0 for m in layers)
+    narrow = not cpu.avx512_selected()
+    return any(m.stored.format == "gguf" and (m.stored.group_size > 0 or narrow) for m in layers)
 
 
 def takes_bf16(computes_prompt: bool, max_query_len: int) -> bool:
-    """Whether a step's GGUF layers may take their bf16 path at many rows: a step that computes prompt
-    tokens (a prefill, or a chunk of one beside decodes); on AMX (cpu.blocks_amx) also a decode step of one
-    row a sequence, where the panels cost a batch less than the integer path from as many rows as a
-    prompt's call (docs/JOURNAL.md, "GGUF blocks on AMX"). Never a step of decode rows with drafts:
-    speculation's verify passes keep the blocks' integer path, so that its greedy tokens are those a
-    sequence decoded alone (or in a batch below AMX_ROWS) gets."""
+    """Whether a step's GGUF layers may take their bf16 path (with AVX2, their K types' float panels) at many
+    rows: a step that computes prompt tokens (a prefill, or a chunk of one beside decodes); on AMX
+    (cpu.blocks_amx) also a decode step of one row a sequence, where the panels cost a batch less than the
+    integer path from as many rows as a prompt's call (docs/JOURNAL.md, "GGUF blocks on AMX"). Never a step of
+    decode rows with drafts: speculation's verify passes keep the blocks' integer path, so that its greedy
+    tokens are those a sequence decoded alone (or in a batch below AMX_ROWS) gets."""
     return computes_prompt or (max_query_len == 1 and cpu.blocks_amx())
 
 

@@ -52,6 +52,7 @@ constexpr int64_t kSpanChunks = 8;       // chunks of 256 columns of x those row
 constexpr int64_t kRowsAhead = 4;        // weight rows ahead whose span's bytes are prefetched
 constexpr int64_t kWholeRows = 2;        // up to this many rows of x, the 32-value types walk whole weight rows
 constexpr int64_t kIntegerChunkRows = 128;  // rows of x in one work item of K types' integer path at more rows
+constexpr int64_t kNarrowIntegerRows = 64;  // from this many rows of x, K types on AVX2 take the float panels
 constexpr int64_t kTaskWork = 1 << 17;   // multiply-adds a parallel task should have (a spinning thread starts in ~1 us)
 
 // A std::vector whose data starts on a 64-byte cache line. The quantized rows of x below are read a
@@ -485,21 +486,27 @@ void integer_matmul(const Rows& w, int64_t n_rows, int64_t cols, const float* x,
 // rows. One storage serves one row (the panel streamed once from memory) up to a prefill's thousands.
 constexpr int64_t kPanelCols = 48;
 constexpr int kPanelVectors = kPanelCols / VecF::kWidth;
-constexpr int kPanelTileRows = VecF::kWidth == 16 ? 8 : 2;  // rows whose sums fit the register file
+// A register tile's rows of x and vectors of the panel: 8 rows by the whole panel in AVX-512's 32
+// registers; in AVX2's 16, 4 rows by half the panel, each half in turn (2 rows by the whole panel loaded
+// 6 weight vectors for 12 multiply-adds, and ran at 85 GFLOP/s, 39% of the arithmetic's rate).
+constexpr int kPanelTileRows = VecF::kWidth == 16 ? 8 : 4;
+constexpr int kTileVectors = VecF::kWidth == 16 ? kPanelVectors : kPanelVectors / 2;
 
-// out[m0 .. m0 + MR, panel p] = x rows . panel (+ bias) (+ residual). A tile of few rows keeps KU sets of
-// sums over alternate k so that enough multiply-adds are in flight (4 cycles of latency each).
+// out[m0 .. m0 + MR, panel p's vectors j0 .. j0 + kTileVectors] = x rows . panel (+ bias) (+ residual). A
+// tile of few rows keeps KU sets of sums over alternate k so that enough multiply-adds are in flight (4
+// cycles of latency each).
 template <int MR, int KU>
 void panel_tile(const float* panel, const float* x, int64_t ld_x, int64_t cols, float* out, int64_t ld_out,
-                const float* bias, const float* residual, int64_t ld_residual, int valid) {
-  constexpr int V = kPanelVectors;
+                const float* bias, const float* residual, int64_t ld_residual, int valid, int j0) {
+  constexpr int V = kTileVectors;
   VecF acc[KU][MR][V];
   for (int u = 0; u < KU; ++u)
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < V; ++j) acc[u][r][j] = VecF::zero();
+  const float* slice = panel + j0 * VecF::kWidth;
   const auto step = [&](int u, int64_t k) {
     VecF w[V];
-    for (int j = 0; j < V; ++j) w[j] = VecF::load(panel + k * kPanelCols + j * VecF::kWidth);
+    for (int j = 0; j < V; ++j) w[j] = VecF::load(slice + k * kPanelCols + j * VecF::kWidth);
     for (int r = 0; r < MR; ++r) {
       const VecF b = VecF::set1(x[r * ld_x + k]);
       for (int j = 0; j < V; ++j) acc[u][r][j] = fmadd(b, w[j], acc[u][r][j]);
@@ -511,13 +518,14 @@ void panel_tile(const float* panel, const float* x, int64_t ld_x, int64_t cols, 
   for (; k < cols; ++k) step(0, k);
   for (int r = 0; r < MR; ++r) {
     for (int j = 0; j < V; ++j) {
-      const int n = lanes(valid, j);
+      const int n = lanes(valid, j0 + j);
       if (n == 0) break;
+      const int64_t c = (j0 + j) * VecF::kWidth;
       VecF sum = acc[0][r][j];
       for (int u = 1; u < KU; ++u) sum = sum + acc[u][r][j];
-      if (bias != nullptr) sum = sum + load(bias + j * VecF::kWidth, n);
-      if (residual != nullptr) sum = sum + load(residual + r * ld_residual + j * VecF::kWidth, n);
-      store(sum, out + r * ld_out + j * VecF::kWidth, n);
+      if (bias != nullptr) sum = sum + load(bias + c, n);
+      if (residual != nullptr) sum = sum + load(residual + r * ld_residual + c, n);
+      store(sum, out + r * ld_out + c, n);
     }
   }
 }
@@ -539,7 +547,8 @@ void panel_rows(const float* panel, int64_t n, int valid, int64_t n_rows, int64_
     with_count<kPanelTileRows>(m_end - m, [&](auto rows) {
       constexpr int MR = decltype(rows)::value;
       constexpr int KU = std::max(1, 12 / (MR * kPanelVectors));  // ~12 sums in flight, within the registers
-      panel_tile<MR, KU>(panel, xm, cols, cols, om, n_rows, b, rm, ld_residual, valid);
+      for (int j0 = 0; j0 < kPanelVectors && lanes(valid, j0) > 0; j0 += kTileVectors)
+        panel_tile<MR, KU>(panel, xm, cols, cols, om, n_rows, b, rm, ld_residual, valid, j0);
     });
   }
 }
@@ -568,8 +577,9 @@ void panel_matmul(const float* packed, int64_t n_rows, int64_t cols, const float
 // shards one after another (q, k and v of a fused projection may differ in type), with `scales` an
 // int64 [shards, 2] tensor of each shard's (rows, ggml type). x is rounded to int16 once a call, shared
 // by every shard, and meets the codes, unpacked in registers, in integer multiply-adds:
-//   Q4_K and Q6_K, at any number of rows: x in blocks of 256 (ChunkActivations), each super-block one
-//     integer dot product with its integer sub-scales (quants.h, "integer sub-scales");
+//   Q4_K and Q6_K, at any number of rows (with AVX2, below kNarrowIntegerRows; from there as the other
+//     types at more rows, below): x in blocks of 256 (ChunkActivations), each super-block one integer dot
+//     product with its integer sub-scales (quants.h, "integer sub-scales");
 //   the other types, up to kBlockStreamRows rows: x in blocks of 32 (ActivationBlocks), as for int8 /
 //     int4 codes above; per 16-value group g,
 //       x . w = sum_g d_x(g) (s_w(g) sum_i u_i q_i + c_w(g) sum_i q_i)
@@ -918,6 +928,12 @@ void dequantize_panel(const BlockShard& shard, const ShardPanel& p, int64_t cols
   }
 }
 
+// Whether this thread's GGUF calls may take the many-row paths whose sums for a row change with the rows
+// beside it: bf16 (bf16_blocks_linear, vnni_blocks_linear, below) and, with AVX2, the K types' float
+// panels. The calling thread may switch it off (set_blocks_bf16: the model runner does, for a step that
+// computes no prompt tokens), so that decode rows keep the blocks' integer path however many there are.
+thread_local bool blocks_bf16 = true;
+
 void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const float* x, int64_t m_rows,
                    const Epilogue& out) {
   // the forms of x the shards read: the K types' chunks (integer sub-scales), the other types' blocks in
@@ -934,9 +950,13 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
     });
   }
   const bool float_scales = dots || quads;
-  // K types with integer sub-scales take it at any number of rows (faster than the float panels below
-  // at every batch measured: docs/JOURNAL.md); the other types up to kBlockStreamRows
-  if (m_rows <= kBlockStreamRows || !float_scales) {
+  // K types with integer sub-scales take it at any number of rows with AVX-512 (faster than the float
+  // panels below at every batch measured: docs/JOURNAL.md); with AVX2's 8 lanes below kNarrowIntegerRows,
+  // or where blocks_bf16 is off (there the float panels' 4 x 24 tiles ran the 1.5B's 200-row prefill
+  // projections in 3.6-3.9 s against 5.7-6.3, and 64 rows about even: session 12); the other types up to
+  // kBlockStreamRows
+  const bool k_panels = VecF::kWidth == 8 && blocks_bf16 && !out.bf16 && m_rows >= kNarrowIntegerRows;
+  if (m_rows <= kBlockStreamRows || (!float_scales && !k_panels)) {
     // items: kIntegerChunkRows rows of x (all of them, if few) by a panel of weight rows, panel after panel
     // over one run of x
     const std::vector<ShardPanel> panels = shard_panels(shards, kPanelRows);
@@ -1070,10 +1090,8 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
 // thread (shared by every layer, reused by every call) and multiplied by torch's bf16 matmul (oneDNN),
 // x rounded to bf16. The values multiplied are the file's rounded to bf16 (8 significant bits), and the
 // matmul's output is bf16 before it is widened to out's dtype: a bf16 model's error, not float32's.
-// Python's GGUFLinear enables it (group_size = the rows from which it runs) only where it is faster.
-// The calling thread may switch it off (set_blocks_bf16: the model runner does, for a step that computes
-// no prompt tokens), so that decode rows keep the blocks' integer path however many there are.
-thread_local bool blocks_bf16 = true;
+// Python's GGUFLinear enables it (group_size = the rows from which it runs) only where it is faster, and
+// blocks_bf16 (above blocks_matmul) gates it.
 constexpr int64_t kScratchValues = int64_t{32} << 20;  // 64 MiB of bf16: every projection of the built-in models but an LM head in one tile
 
 // Rows row_of(0), ..., row_of(count - 1) of the shards dequantized into dst (count rows of cols, row-major):
