@@ -36,10 +36,15 @@ INTEGER_SCALES = {"Q4_K", "Q6_K"}  # quants.h's kIntegerScales
 NARROW_INTEGER_ROWS = 64  # linear.cpp's kNarrowIntegerRows: from here AVX2 builds' K types take float panels
 
 
+def k_panels(isa: str, rows: int) -> bool:
+    """Whether Q4_K / Q6_K take the float panels at `rows` rows, the many-row paths' gate on."""
+    return isa.startswith("avx2") and rows >= NARROW_INTEGER_ROWS
+
+
 def expected(x: torch.Tensor, w: torch.Tensor, name: str, isa: str) -> torch.Tensor:
     """What the kernels compute, with the many-row paths' gate on (set_blocks_bf16's default)."""
     rows = x.shape[0]
-    if name in INTEGER_SCALES and not (isa.startswith("avx2") and rows >= NARROW_INTEGER_ROWS):
+    if name in INTEGER_SCALES and not k_panels(isa, rows):
         return int16_blocks(x, 256).double() @ w.T
     return (int16_blocks(x) if rows <= STREAMED_ROWS else x).double() @ w.T
 
@@ -86,7 +91,7 @@ def test_integer_scales_give_a_row_the_same_bits_in_any_batch(kernels, name):
     finally:
         kernels.set_blocks_bf16(previous)
     gated = kernels.linear(x, data, layout)[:1]
-    assert torch.equal(gated, alone) == (not kernels.selected_isa().startswith("avx2"))
+    assert torch.equal(gated, alone) == (not k_panels(kernels.selected_isa(), len(x)))
 
 
 @pytest.mark.parametrize("types", [("Q5_0", "Q5_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K")], ids="-".join)

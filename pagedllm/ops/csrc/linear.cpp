@@ -546,7 +546,9 @@ void panel_rows(const float* panel, int64_t n, int valid, int64_t n_rows, int64_
     const float* rm = residual != nullptr ? residual + m * ld_residual + n : nullptr;
     with_count<kPanelTileRows>(m_end - m, [&](auto rows) {
       constexpr int MR = decltype(rows)::value;
-      constexpr int KU = std::max(1, 12 / (MR * kPanelVectors));  // ~12 sums in flight, within the registers
+      // ~12 sums in flight, within the registers; of kPanelVectors, not kTileVectors, so that each row keeps
+      // the order of sums it had when an AVX2 tile took the whole panel
+      constexpr int KU = std::max(1, 12 / (MR * kPanelVectors));
       for (int j0 = 0; j0 < kPanelVectors && lanes(valid, j0) > 0; j0 += kTileVectors)
         panel_tile<MR, KU>(panel, xm, cols, cols, om, n_rows, b, rm, ld_residual, valid, j0);
     });
