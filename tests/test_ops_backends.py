@@ -51,6 +51,10 @@ DECODE = {
     "bf16-gqa3": Case(6, 2, 32, 8, (9, 40, 17, 64), dtype=torch.bfloat16),
     "bf16-mqa-window": Case(4, 1, 64, 4, (70, 3, 22), window=16, dtype=torch.bfloat16),
     "head-major-gqa3": Case(6, 2, 32, 8, (9, 40, 17, 64), head_major=True),
+    # Qwen2.5-Coder-1.5B's heads (12 x 128, 2 kv heads): the cpu kernel scores four keys at a time, the
+    # query rows in pairs with AVX2; key counts that leave one to three keys after the fours
+    "gqa6-d128": Case(12, 2, 128, 16, (9, 42, 17, 203), head_major=True),
+    "gqa6-d128-bf16-cache": Case(12, 2, 128, 16, (9, 42, 17, 203), kv_dtype=torch.bfloat16, head_major=True),
     "fp32-q-bf16-cache": Case(6, 2, 64, 16, (9, 40, 17, 64), kv_dtype=torch.bfloat16, head_major=True),
     "head-major-bf16-window": Case(
         4, 2, 64, 16, (70, 3, 33), window=16, dtype=torch.bfloat16, head_major=True

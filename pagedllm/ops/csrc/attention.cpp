@@ -407,48 +407,62 @@ inline __m128 dot_rows(const float* q, const T* k, int64_t d) {
   return reduce_add4(acc[0], acc[1], acc[2], acc[3]);
 }
 
+// s_r[t0 .. t0 + 3] = q_r . k_t for N fp32 query rows q_r (C whole vectors, d apart) and four key rows k_t
+// (k_stride apart), score rows s_stride apart: each row's four dot products out of one reduction, as one
+// store. The queries are loaded from L1 as used; R rows at a time, so that R x 4 sums, four keys and a
+// query fit the register file (AVX2's 16: two rows, the keys loaded again for the next two).
+template <int N, int C, typename T>
+inline void score_four_keys(float* s, int64_t s_stride, const float* q, const T* k, int64_t k_stride) {
+  constexpr int R = VecF::kWidth == 16 ? N : std::min(N, 2);
+  VecF acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = VecF::zero();
+  for (int c = 0; c < C; ++c) {
+    VecF kv[4];
+    for (int j = 0; j < 4; ++j) kv[j] = VecF::load(k + j * k_stride + c * VecF::kWidth);
+    for (int r = 0; r < R; ++r) {
+      const VecF qv = VecF::load(q + (r * C + c) * VecF::kWidth);
+      for (int j = 0; j < 4; ++j) acc[r][j] = fmadd(qv, kv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm_storeu_ps(s + r * s_stride, reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+  if constexpr (N > R) score_four_keys<N - R, C>(s + R * s_stride, s_stride, q + R * C * VecF::kWidth, k, k_stride);
+}
+
 // s_r[t] = q_r . k_t for N fp32 query rows q_r (d apart) and count key rows k_t (k_stride apart); score
-// rows are s_stride apart. C > 0: d is C whole vectors, and the queries are held in registers.
+// rows are s_stride apart. C > 0: d is C whole vectors, four keys at a time: 4 x N independent sums hide
+// the multiply-adds' latency, where one key at a time left N chains of C dependent ones (the 1.5B's
+// 128-wide heads on AVX2 read their keys at 10 GB/s: docs/JOURNAL.md, session 13). With AVX-512 and few
+// enough query vectors (N x C <= 16) the queries are held in registers for the whole call. Each score is
+// one key's products summed in the same order whichever path takes it.
 template <int N, int C, typename T>
 inline void score_rows(float* s, int64_t s_stride, const float* q, const T* k, int64_t k_stride, int64_t count,
                        int64_t d) {
-  if constexpr (C == 0) {
-    for (int64_t t = 0; t < count; ++t) {
-      alignas(16) float dots[kRows];
-      _mm_store_ps(dots, dot_rows<N>(q, k + t * k_stride, d));
-      for (int r = 0; r < N; ++r) s[r * s_stride + t] = dots[r];
-    }
-  } else {
+  constexpr bool kQueriesHeld = VecF::kWidth == 16 && N * C <= 16;
+  int64_t t = 0;
+  if constexpr (C > 0 && kQueriesHeld) {
     VecF qv[N][C];
     for (int r = 0; r < N; ++r)
       for (int c = 0; c < C; ++c) qv[r][c] = VecF::load(q + r * d + c * VecF::kWidth);
-    int64_t t = 0;
-    if constexpr (VecF::kWidth == 16 && N * C <= 16) {
-      // Four keys at a time: each row's four dot products come out of one reduction, as one store.
-      for (; t + 4 <= count; t += 4) {
-        VecF acc[N][4];
-        for (int r = 0; r < N; ++r)
-          for (int j = 0; j < 4; ++j) acc[r][j] = VecF::zero();
-        for (int c = 0; c < C; ++c) {
-          VecF kv[4];
-          for (int j = 0; j < 4; ++j) kv[j] = VecF::load(k + (t + j) * k_stride + c * VecF::kWidth);
-          for (int r = 0; r < N; ++r)
-            for (int j = 0; j < 4; ++j) acc[r][j] = fmadd(qv[r][c], kv[j], acc[r][j]);
-        }
-        for (int r = 0; r < N; ++r) _mm_storeu_ps(s + r * s_stride + t, reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
-      }
-    }
-    for (; t < count; ++t) {
-      const T* row = k + t * k_stride;
-      VecF acc[kRows] = {VecF::zero(), VecF::zero(), VecF::zero(), VecF::zero()};
+    for (; t + 4 <= count; t += 4) {
+      VecF acc[N][4];
+      for (int r = 0; r < N; ++r)
+        for (int j = 0; j < 4; ++j) acc[r][j] = VecF::zero();
       for (int c = 0; c < C; ++c) {
-        const VecF kv = VecF::load(row + c * VecF::kWidth);
-        for (int r = 0; r < N; ++r) acc[r] = fmadd(qv[r][c], kv, acc[r]);
+        VecF kv[4];
+        for (int j = 0; j < 4; ++j) kv[j] = VecF::load(k + (t + j) * k_stride + c * VecF::kWidth);
+        for (int r = 0; r < N; ++r)
+          for (int j = 0; j < 4; ++j) acc[r][j] = fmadd(qv[r][c], kv[j], acc[r][j]);
       }
-      alignas(16) float dots[kRows];
-      _mm_store_ps(dots, reduce_add4(acc[0], acc[1], acc[2], acc[3]));
-      for (int r = 0; r < N; ++r) s[r * s_stride + t] = dots[r];
+      for (int r = 0; r < N; ++r) _mm_storeu_ps(s + r * s_stride + t, reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
     }
+  } else if constexpr (C > 0) {
+    for (; t + 4 <= count; t += 4) score_four_keys<N, C>(s + t, s_stride, q, k + t * k_stride, k_stride);
+  }
+  for (; t < count; ++t) {
+    alignas(16) float dots[kRows];
+    _mm_store_ps(dots, dot_rows<N>(q, k + t * k_stride, d));
+    for (int r = 0; r < N; ++r) s[r * s_stride + t] = dots[r];
   }
 }
 
@@ -1019,7 +1033,7 @@ void combine_parts(const Batch<TQ, TKV>& b, const std::vector<WorkItem>& items, 
 // ---- The kernel: plan, run the items, combine ----
 
 // Calls fn(std::integral_constant<int, C>) with C = head_dim / kWidth for the common head sizes (up to
-// 8 whole vectors: 128 with AVX-512), else with C = 0 (the general, runtime-sized path).
+// 16 whole vectors: 128 with AVX2), else with C = 0 (the general, runtime-sized path).
 template <typename F>
 inline void with_head_vectors(int64_t head_dim, const F& fn) {
   if (head_dim % VecF::kWidth == 0) {
@@ -1028,6 +1042,7 @@ inline void with_head_vectors(int64_t head_dim, const F& fn) {
       case 2: return fn(std::integral_constant<int, 2>{});
       case 4: return fn(std::integral_constant<int, 4>{});
       case 8: return fn(std::integral_constant<int, 8>{});
+      case 16: return fn(std::integral_constant<int, 16>{});
       default: break;
     }
   }
