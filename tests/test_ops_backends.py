@@ -55,6 +55,7 @@ DECODE = {
     # query rows in pairs with AVX2; key counts that leave one to three keys after the fours
     "gqa6-d128": Case(12, 2, 128, 16, (9, 42, 17, 203), head_major=True),
     "gqa6-d128-bf16-cache": Case(12, 2, 128, 16, (9, 42, 17, 203), kv_dtype=torch.bfloat16, head_major=True),
+    "gqa4-d256": Case(4, 1, 256, 16, (9, 42, 203)),  # Gemma 3's heads: 16 vectors with AVX-512, 32 with AVX2
     "fp32-q-bf16-cache": Case(6, 2, 64, 16, (9, 40, 17, 64), kv_dtype=torch.bfloat16, head_major=True),
     "head-major-bf16-window": Case(
         4, 2, 64, 16, (70, 3, 33), window=16, dtype=torch.bfloat16, head_major=True
