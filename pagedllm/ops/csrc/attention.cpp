@@ -407,12 +407,12 @@ inline __m128 dot_rows(const float* q, const T* k, int64_t d) {
   return reduce_add4(acc[0], acc[1], acc[2], acc[3]);
 }
 
-// s_r[t0 .. t0 + 3] = q_r . k_t for N fp32 query rows q_r (C whole vectors, d apart) and four key rows k_t
-// (k_stride apart), score rows s_stride apart: each row's four dot products out of one reduction, as one
-// store. The queries are loaded from L1 as used; R rows at a time, so that R x 4 sums, four keys and a
-// query fit the register file (AVX2's 16: two rows, the keys loaded again for the next two).
-template <int N, int C, typename T>
-inline void score_four_keys(float* s, int64_t s_stride, const float* q, const T* k, int64_t k_stride) {
+// s_r[t0 .. t0 + 3] = q_r . k_t for N fp32 query rows (query(r, c): row r's vector c of C) and four key rows
+// k_t (k_stride apart), score rows s_stride apart: each row's four dot products out of one reduction, as one
+// store. R rows at a time, so that R x 4 sums, four keys and a query fit the register file (AVX2's 16: two
+// rows, the keys loaded again for the next two); row r0 is the first of this call's.
+template <int N, int C, typename Q, typename T>
+inline void score_four_keys(float* s, int64_t s_stride, const Q& query, int r0, const T* k, int64_t k_stride) {
   constexpr int R = VecF::kWidth == 16 ? N : std::min(N, 2);
   VecF acc[R][4];
   for (int r = 0; r < R; ++r)
@@ -421,43 +421,36 @@ inline void score_four_keys(float* s, int64_t s_stride, const float* q, const T*
     VecF kv[4];
     for (int j = 0; j < 4; ++j) kv[j] = VecF::load(k + j * k_stride + c * VecF::kWidth);
     for (int r = 0; r < R; ++r) {
-      const VecF qv = VecF::load(q + (r * C + c) * VecF::kWidth);
+      const VecF qv = query(r0 + r, c);
       for (int j = 0; j < 4; ++j) acc[r][j] = fmadd(qv, kv[j], acc[r][j]);
     }
   }
   for (int r = 0; r < R; ++r) _mm_storeu_ps(s + r * s_stride, reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
-  if constexpr (N > R) score_four_keys<N - R, C>(s + R * s_stride, s_stride, q + R * C * VecF::kWidth, k, k_stride);
+  if constexpr (N > R) score_four_keys<N - R, C>(s + R * s_stride, s_stride, query, r0 + R, k, k_stride);
 }
 
 // s_r[t] = q_r . k_t for N fp32 query rows q_r (d apart) and count key rows k_t (k_stride apart); score
 // rows are s_stride apart. C > 0: d is C whole vectors, four keys at a time: 4 x N independent sums hide
 // the multiply-adds' latency, where one key at a time left N chains of C dependent ones (the 1.5B's
 // 128-wide heads on AVX2 read their keys at 10 GB/s: docs/JOURNAL.md, session 13). With AVX-512 and few
-// enough query vectors (N x C <= 16) the queries are held in registers for the whole call. Each score is
-// one key's products summed in the same order whichever path takes it.
+// enough query vectors (N x C <= 16) the queries are held in registers for the whole call, else loaded
+// from L1 as used. Each score is one key's products summed in the same order whichever path takes it.
 template <int N, int C, typename T>
 inline void score_rows(float* s, int64_t s_stride, const float* q, const T* k, int64_t k_stride, int64_t count,
                        int64_t d) {
-  constexpr bool kQueriesHeld = VecF::kWidth == 16 && N * C <= 16;
   int64_t t = 0;
-  if constexpr (C > 0 && kQueriesHeld) {
-    VecF qv[N][C];
-    for (int r = 0; r < N; ++r)
-      for (int c = 0; c < C; ++c) qv[r][c] = VecF::load(q + r * d + c * VecF::kWidth);
-    for (; t + 4 <= count; t += 4) {
-      VecF acc[N][4];
+  if constexpr (C > 0) {
+    const auto four_keys = [&](const auto& query) {
+      for (; t + 4 <= count; t += 4) score_four_keys<N, C>(s + t, s_stride, query, 0, k + t * k_stride, k_stride);
+    };
+    if constexpr (VecF::kWidth == 16 && N * C <= 16) {
+      VecF qv[N][C];
       for (int r = 0; r < N; ++r)
-        for (int j = 0; j < 4; ++j) acc[r][j] = VecF::zero();
-      for (int c = 0; c < C; ++c) {
-        VecF kv[4];
-        for (int j = 0; j < 4; ++j) kv[j] = VecF::load(k + (t + j) * k_stride + c * VecF::kWidth);
-        for (int r = 0; r < N; ++r)
-          for (int j = 0; j < 4; ++j) acc[r][j] = fmadd(qv[r][c], kv[j], acc[r][j]);
-      }
-      for (int r = 0; r < N; ++r) _mm_storeu_ps(s + r * s_stride + t, reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+        for (int c = 0; c < C; ++c) qv[r][c] = VecF::load(q + r * d + c * VecF::kWidth);
+      four_keys([&](int r, int c) { return qv[r][c]; });
+    } else {
+      four_keys([&](int r, int c) { return VecF::load(q + r * d + c * VecF::kWidth); });
     }
-  } else if constexpr (C > 0) {
-    for (; t + 4 <= count; t += 4) score_four_keys<N, C>(s + t, s_stride, q, k + t * k_stride, k_stride);
   }
   for (; t < count; ++t) {
     alignas(16) float dots[kRows];
