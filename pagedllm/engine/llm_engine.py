@@ -30,6 +30,7 @@ from pagedllm.engine.op_profile import OpRecording, profile_ops
 from pagedllm.engine.parallel.executor import Executor
 from pagedllm.engine.parallel.runner import ParallelModelRunner
 from pagedllm.engine.request import Request, check_prompt
+from pagedllm.engine.run_info import RunInfo, read_run_info
 from pagedllm.engine.sampler import Sample, SampleRow, sample
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Sequence
@@ -599,6 +600,11 @@ class LLMEngine:
     def comm_stats(self) -> list | None:
         """Tensor parallelism: each collective's calls and seconds so far (None on one process)."""
         return self.executor.comm_stats() if self.executor is not None else None
+
+    def run_info(self) -> RunInfo:
+        """What runs: sizes, KV geometry, attention backend, CPU build, linear method per weight type,
+        threads (engine/run_info.py; the benchmarks print it in every row)."""
+        return read_run_info(self)
 
 
 class _PhaseClock:
