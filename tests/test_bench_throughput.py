@@ -10,9 +10,9 @@ import torch
 from helpers import assert_all_blocks_free
 
 from pagedllm.bench import throughput
-from pagedllm.bench.workload import make_prompts
 from pagedllm.engine.op_profile import weight_kind
 from pagedllm.models.linear import Linear
+from pagedllm.workload import make_prompts
 
 
 def test_throughput_bench_json(capsys):

@@ -14,10 +14,10 @@ from helpers import assert_all_blocks_free
 
 from pagedllm.bench import latency
 from pagedllm.bench.profile import MachineRates, profile_decode, step_breakdown
-from pagedllm.bench.workload import make_prompts
 from pagedllm.engine.op_profile import linears_in_call_order, weight_kind
 from pagedllm.models.linear import Linear, StoredWeight
 from pagedllm.ops import cpu
+from pagedllm.workload import make_prompts
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 from pagedllm.bench.profile import MachineRates, profile_decode, step_breakdown
-from pagedllm.bench.workload import first_difference, make_prompts
 from pagedllm.engine.config import KV_CACHE_DTYPES
+from pagedllm.workload import first_difference, make_prompts
 
 
 @dataclass

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.bench.workload import first_difference
 from pagedllm.engine.config import KV_CACHE_DTYPES
+from pagedllm.workload import first_difference
 
 TEXT = Path(__file__).with_name("data") / "apache-2.0.txt"
 # The prompts of tests/test_models_smollm2.py (greedy output there equals Hugging Face's).

@@ -53,7 +53,7 @@ from pathlib import Path
 from pagedllm.bench import soak
 from pagedllm.bench.load import Request, Result, run_load, send_streaming
 from pagedllm.bench.trace import WORKLOADS, make_trace
-from pagedllm.bench.workload import make_prompts, parse_range
+from pagedllm.workload import make_prompts, parse_range
 
 
 @dataclass

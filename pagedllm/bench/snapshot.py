@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-from pagedllm.bench.workload import make_prompts, parse_range
+from pagedllm.workload import make_prompts, parse_range
 
 
 def make_llm(args):

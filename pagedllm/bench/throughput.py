@@ -39,8 +39,8 @@ import torch
 
 from pagedllm.bench.profile import MachineRates, profile_decode, record_phases
 from pagedllm.bench.profile import report as profile_report
-from pagedllm.bench.workload import first_difference, make_prompts, parse_range
 from pagedllm.engine.config import KV_CACHE_DTYPES, EngineConfig
+from pagedllm.workload import first_difference, make_prompts, parse_range
 
 LAYOUTS = {  # name -> LLM settings
     "paged": dict(kv_layout="paged"),

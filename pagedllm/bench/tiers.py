@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from pagedllm.bench.workload import make_prompts
+from pagedllm.workload import make_prompts
 
 OUTPUT_LEN = 8
 

@@ -24,9 +24,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from pagedllm.bench.workload import parse_range
 from pagedllm.viz import require_matplotlib
 from pagedllm.viz.recording import busiest_step, make_workload, record
+from pagedllm.workload import parse_range
 
 
 def build_parser() -> argparse.ArgumentParser:

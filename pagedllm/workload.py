@@ -1,4 +1,4 @@
-"""The benchmarks' synthetic prompts (random token ids of given or drawn lengths, seeded), the `LO-HI`
+"""The synthetic prompts of the benchmarks and pictures (bench/ and viz/ both import this neutral module) (random token ids of given or drawn lengths, seeded), the `LO-HI`
 length ranges the commands take, and how far two systems' greedy outputs on them agree."""
 
 from __future__ import annotations
