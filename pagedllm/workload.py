@@ -1,5 +1,6 @@
-"""The synthetic prompts of the benchmarks and pictures (bench/ and viz/ both import this neutral module) (random token ids of given or drawn lengths, seeded), the `LO-HI`
-length ranges the commands take, and how far two systems' greedy outputs on them agree."""
+"""Synthetic prompts (random token ids of given or drawn lengths, seeded), the `LO-HI` length ranges the
+commands take, and how far two systems' greedy outputs on them agree: shared by bench/ and viz/, which
+both import this neutral module rather than each other."""
 
 from __future__ import annotations
 
