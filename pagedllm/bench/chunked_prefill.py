@@ -23,8 +23,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-import torch
-
+from pagedllm.bench import flags
 from pagedllm.bench.table import aligned
 
 
@@ -109,24 +108,23 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", default="smollm2-135m")
+    flags.add_model(parser)
     parser.add_argument("--num-running", type=int, default=16)
     parser.add_argument("--running-prompt-len", type=int, default=64)
     parser.add_argument("--long-prompt-len", type=int, default=4000)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="the chunked engine's budget")
     parser.add_argument("--warm-tokens", type=int, default=4, help="tokens per running request before")
     parser.add_argument("--after-tokens", type=int, default=8, help="tokens per running request after")
-    parser.add_argument("--kv-cache-memory", default="1GiB")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true")
+    flags.add_kv_cache_memory(parser, "1GiB")
+    flags.add_threads(parser)
+    flags.add_seed(parser)
+    flags.add_json(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    flags.apply_threads(args)
     results = [run_engine(args, chunked) for chunked in (False, True)]
     if args.json:
         print(json.dumps({"config": vars(args), "rows": [asdict(r) for r in results]}, indent=2))

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
+import importlib.util
 import json
 import math
 import random
@@ -40,8 +42,9 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from pagedllm.bench import flags
 from pagedllm.kv import default_block_size
-from pagedllm.ops import BACKENDS, get_backend_name, kv_block_bytes, reference
+from pagedllm.ops import BACKENDS, kv_block_bytes, reference
 from pagedllm.ops.kv_cache import is_quantized, kv_blocks
 from pagedllm.ops.synthetic import PagedBatch, random_paged_batch
 
@@ -87,8 +90,6 @@ class Row:
 
 
 def _backend_module(name: str):
-    import importlib
-
     return importlib.import_module(f"pagedllm.ops.{BACKENDS[name]}")
 
 
@@ -369,9 +370,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="one JSON object per case instead of a table")
+    flags.add_threads(p)
+    flags.add_seed(p, help="seed of the random queries and caches")
+    flags.add_json(p, help="one JSON object per case instead of a table")
     args = p.parse_args(argv)
     if args.block_size is not None and args.block_size < 1:
         p.error(f"--block-size must be >= 1, got {args.block_size}")
@@ -405,8 +406,26 @@ def read_bandwidth_gb_s(device: torch.device, reps: int = 5) -> float:
 
 
 def _check_cpu_backend(args: argparse.Namespace) -> None:
-    if "cpu" in args.backends and get_backend_name("cpu") != "cpu":
-        raise RuntimeError("the cpu backend is unavailable here (see the warning above)")
+    """Stop, naming why, where a backend asked for cannot be built here: never time a fallback."""
+    if "cpu" in args.backends:
+        from pagedllm.ops import cpu
+
+        reason = cpu.unavailable_reason()
+        if reason is not None:
+            raise SystemExit(f"pagedllm bench kernel: error: --backends cpu cannot run here: {reason}")
+    if "triton" in args.backends and importlib.util.find_spec("triton") is None:
+        raise SystemExit("pagedllm bench kernel: error: --backends triton needs Triton (pip install triton)")
+
+
+def kernel_build() -> str:
+    """The cpu kernels' instruction-set build the rows measure, for their header."""
+    from pagedllm.ops import cpu
+
+    return (
+        f"cpu kernels built for {cpu.selected_isa()}"
+        if cpu.unavailable_reason() is None
+        else "no cpu kernels"
+    )
 
 
 def iter_rows(args: argparse.Namespace) -> Iterator[Row]:
@@ -443,7 +462,7 @@ def print_sweep(args: argparse.Namespace) -> None:
         print(
             f"paged decode, every sequence at the context shown, K/V in each dtype (scales included): "
             f"{args.num_seqs} seqs, {describe_blocks(args.kv_dtype, args)} tokens, "
-            f"{torch.get_num_threads()} threads, {args.device}, "
+            f"{torch.get_num_threads()} threads, {args.device} ({kernel_build()}), "
             f"median of {args.reps} reps interleaved across the dtypes"
         )
         print(f"{'shape':8} {'backend':8} {'q':5} {'context':>7} " + " ".join(cols))
@@ -461,8 +480,7 @@ def print_sweep(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    flags.apply_threads(args)
     if args.kv_sweep:
         print_sweep(args)
         return 0
@@ -471,8 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "paged decode (blocks scattered) vs the same backend on in-order blocks vs dense SDPA: "
             f"{args.num_seqs} seqs, context {args.min_context}-{args.max_context}, "
-            f"{describe_blocks(kv_dtypes, args)} tokens, {torch.get_num_threads()} threads, {args.device}, "
-            f"median of {args.reps} interleaved reps"
+            f"{describe_blocks(kv_dtypes, args)} tokens, {torch.get_num_threads()} threads, {args.device} "
+            f"({kernel_build()}), median of {args.reps} interleaved reps"
         )
         print(
             f"{'shape':8} {'backend':8} {'dtype':5} {'KV':8} {'paged ms':>9} {'in-order ms':>11} "

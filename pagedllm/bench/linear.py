@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedllm.bench import flags
+
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -108,6 +110,27 @@ METHODS: dict[str, Method] = {
 }
 
 
+def unavailable(name: str) -> str | None:
+    """Why a method cannot run here as named (None: it can): a benchmark never times a fallback."""
+    family = name.split()[0]
+    if family == "kernel":
+        from pagedllm.ops import cpu
+
+        return cpu.unavailable_reason()
+    if family == "onednn" and not torch.backends.mkldnn.is_available():
+        return "torch was built without oneDNN (mkldnn)"
+    if family == "fbgemm-dyn" and "fbgemm" not in torch.backends.quantized.supported_engines:
+        return f"torch's quantized engines are {torch.backends.quantized.supported_engines}, without fbgemm"
+    return None
+
+
+def kernel_build() -> str:
+    """The C++ kernels' instruction-set build, for the header."""
+    from pagedllm.ops import cpu
+
+    return f"kernels built for {cpu.selected_isa()}" if cpu.unavailable_reason() is None else "no kernels"
+
+
 def model_shapes(model: str) -> tuple[dict[str, tuple[int, int]], int, tuple[int, int]]:
     """(N, K) of one decoder layer's projections, the layer count, and the LM head's (N, K)."""
     from pagedllm.models.loader import read_config, resolve_checkpoint
@@ -156,22 +179,24 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", default="smollm2-135m", help="whose layer shapes to use")
+    flags.add_model(parser, help="whose layer shapes to use")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 512], help="M values")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--threads", type=int, default=None)
+    flags.add_threads(parser)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument(
         "--layers", type=int, default=None, help="decoder layers at M = 1 (default: the model's)"
     )
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    flags.apply_threads(args)
+    for name in args.methods:
+        if (reason := unavailable(name)) is not None:
+            parser.error(f"--methods {name!r} cannot run here: {reason}")
     layer_shapes, num_layers, head = model_shapes(args.model)
     num_layers = args.layers or num_layers
     print(
         f"model {args.model}: {num_layers} layers of {layer_shapes}, LM head {head}; "
-        f"{torch.get_num_threads()} threads"
+        f"{torch.get_num_threads()} threads, {kernel_build()}"
     )
     if 1 in args.rows:
         print("M = 1, every layer + LM head back to back (a decode step's matmuls):")

@@ -1,0 +1,76 @@
+"""The flags the benchmarks share, each defined once here: the model, the weight storage, the
+activations' dtype, the KV cache's memory and dtype, the seed, the thread count and JSON output. A bench
+passes its own default or help where its workload needs another; the names and meanings stay the same."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from pagedllm.engine.config import KV_CACHE_DTYPES
+from pagedllm.models.loader import DEFAULT_MODEL
+
+QUANTIZATIONS = ["auto", "none", "int8", "int4", "gguf"]
+_MANY = " (several values: one run each)"
+
+
+def add_model(
+    parser, default: str | None = DEFAULT_MODEL, help: str = "built-in name, HF folder or .gguf file"
+):
+    parser.add_argument("--model", default=default, help=help)
+
+
+def add_quantization(parser, default: str | list[str] = "auto", many: bool = False, help: str | None = None):
+    parser.add_argument(
+        "--quantization",
+        nargs="+" if many else None,
+        default=default,
+        choices=QUANTIZATIONS,
+        help=(
+            help
+            or "weight storage: auto keeps a GGUF file's own blocks, none the float weights, int8 / "
+            "int4 quantize at load"
+        )
+        + (_MANY if many else ""),
+    )
+
+
+def add_dtype(parser, help: str = "the activations' and float weights' dtype (auto: float32 on the CPU)"):
+    parser.add_argument("--dtype", default="auto", help=help)
+
+
+def add_kv_cache_memory(parser, default: str, help: str = "the KV cache's size, e.g. 512MiB"):
+    parser.add_argument("--kv-cache-memory", default=default, help=help)
+
+
+def add_kv_cache_dtype(
+    parser, default: str | list[str] = "auto", many: bool = False, help: str | None = None
+):
+    parser.add_argument(
+        "--kv-cache-dtype",
+        nargs="+" if many else None,
+        default=default,
+        choices=["auto", *KV_CACHE_DTYPES],
+        help=(help or "K/V storage (auto: the model's dtype)") + (_MANY if many else ""),
+    )
+
+
+def add_seed(parser, help: str = "seed of the random prompts"):
+    parser.add_argument("--seed", type=int, default=0, help=help)
+
+
+def add_threads(parser, help: str = "torch threads (default: torch's)"):
+    parser.add_argument("--threads", type=int, default=None, help=help)
+
+
+def add_json(parser, help: str = "print JSON instead of a table"):
+    parser.add_argument("--json", action="store_true", help=help)
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """--threads, if given, before anything runs."""
+    if args.threads:
+        if args.threads < 1:
+            raise SystemExit(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
