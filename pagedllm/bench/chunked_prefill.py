@@ -35,6 +35,7 @@ class Result:
     max_gap_after_s: float  # running requests, longest gap between two tokens from the arrival on
     long_ttft_s: float  # the long prompt: arrival to first token
     long_prefill_steps: int  # steps in which part of the long prompt was computed
+    ran: str  # attention backend, CPU build, linear method per weight type, threads (RunInfo.describe)
 
 
 def run_engine(args: argparse.Namespace, chunked: bool) -> Result:
@@ -51,7 +52,8 @@ def run_engine(args: argparse.Namespace, chunked: bool) -> Result:
     )
     engine = llm.engine
     rng = random.Random(args.seed)
-    vocab = engine.model.config.vocab_size
+    info = engine.run_info()
+    vocab = info.vocab_size
     llm.generate([[rng.randrange(vocab) for _ in range(16)]], SamplingParams(max_tokens=2))  # warm-up
     running = [f"run-{i}" for i in range(args.num_running)]
     decode = SamplingParams(max_tokens=10**6, temperature=0, ignore_eos=True)
@@ -76,7 +78,10 @@ def run_engine(args: argparse.Namespace, chunked: bool) -> Result:
         now = time.perf_counter()
         for out in outputs:
             if out.request_id == "long":
-                long_first = now
+                # A step of a chunked prefill may report the request without a token: the first token
+                # is the one that appears.
+                if long_first is None and out.outputs[0].token_ids:
+                    long_first = now
             elif len(out.outputs[0].token_ids) > len(stamps[out.request_id]):
                 stamps[out.request_id].append(now)
     engine.remove_step_observer(watch)
@@ -99,6 +104,7 @@ def run_engine(args: argparse.Namespace, chunked: bool) -> Result:
         max(gap for end, gap in gaps if end > arrival),
         long_first - arrival,
         sum(n > 0 for n in prefill_tokens),
+        info.describe(),
     )
 
 
@@ -140,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         "longest gap after",
         "long prompt TTFT",
         "prefill steps",
+        "ran",
     ]
     table = [header] + [
         [
@@ -149,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{1000 * r.max_gap_after_s:.0f} ms",
             f"{r.long_ttft_s:.2f} s",
             str(r.long_prefill_steps),
+            r.ran,
         ]
         for r in results
     ]

@@ -1,11 +1,15 @@
-"""The llama.cpp side of `pagedllm bench latency`, run as a child process: `python llama_cpp_peer.py`.
+"""llama-cpp-python's side of `pagedllm bench latency` and `bench speculative`, run as a child process:
+`python llama_cpp_peer.py`. What it times is llama-cpp-python (llama.cpp's library driven by its Python
+generate loop, one token per call), named so in every row; `--llama-bench` times llama.cpp's own C++
+benchmark instead (bench/llama_bench.py).
 
 A script run by path, so that it imports neither pagedllm (which defaults OMP_WAIT_POLICY=PASSIVE) nor
 torch: llama.cpp's ggml links the same libgomp.so.1 that torch ships, and one process has one libgomp,
 configured once. llama.cpp runs best with libgomp's default wait policy (passive waits halved its float32
-decode speed here), pagedllm with passive threads; as a child each gets its own.
+decode speed here), pagedllm with passive threads; as a child each gets its own (bench/peers.py: what its
+environment leaves out).
 
-Reads one JSON job on stdin, writes one JSON result on stdout:
+Reads one JSON job on stdin, writes one JSON result to the job's "result_path":
   {"mode": "quantize", "source": path, "target": path, "ftype": "F32"}    -> {"ok": true}
   {"mode": "generate", "model": path, "threads": n, "n_ctx": n, "prompts": [[ids]], "output_len": n}
       -> [{"ttft_s": s, "token_times_s": [...], "tokens": [...]}, ...]   (times from the prompt's start)
@@ -71,7 +75,8 @@ def main() -> int:
     result = (
         quantize(job["source"], job["target"], job["ftype"]) if job["mode"] == "quantize" else generate(job)
     )
-    json.dump(result, sys.stdout)
+    with open(job["result_path"], "w") as out:
+        json.dump(result, out)
     return 0
 
 

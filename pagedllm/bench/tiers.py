@@ -2,18 +2,21 @@
 against computing it again.
 
 Per prompt length (random token ids), side by side in one process:
-  recompute  an engine with a host and a disk tier, its device cache about one prompt large, computes
-             the prompt cold (its blocks are written through to disk on the way: included);
-  host       the same engine computes a second prompt of that length, which evicts the first from the
-             device cache into host memory, then is asked the first again;
+  recompute  an engine without tiers, its device cache about one prompt large, warmed by one short
+             request, computes the prompt (nothing is written anywhere on the way);
+  host       an engine with a host and a disk tier, warmed the same way, computes the prompt (its blocks
+             are written through to disk: untimed), then a second prompt of that length, which evicts
+             the first from the device cache into host memory, then is asked the first again;
   disk       a second engine started on the same folder (a restart: empty device cache, empty host
-             memory) is asked the first again: its blocks come from the files, checked, via host memory
-             (the files were just written: the operating system's page cache holds them);
-  cold       a third engine on the folder, after one short request (its weights paged in) and with the
-             files evicted from the page cache (a sync, then posix_fadvise DONTNEED on each): the same
+             memory), warmed the same way, is asked the first again: its blocks come from the files,
+             checked, via host memory (the files were just written: the operating system's page cache
+             holds them);
+  cold       a third engine on the folder, after the same short request (its weights paged in) and with
+             the files evicted from the page cache (a sync, then posix_fadvise DONTNEED on each): the same
              read from the disk itself.
 A length beyond the model's context (less the 8 tokens generated) is cut to fit it.
-Every run's greedy tokens are compared with the cold run's (`same`). The last columns are the engine's
+Every run's greedy tokens are compared with the recompute run's (`same`). Each row also says what ran
+(attention backend, CPU build, linear method per weight type, threads). The last columns are the engine's
 own cost model (what it decides with: a tier's block is loaded only if that is faster than prefilling
 its tokens), in seconds for the prompt's blocks, so the lines' crossing can be read off over lengths.
 """
@@ -29,6 +32,7 @@ import time
 
 import torch
 
+from pagedllm.bench import flags
 from pagedllm.workload import make_prompts
 
 OUTPUT_LEN = 8
@@ -76,15 +80,23 @@ def run_length(args, length: int, prompts: list[list[int]], folder: str) -> dict
         kv_offload_dir=folder,
         max_num_seqs=1,
     )
+    plain = LLM(args.model, **{**settings, "kv_offload_memory": None, "kv_offload_dir": None}).engine
+    timed(plain, "warm-up", prompts[2], params)  # shorter than a block: nothing of it is cached
+    recompute, want = timed(plain, "recompute", prompts[0], params)
+    info = plain.run_info().describe()
+    assert plain.stats().kv_all_free, "KV blocks leaked"
+    del plain
     first = LLM(args.model, **settings)
     engine = first.engine
-    cold, want = timed(engine, "cold", prompts[0], params)
+    timed(engine, "warm-up", prompts[2], params)
+    timed(engine, "write", prompts[0], params)  # its blocks are written through to the tiers
     timed(engine, "evict", prompts[1], params)  # the first prompt's blocks move down to host memory
     host, host_tokens = timed(engine, "host", prompts[0], params)
     stats = engine.stats()  # its prefill estimate: the restarted engine computes one block only
     assert stats.kv_all_free, "KV blocks leaked"
     del first, engine
     restarted = LLM(args.model, **settings).engine
+    timed(restarted, "warm-up", prompts[2], params)
     disk, disk_tokens = timed(restarted, "disk", prompts[0], params)
     costs = restarted.stats().kv_tiers
     assert restarted.stats().kv_all_free, "KV blocks leaked"
@@ -98,7 +110,7 @@ def run_length(args, length: int, prompts: list[list[int]], folder: str) -> dict
     blocks = (length - 1) // args.block_size
     return {
         "tokens": length,
-        "recompute": cold,
+        "recompute": recompute,
         "host": host,
         "disk": disk,
         "cold": cold_disk,
@@ -109,6 +121,7 @@ def run_length(args, length: int, prompts: list[list[int]], folder: str) -> dict
         "model_host": (stats.kv_tiers.host_load_seconds_per_block or 0.0) * blocks,
         "model_disk": (costs.disk_load_seconds_per_block or 0.0) * blocks,
         "model_cold": (cold_costs.disk_load_seconds_per_block or 0.0) * blocks,
+        "ran": info,
     }
 
 
@@ -116,21 +129,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedllm bench tiers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf file")
+    flags.add_model(parser)
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096, 8192])
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-dtype", default="auto")
+    flags.add_kv_cache_dtype(parser)
     parser.add_argument("--kv-offload-memory", default="2GiB", help="the host tier")
     parser.add_argument("--dir", default=None, help="the disk tier's folder (default: a temporary one)")
-    parser.add_argument("--threads", type=int, default=None, help="default: torch's")
-    parser.add_argument("--seed", type=int, default=0)
+    flags.add_threads(parser)
+    flags.add_seed(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    flags.apply_threads(args)
     from pagedllm.models.loader import read_config, resolve_checkpoint
 
     config = read_config(resolve_checkpoint(args.model))
@@ -160,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['recompute'] / r['host']:>8.1f}{r['recompute'] / r['disk']:>8.1f}"
             f"{r['recompute'] / r['cold']:>8.1f}{str(r['same']):>6}"
             f"{r['model_prefill']:>17.3f}{r['model_host']:>9.4f}{r['model_disk']:>9.4f}{r['model_cold']:>9.4f}"
+            f"  ({r['ran']})"
         )
     return 0 if all(r["same"] for r in rows) else 1
 
