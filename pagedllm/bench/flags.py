@@ -5,6 +5,7 @@ passes its own default or help where its workload needs another; the names and m
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 
@@ -74,3 +75,17 @@ def apply_threads(args: argparse.Namespace) -> None:
         if args.threads < 1:
             raise SystemExit(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+
+
+def json_object(flag: str, text: str | None) -> dict | None:
+    """A JSON object typed on the command line (None: not given); a ValueError naming the flag. (The
+    `pagedllm generate` / `serve` commands parse --speculative-config with it too.)"""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{flag} is not JSON ({error}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {text!r}")
+    return value

@@ -14,10 +14,12 @@ prompts, each run answering every one of CHAT_PROMPTS in turn: one speculating e
 `--draft-vocab-size N`, one per k whose draft's LM head covers only N tokens). The forward and propose
 columns are means over the steps that computed no prompt tokens: a decode step, or a verify pass.
 
-With `--llama-cpp` (a GGUF model, llama-cpp-python installed) llama.cpp answers the same prompts on the
-same file in a child process after pagedllm's engines in every round, without speculation and with its
-own prompt-lookup decoding (`LlamaPromptLookupDecoding`) at each `--llama-cpp-lookup` draft length (its
-best is the bar: llama-cpp-python suggests 10 on GPUs, 2 on CPUs). `--batch-sizes N ...` also sends N
+With `--llama-cpp` (a GGUF model, llama-cpp-python installed) llama-cpp-python (llama.cpp's library
+under its Python generate loop) answers the same prompts on the same file in a process of its own
+(bench/peers.py) after pagedllm's engines in every round, without speculation ("llama-cpp-python") and
+with its prompt-lookup draft ("llama-cpp-python LlamaPromptLookupDecoding N") at each
+`--llama-cpp-lookup` draft length N (its best is the bar: llama-cpp-python suggests 10 on GPUs, 2 on
+CPUs). `--batch-sizes N ...` also sends N
 code-editing requests at once (each renaming to a name of its own) and prints output tok/s with and
 without speculation.
 """
@@ -31,6 +33,9 @@ import sys
 import time
 
 import torch
+
+from pagedllm.bench import flags, llama_cpp
+from pagedllm.bench.peers import peer_env
 
 SOURCE = '''import math
 
@@ -122,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", default="qwen2.5-coder-0.5b", help="built-in name, HF folder or .gguf")
+    flags.add_model(parser, default="qwen2.5-coder-0.5b")
     parser.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC), help="JSON, as vLLM's")
     parser.add_argument(
         "--draft-model", default=None, help="a draft model instead of --speculative-config, on chat prompts"
@@ -137,18 +142,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="with --draft-model: also each k with the draft's LM head over this many tokens (FR-Spec)",
     )
-    parser.add_argument("--quantization", default="auto", help="weight storage (auto: a GGUF's own blocks)")
+    flags.add_quantization(parser)
     parser.add_argument("--output-len", type=int, default=400, help="greedy tokens at most (EOS ends)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each engine, alternating")
-    parser.add_argument("--kv-cache-memory", default="256MiB")
-    parser.add_argument("--threads", type=int, default=None, help="default: torch's")
-    parser.add_argument("--llama-cpp", action="store_true", help="run llama.cpp on the same GGUF beside")
+    flags.add_kv_cache_memory(parser, "256MiB")
+    flags.add_threads(parser)
+    parser.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="run llama-cpp-python on the same GGUF beside (child process)",
+    )
     parser.add_argument(
         "--llama-cpp-lookup",
         type=int,
         nargs="+",
         default=[2, 3, 10],
-        help="num_pred_tokens of llama.cpp's prompt lookup runs (max_ngram_size 2, its default)",
+        help="num_pred_tokens of llama-cpp-python's LlamaPromptLookupDecoding runs (max_ngram_size 2, its "
+        "default)",
     )
     parser.add_argument(
         "--batch-sizes",
@@ -161,11 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def llama_cpp_runs(gguf, prompts: list[list[int]], params, stop_ids, lookup: dict | None) -> list[tuple]:
-    """llama.cpp's answer to each prompt, as timed_run gives pagedllm's: tokens, decode tokens, seconds."""
-    from pagedllm.bench.latency import _peer
-
+    """llama-cpp-python's answer to each prompt (in its own process), as timed_run gives pagedllm's:
+    tokens, decode tokens, seconds."""
     job = {
-        "mode": "generate",
         "model": str(gguf),
         "threads": torch.get_num_threads(),
         "n_ctx": max(map(len, prompts)) + params.max_tokens + 16,
@@ -176,32 +184,29 @@ def llama_cpp_runs(gguf, prompts: list[list[int]], params, stop_ids, lookup: dic
         "prompt_lookup": lookup,
     }
     runs = []
-    for result in _peer(job):
+    results, _ = llama_cpp.generate(job)
+    for result in results:
         stamps = result["token_times_s"]
         runs.append((result["tokens"], len(stamps) - 1, stamps[-1] - stamps[0]))
     return runs
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pagedllm.entrypoints.cli import json_object
-
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        args.speculative_config = json_object("--speculative-config", args.speculative_config)
+        args.speculative_config = flags.json_object("--speculative-config", args.speculative_config)
     except ValueError as error:
         parser.error(str(error))
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    flags.apply_threads(args)
     from pagedllm import LLM, SamplingParams
-    from pagedllm.bench.latency import llama_cpp_gguf
 
     peers: dict[str, dict | None] = {}
-    gguf = llama_cpp_gguf(parser, args.model) if args.llama_cpp else None
+    gguf = llama_cpp.gguf_of(parser, args.model, "--llama-cpp") if args.llama_cpp else None
     if args.llama_cpp:
-        peers["llama.cpp"] = None
+        peers[llama_cpp.LLAMA_CPP_PYTHON] = None
         for n in args.llama_cpp_lookup:
-            peers[f"llama.cpp lookup {n}"] = {"max_ngram_size": 2, "num_pred_tokens": n}
+            peers[f"{llama_cpp.PROMPT_LOOKUP} {n}"] = {"max_ngram_size": 2, "num_pred_tokens": n}
 
     max_num_seqs = max([1, *args.batch_sizes])
     common = dict(
@@ -220,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     systems = {"no speculation": LLM(args.model, **common)}
     systems.update({name: LLM(args.model, speculative_config=c, **common) for name, c in configs.items()})
-    tokenizer = systems["no speculation"].engine.tokenizer
+    tokenizer = systems["no speculation"].get_tokenizer()
     texts = CHAT_PROMPTS if args.draft_model else [instruction()]
     prompts = [chat_prompt(tokenizer, text) for text in texts]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0)
@@ -232,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     traces: dict[str, list] = {name: [] for name in systems}  # each timed step's phases
     for name, llm in systems.items():
         llm.engine.add_step_observer(traces[name].append)
-    eos = systems["no speculation"].engine.eos_token_ids
+    plain_info = systems["no speculation"].engine.run_info()
+    eos = plain_info.eos_token_ids
     for i in range(args.repeats):
         for name, llm in systems.items():
             runs = [timed_run(llm.engine, f"{name}-{i}-{j}", p, params) for j, p in enumerate(prompts)]
@@ -248,11 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model {args.model}, {what} ({sum(map(len, prompts))} prompt tokens, "
         f"{sum(map(len, tokens['no speculation']))} output tokens), {torch.get_num_threads()} threads, "
-        f"{args.repeats} runs each, speculative_config {spec_text}"
+        f"{args.repeats} runs each, speculative_config {spec_text}; pagedllm ran: {plain_info.describe()}"
+        + (f"; {llama_cpp.LLAMA_CPP_PYTHON} ran: {peer_env().describe()}" if peers else "")
     )
     columns = ("forward ms/step", "propose ms/step")  # means over the steps that prefilled nothing
+    width = max(22, *(len(name) + 2 for name in rates))
     print(
-        f"{'system':<22}{'decode tok/s':>14}{'runs':>22}"
+        f"{'system':<{width}}{'decode tok/s':>14}{'runs':>22}"
         + "".join(f"{c:>17}" for c in columns)
         + f"{'same':>6}"
     )
@@ -263,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = [1e3 * statistics.mean(t.seconds[p] for t in decodes) for p in phases] if decodes else []
         step_text = "".join(f"{ms:>17.1f}" for ms in steps) or f"{'-':>17}{'-':>17}"
         same = "yes" if tokens[name] == tokens["no speculation"] else "no"
-        print(f"{name:<22}{statistics.median(rates[name]):>14.1f}{runs:>22}{step_text}{same:>6}")
+        print(f"{name:<{width}}{statistics.median(rates[name]):>14.1f}{runs:>22}{step_text}{same:>6}")
     for name in configs:
         stats = systems[name].engine.stats()
         drafts = stats.spec_draft_tokens - before[name].spec_draft_tokens
@@ -278,14 +286,15 @@ def main(argv: list[str] | None = None) -> int:
             f"same tokens: {tokens[name] == tokens['no speculation']}"
         )
     if peers:
-        best = max((n for n in peers if n != "llama.cpp"), key=lambda n: statistics.median(rates[n]))
+        plain_peer = llama_cpp.LLAMA_CPP_PYTHON
+        best = max((n for n in peers if n != plain_peer), key=lambda n: statistics.median(rates[n]))
         for name in configs:
             pairs = [s / b for s, b in zip(rates[name], rates[best], strict=True)]
             print(
-                f"{name} / {best} (llama.cpp's best prompt lookup): "
+                f"{name} / {best} (llama-cpp-python's best prompt lookup): "
                 f"{statistics.median(rates[name]) / statistics.median(rates[best]):.2f}x "
                 f"(per round {min(pairs):.2f}-{max(pairs):.2f}x); "
-                f"without speculation / llama.cpp: {base / statistics.median(rates['llama.cpp']):.2f}x"
+                f"without speculation / {plain_peer}: {base / statistics.median(rates[plain_peer]):.2f}x"
             )
     for n in args.batch_sizes:
         batch = [chat_prompt(tokenizer, instruction(f"weighted_mean_{j}")) for j in range(n)]

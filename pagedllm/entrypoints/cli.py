@@ -182,30 +182,18 @@ ENGINE_ARGS = (
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {name: getattr(args, name) for name in ENGINE_ARGS}
+    from pagedllm.bench.flags import json_object
+
     kwargs["speculative_config"] = json_object("--speculative-config", args.speculative_config)
     return kwargs
-
-
-def json_object(flag: str, text: str | None) -> dict | None:
-    """A JSON object typed on the command line (None: not given); a ValueError naming the flag."""
-    import json
-
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{flag} is not JSON ({error}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{flag} must be a JSON object, got {text!r}")
-    return value
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
     """EngineConfig settings, spelled as vLLM's CLI spells them, with EngineConfig's defaults."""
     from pagedllm.engine.config import KV_CACHE_DTYPES
+    from pagedllm.models import DEFAULT_MODEL
 
-    parser.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf file")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, HF folder or .gguf file")
     parser.add_argument(
         "--dtype", default=defaults["dtype"], help="auto (float32 on CPU), float32, bfloat16 or float16"
     )
