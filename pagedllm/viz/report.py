@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as error:
         parser.exit(2, f"pagedllm viz: error: {error}\n")
     from pagedllm.engine.config import EngineConfig
-    from pagedllm.engine.llm_engine import load_shared_model
+    from pagedllm.engine.model_cache import load_shared_model
 
     config = EngineConfig(model=args.model)
     loaded = load_shared_model(args.model, config.torch_dtype, config.device)  # held: both runs share it
