@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.bench import flags
 from pagedllm.bench.table import aligned
 from pagedllm.engine.config import KV_CACHE_DTYPES, parse_bytes
 from pagedllm.engine.kv_sizing import kv_block_bytes, model_kv_groups
@@ -197,13 +198,11 @@ def run(args: argparse.Namespace, config: ModelConfig) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("--hybrid (a model with sliding-window layers)")
     group.add_argument("--hybrid", action="store_true", help="hybrid KV groups vs full history instead")
-    group.add_argument(
-        "--model", default="gemma3-270m", help="built-in name, HF folder or .gguf (config only)"
-    )
+    flags.add_model(group, default="gemma3-270m", help="built-in name, HF folder or .gguf (config only)")
     group.add_argument("--kv-cache-dtype", default="float32", choices=sorted(KV_CACHE_DTYPES))
     group.add_argument("--context-lens", type=int, nargs="+", default=[1024, 4096, 8192])
     group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="prefill chunk")
-    group.add_argument("--kv-cache-memory", default="256MiB", help="KV budget of the requests sent at once")
+    flags.add_kv_cache_memory(group, "256MiB", help="KV budget of the requests sent at once")
     group.add_argument("--hybrid-requests", dest="hybrid_requests", type=int, default=32)
     group.add_argument("--prompt-len", type=int, default=3840)
     group.add_argument("--output-len", type=int, default=256)

@@ -13,7 +13,8 @@ with its generated tokens now part of its prompt), as vLLM does.
 Usage is sampled after each step's appends, before finished sequences are freed. The memory figures
 (live, reserved-empty, block tail, external fragmentation, idle free) are averaged over the steps in
 which a request is still waiting, i.e. the steps in which KV memory is the bottleneck; concurrency
-and steps-to-finish (the throughput proxy) cover the whole trace.
+and steps-to-finish (the throughput proxy) cover the whole trace. The paged layout's live share is
+printed with the preemptions and recomputed tokens of the same replay: the price of packing it so full.
 
 `--plot FILE.png` also draws every layout's KV memory map (`pagedllm.viz.memory_map`): the state of
 each slot at the first memory-bound step at or after half of the paged layout's memory-bound steps
@@ -31,7 +32,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagedllm.bench import kv_groups
+from pagedllm.bench import flags, kv_groups
 from pagedllm.bench.table import aligned
 from pagedllm.bench.trace import WORKLOADS, Request, make_trace
 from pagedllm.kv import ContiguousAllocator, KVAllocator, KVUsage, NoFreeBlocks, PagedAllocator, SlotState
@@ -283,6 +284,12 @@ def format_table(info: dict, rows: list[LayoutResult]) -> str:
         table.append(cells)
     lines += aligned(table)
     paged = rows[0]
+    trace_tokens = round(info["num_requests"] * (info["prompt_mean"] + info["output_mean"]))
+    lines.append(
+        f"paged: {_pct(paged.live_fraction)} of slots live, with {paged.preemptions:,} preemptions that "
+        f"recomputed {paged.recomputed_tokens:,} tokens ({paged.recomputed_tokens / trace_tokens:.1%} of the "
+        f"trace's {trace_tokens:,} prompt and output tokens) in the same run"
+    )
     for r in rows[1:]:
         if paged.live_fraction and r.live_fraction:
             lines.append(
@@ -303,8 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--rate", type=float, default=32.0, help="Poisson arrivals per step")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print JSON {config, rows} instead of a table")
+    flags.add_seed(parser, help="seed of the trace")
+    flags.add_json(parser, help="print JSON {config, rows} instead of a table")
     parser.add_argument("--profile", action="store_true", help="time every allocator call: ops per second")
     parser.add_argument("--plot", type=Path, metavar="FILE.png", help="also draw each layout's KV memory map")
     kv_groups.add_arguments(parser)
