@@ -77,18 +77,18 @@ def test_quality_int8_stays_within_two_percent_of_float32():
     differently), multiplied in bf16 at a prefill's many rows where the CPU has AVX512_BF16."""
     text = quality.TEXT.read_text()
     bf16_path = cpu.bf16_matmul_available()
-    configs = ["fp32", "int8", "gguf"] + (["bf16"] if bf16_path else [])
+    configs = ["dequantized-f32", "int8", "gguf"] + (["dequantized-bf16"] if bf16_path else [])
     results = {r.config: r for r in quality.run("smollm2-135m", configs, text, 512, 8)}
-    fp32 = results["fp32"].perplexity
+    fp32 = results["dequantized-f32"].perplexity
     assert 5 < fp32 < 50
     assert abs(results["int8"].perplexity / fp32 - 1) < 0.02
     if bf16_path:  # x, W and outputs rounded to bf16: held to the bf16 weights' agreement
         assert abs(results["gguf"].perplexity / fp32 - 1) < 0.01
-        assert results["gguf"].greedy_same >= results["bf16"].greedy_same
+        assert results["gguf"].greedy_same >= results["dequantized-bf16"].greedy_same
     else:
         assert results["gguf"].perplexity == pytest.approx(fp32, rel=1e-4)
         assert results["gguf"].greedy_same == len(quality.EQUIVALENCE_PROMPTS)
-    assert results["int8"].weight_mib < results["fp32"].weight_mib / 3
+    assert results["int8"].weight_mib < results["dequantized-f32"].weight_mib / 3
 
 
 def test_quality_of_a_quantized_kv_cache_against_the_float32_cache(capsys):

@@ -1,14 +1,18 @@
 """`pagedllm bench quality`: what each weight storage and KV cache dtype costs in quality, against the first.
 
-Per configuration (`--configs`: fp32, bf16, int8, int4, gguf) and KV cache dtype (`--kv-cache-dtype`:
-auto, float32, bfloat16, int8, fp8; each config runs with each): weight memory, the KV cache's bytes per
-token (every layer's K and V, a quantized cache's scales included); perplexity on a fixed text
-(`--text`, default the Apache License 2.0 that ships in pagedllm/bench/data: 2,224 SmolLM2 tokens), all
-of it in one prefill through the paged cache; and greedy agreement with fp32 on the prompts the
-Hugging Face equivalence tests use (EQUIVALENCE_PROMPTS, `--max-tokens` greedy tokens each): `same` =
-prompts whose tokens all equal the first run's, `prefix` = the mean number of leading tokens equal to
-its. `--configs gguf --kv-cache-dtype float32 int8 fp8`: what a quantized KV cache costs the shipped model.
-Deterministic for a given CPU build (sums may round differently between the AVX2 and AVX-512 kernels).
+Per configuration (`--configs`: dequantized-f32, dequantized-bf16, int8, int4, gguf) and KV cache dtype
+(`--kv-cache-dtype`: auto, float32, bfloat16, int8, fp8; each config runs with each): weight memory, the
+KV cache's bytes per token (every layer's K and V, a quantized cache's scales included); perplexity on a
+fixed text (`--text`, default the Apache License 2.0 that ships in pagedllm/bench/data: 2,224 SmolLM2
+tokens), all of it in one prefill through the paged cache; and greedy agreement with the first
+configuration on the prompts the Hugging Face equivalence tests use (EQUIVALENCE_PROMPTS, `--max-tokens`
+greedy tokens each): `same` = prompts whose tokens all equal the first run's, `prefix` = the mean number
+of leading tokens equal to its. `--configs gguf --kv-cache-dtype float32 int8 fp8`: what a quantized KV
+cache costs the shipped model. dequantized-f32 / -bf16 are the model file's weights loaded unquantized in
+that dtype: for a GGUF file (every built-in model) its 4- or 8-bit blocks dequantized, not an original
+float checkpoint. Each row is followed by what ran (attention backend, CPU build, linear method per
+weight type, threads). Deterministic for a given CPU build (sums may round differently between the AVX2
+and AVX-512 kernels).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.engine.config import KV_CACHE_DTYPES
+from pagedllm.bench import flags
 from pagedllm.workload import first_difference
 
 TEXT = Path(__file__).with_name("data") / "apache-2.0.txt"
@@ -39,10 +43,10 @@ EQUIVALENCE_PROMPTS = [
     "Paged attention stores the key-value cache in fixed-size blocks, so that memory is allocated on "
     "demand and shared between sequences. The main benefit of this design is",
 ]
-# name -> (dtype, quantization)
+# name -> (dtype, quantization); None: the file's weights unquantized in dtype (a GGUF's blocks dequantized)
 CONFIGS = {
-    "fp32": ("float32", None),
-    "bf16": ("bfloat16", None),
+    "dequantized-f32": ("float32", None),
+    "dequantized-bf16": ("bfloat16", None),
     "int8": ("float32", "int8"),
     "int4": ("float32", "int4"),
     "gguf": ("float32", "gguf"),
@@ -60,6 +64,7 @@ class Quality:
     greedy_same: int  # prompts whose greedy tokens all equal the first config's
     greedy_prefix: float  # mean leading tokens equal to the first config's
     tokens: list[list[int]]
+    ran: str = ""  # RunInfo.describe(): attention backend, CPU build, linear method per weight type, threads
 
 
 def perplexity(
@@ -120,11 +125,21 @@ def evaluate(
     outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     assert engine.stats().kv_all_free, "KV blocks leaked"
     ppl = perplexity(engine.model, text_ids, engine.config.kv_torch_dtype, engine.layer_kv_caches())
-    token_bytes = engine.kv_cache_bytes // (engine.num_kv_blocks * engine.config.block_size)
+    info = engine.run_info()
     tokens = [o.outputs[0].token_ids for o in outputs]
-    weight_mib = engine.weight_bytes / 2**20
-    method = engine.loaded_model.linear_method
-    return Quality(name, kv_cache_dtype, method, weight_mib, token_bytes, ppl, 0, 0.0, tokens)
+    weight_mib = info.weight_bytes / 2**20
+    return Quality(
+        name,
+        kv_cache_dtype,
+        info.linear_method,
+        weight_mib,
+        info.kv_token_bytes,
+        ppl,
+        0,
+        0.0,
+        tokens,
+        info.describe(),
+    )
 
 
 def compare(results: list[Quality]) -> None:
@@ -170,19 +185,18 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", default="smollm2-135m")
+    flags.add_model(parser)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument(
-        "--kv-cache-dtype",
-        nargs="+",
+    flags.add_kv_cache_dtype(
+        parser,
         default=["auto"],
-        choices=["auto", *KV_CACHE_DTYPES],
-        help="the KV cache's dtype (auto: the weights' compute dtype); several: each config runs with each",
+        many=True,
+        help="the KV cache's dtype (auto: the weights' compute dtype); each config runs with each",
     )
     parser.add_argument("--text", type=Path, default=TEXT, help="the text whose perplexity is measured")
     parser.add_argument("--max-text-tokens", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
-    parser.add_argument("--json", action="store_true")
+    flags.add_json(parser)
     return parser
 
 
@@ -199,16 +213,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{base.kv_cache_dtype} KV on {len(EQUIVALENCE_PROMPTS)} prompts x {args.max_tokens} tokens"
     )
     print(
-        f"{'config':<8}{'KV':>10}{'storage':>9}{'weights MiB':>13}{'KV B/token':>12}{'perplexity':>12}"
+        f"{'config':<17}{'KV':>10}{'storage':>9}{'weights MiB':>13}{'KV B/token':>12}{'perplexity':>12}"
         f"{'vs first':>10}{'same':>7}{'prefix':>8}"
     )
     for r in results:
         delta = f"{r.perplexity / base.perplexity - 1:+.2%}"
         print(
-            f"{r.config:<8}{r.kv_cache_dtype:>10}{r.linear_method:>9}{r.weight_mib:>13.1f}"
+            f"{r.config:<17}{r.kv_cache_dtype:>10}{r.linear_method:>9}{r.weight_mib:>13.1f}"
             f"{r.kv_bytes_per_token:>12,}{r.perplexity:>12.4f}{delta:>10}{r.greedy_same:>4}/{len(r.tokens)}"
             f"{r.greedy_prefix:>8.1f}"
         )
+        print(f"  ran: {r.ran}")
     print(
         "same: prompts whose greedy tokens all equal the first row's; prefix: mean tokens before a difference"
     )
