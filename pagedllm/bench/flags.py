@@ -1,24 +1,28 @@
 """The flags the benchmarks share, each defined once here: the model, the weight storage, the
 activations' dtype, the KV cache's memory and dtype, the seed, the thread count and JSON output. A bench
-passes its own default or help where its workload needs another; the names and meanings stay the same."""
+passes its own default or help where its workload needs another; the names and meanings stay the same.
+This module loads neither torch nor the engine until a flag needs them (`bench serve`'s load generator
+stays light)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-import torch
-
-from pagedllm.engine.config import KV_CACHE_DTYPES
-from pagedllm.models.loader import DEFAULT_MODEL
-
 QUANTIZATIONS = ["auto", "none", "int8", "int4", "gguf"]
 _MANY = " (several values: one run each)"
+_QUANTIZATION_HELP = (
+    "weight storage: auto keeps a GGUF file's own blocks, none loads the float weights, int8 / int4 "
+    "quantize at load"
+)
 
 
-def add_model(
-    parser, default: str | None = DEFAULT_MODEL, help: str = "built-in name, HF folder or .gguf file"
-):
+def add_model(parser, default: str | None = None, help: str = "built-in name, HF folder or .gguf file"):
+    """--model, by default pagedllm's DEFAULT_MODEL."""
+    if default is None:
+        from pagedllm.models.loader import DEFAULT_MODEL
+
+        default = DEFAULT_MODEL
     parser.add_argument("--model", default=default, help=help)
 
 
@@ -28,12 +32,7 @@ def add_quantization(parser, default: str | list[str] = "auto", many: bool = Fal
         nargs="+" if many else None,
         default=default,
         choices=QUANTIZATIONS,
-        help=(
-            help
-            or "weight storage: auto keeps a GGUF file's own blocks, none the float weights, int8 / "
-            "int4 quantize at load"
-        )
-        + (_MANY if many else ""),
+        help=(help or _QUANTIZATION_HELP) + (_MANY if many else ""),
     )
 
 
@@ -48,6 +47,8 @@ def add_kv_cache_memory(parser, default: str, help: str = "the KV cache's size, 
 def add_kv_cache_dtype(
     parser, default: str | list[str] = "auto", many: bool = False, help: str | None = None
 ):
+    from pagedllm.engine.config import KV_CACHE_DTYPES
+
     parser.add_argument(
         "--kv-cache-dtype",
         nargs="+" if many else None,
@@ -71,9 +72,11 @@ def add_json(parser, help: str = "print JSON instead of a table"):
 
 def apply_threads(args: argparse.Namespace) -> None:
     """--threads, if given, before anything runs."""
-    if args.threads:
+    if args.threads is not None:
         if args.threads < 1:
             raise SystemExit(f"--threads must be at least 1, got {args.threads}")
+        import torch
+
         torch.set_num_threads(args.threads)
 
 

@@ -50,7 +50,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagedllm.bench import soak
+from pagedllm.bench import flags, soak
 from pagedllm.bench.load import Request, Result, run_load, send_streaming
 from pagedllm.bench.trace import WORKLOADS, make_trace
 from pagedllm.workload import make_prompts, parse_range
@@ -416,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     target = parser.add_argument_group("target")
     target.add_argument("--base-url", default=None, help="a running server (default: start pagedllm serve)")
-    target.add_argument("--model", default="smollm2-135m", help="the model to serve (and its vocabulary)")
+    flags.add_model(target, help="the model to serve (and its vocabulary)")
     target.add_argument(
         "--served-model-name", default=None, help="the name in requests (default: the server's)"
     )
@@ -427,24 +427,21 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument(
         "--vocab-size", type=int, default=None, help="token ids to draw from (default: --model's)"
     )
-    engine = parser.add_argument_group("the server this bench starts (without --base-url)")
-    engine.add_argument("--kv-cache-memory", default="1GiB")
-    engine.add_argument("--max-model-len", type=int, default=1024)
-    engine.add_argument("--max-num-seqs", type=int, default=256)
-    engine.add_argument(
-        "--quantization",
-        default="auto",
-        choices=["auto", "none", "int8", "int4", "gguf"],
-        help="weight storage, served and offline alike (none: the float weights other servers load)",
+    server = parser.add_argument_group("the server this bench starts (without --base-url)")
+    flags.add_kv_cache_memory(server, "1GiB")
+    server.add_argument("--max-model-len", type=int, default=1024)
+    server.add_argument("--max-num-seqs", type=int, default=256)
+    flags.add_quantization(
+        server, help="weight storage, served and offline alike (none: the float weights other servers load)"
     )
-    engine.add_argument(
+    server.add_argument(
         "--kv-cache-dtype",
         default="auto",
         help="K/V storage, served and offline alike: a name `pagedllm serve --kv-cache-dtype` takes (auto, "
         "int8, fp8, ...; checked there, so that this load generator needs no torch)",
     )
-    engine.add_argument("--serve-arg", action="append", default=[], help="one more `pagedllm serve` argument")
-    engine.add_argument(
+    server.add_argument("--serve-arg", action="append", default=[], help="one more `pagedllm serve` argument")
+    server.add_argument(
         "--kv-offload-memory",
         nargs="+",
         default=None,
@@ -452,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="one run per value, side by side: `pagedllm serve --kv-offload-memory SIZE` (a host tier under "
         "the prefix cache), or none (without it)",
     )
-    engine.add_argument(
+    server.add_argument(
         "--setups",
         nargs="+",
         default=None,
@@ -461,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="one run per value, side by side, in this order: `pagedllm serve ARGS` (after the flags above, "
         "so they override them), its row named LABEL",
     )
-    engine.add_argument("--startup-timeout", type=float, default=600.0)
+    server.add_argument("--startup-timeout", type=float, default=600.0)
     load = parser.add_argument_group("load")
     load.add_argument("--dataset", choices=["random", *sorted(WORKLOADS)], default="random")
     load.add_argument("--num-prompts", type=int, default=64)
@@ -485,9 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     load.add_argument("--ignore-eos", action="store_true", help="ask for exactly the output length")
     load.add_argument("--temperature", type=float, default=0.0)
-    load.add_argument("--seed", type=int, default=0)
+    flags.add_seed(load)
     out = parser.add_argument_group("report")
-    out.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    flags.add_json(out)
     out.add_argument(
         "--compare-offline",
         action="store_true",

@@ -36,6 +36,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pagedllm.bench import flags
 from pagedllm.bench.table import aligned
 from pagedllm.bench.trace import WORKLOADS, Request, make_trace
 from pagedllm.engine.beam_search import BeamSearch
@@ -314,11 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per step")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", help="also run the engine on this model (n = 4 and beam width 4)")
+    flags.add_seed(parser, help="seed of the trace")
+    flags.add_model(parser, default="", help="also run the engine on this model (n = 4 and beam width 4)")
     parser.add_argument("--real-tokens", type=int, default=128, help="max tokens per answer in the real run")
     parser.add_argument("--plot", type=Path, metavar="FILE.png", help="draw the saved share per width")
-    parser.add_argument("--json", action="store_true", help="print JSON {config, rows} instead of a table")
+    flags.add_json(parser, help="print JSON {config, rows} instead of a table")
     return parser
 
 

@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 
+from pagedllm.bench import flags
 from pagedllm.workload import make_prompts, parse_range
 
 
@@ -40,7 +41,7 @@ def measure(engine, args) -> tuple[dict, dict]:
     from pagedllm.entrypoints.openai.dashboard import kv_payload
     from pagedllm.entrypoints.openai.metrics import EngineMetrics
 
-    prompts = make_prompts([args.input_len] * args.num_seqs, engine.model.config.vocab_size, args.seed)
+    prompts = make_prompts([args.input_len] * args.num_seqs, engine.run_info().vocab_size, args.seed)
     params = SamplingParams(max_tokens=args.steps + 8, temperature=0, ignore_eos=True)
     for i, ids in enumerate(prompts):
         engine.add_request(f"snap-{i}", ids, params)
@@ -108,15 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", default="smollm2-135m")
+    flags.add_model(parser)
     parser.add_argument("--num-seqs", type=int, default=256, help="sequences running in every timed step")
     parser.add_argument("--input-len", default="16-64", help="LO-HI prompt tokens (uniform)")
     parser.add_argument("--steps", type=int, default=10, help="timed decode steps")
-    parser.add_argument("--kv-cache-memory", default="2GiB")
+    flags.add_kv_cache_memory(parser, "2GiB")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true")
+    flags.add_seed(parser)
+    flags.add_json(parser)
     return parser
 
 

@@ -24,6 +24,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from pagedllm.models.loader import DEFAULT_MODEL
 from pagedllm.viz import require_matplotlib
 from pagedllm.viz.recording import busiest_step, make_workload, record
 from pagedllm.workload import parse_range
@@ -35,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", type=Path, required=True, help="folder for the figures (created if missing)")
     parser.add_argument("--format", default="png", choices=["png", "svg"])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, HF folder or .gguf file")
     parser.add_argument("--step", type=int, default=None, help="the step drawn (default: paged's busiest)")
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--output-len", default="24-160", help="LO-HI output tokens per request (uniform)")
