@@ -57,16 +57,17 @@ def profile_decode(engine, prompts: list[list[int]], decode_steps: int = 3) -> O
     are aborted."""
     from pagedllm.sampling_params import SamplingParams
 
-    room = engine.max_model_len - decode_steps - 2  # the prefill's token and one step to finish chunks
+    max_model_len = engine.run_info().max_model_len
+    room = max_model_len - decode_steps - 2  # the prefill's token and one step to finish chunks
     if any(len(prompt) > room for prompt in prompts):
         longest = max(len(prompt) for prompt in prompts)
         raise ValueError(
-            f"max_model_len {engine.max_model_len} leaves no room for {decode_steps} profiled steps "
+            f"max_model_len {max_model_len} leaves no room for {decode_steps} profiled steps "
             f"after a {longest}-token prompt"
         )
     ids = [f"profile-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts, strict=True):
-        params = SamplingParams(max_tokens=engine.max_model_len - len(prompt), temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_model_len - len(prompt), temperature=0, ignore_eos=True)
         engine.add_request(request_id, prompt, params)
     while engine.stats().num_waiting:
         engine.step()
@@ -93,8 +94,7 @@ def _one_step(engine) -> StepTrace:
 
 def kv_bytes_read(engine, ops: OpProfile) -> int:
     """K/V bytes attention had to read over the profiled steps: every layer's context of each sequence."""
-    token_bytes = engine.kv_cache_bytes // (engine.num_kv_blocks * engine.config.block_size)
-    return sum(trace.context_tokens for trace in ops.steps) * token_bytes
+    return sum(trace.context_tokens for trace in ops.steps) * engine.run_info().kv_token_bytes
 
 
 @dataclass(frozen=True)

@@ -89,20 +89,17 @@ def add_due(engine, pending: list[Arrival]) -> None:
 
 def make_engine(args, kv_layout: str):
     """A fresh engine with the run's KV memory; prefix caching on for the paged layout."""
-    from pagedllm.engine.config import EngineConfig
-    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm import LLM
 
-    return LLMEngine(
-        EngineConfig(
-            model=args.model,
-            num_kv_blocks=args.num_blocks,
-            block_size=args.block_size,
-            max_model_len=args.max_model_len,
-            kv_layout=kv_layout,
-            contiguous_reserve=args.reserve,
-            enable_prefix_caching=kv_layout == "paged",
-        )
-    )
+    return LLM(
+        args.model,
+        num_kv_blocks=args.num_blocks,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        kv_layout=kv_layout,
+        contiguous_reserve=args.reserve,
+        enable_prefix_caching=kv_layout == "paged",
+    ).engine
 
 
 def record(args, kv_layout: str, arrivals: list[Arrival]) -> Run:
