@@ -1,8 +1,11 @@
 """The package's floors, read from its source: who may reach into the engine, and who may import whom.
 
 Layout, one way down: entrypoints -> engine -> kv (pure Python) and models -> ops; bench and viz beside,
-reading the engine's public face (stats(), kv_snapshot(), step observers) and importing each other
-without cycles. Every import counts, those inside functions too: a lazy import is still a dependency.
+reading the engine's public face (stats(), kv_snapshot(), run_info(), step observers; PUBLIC below) but
+for the component benchmarks the allow-lists name, each with its reason. Every import counts, those
+inside functions too (a lazy import is still a dependency), and so does a module loaded by its name
+(`importlib.import_module("pagedllm.bench.memory")`, as the CLI loads the benchmarks). No import circle
+anywhere; nothing below bench/, viz/ and entrypoints/ imports them.
 """
 
 from __future__ import annotations
@@ -27,18 +30,34 @@ SOURCES = {module_name(path): path for path in sorted(ROOT.rglob("*.py"))}
 TREES = {name: ast.parse(path.read_text(), str(path)) for name, path in SOURCES.items()}
 
 
-def imported_modules(name: str) -> set[str]:
-    """The pagedllm modules `name` imports: `from pagedllm.viz import figures` is pagedllm.viz.figures
-    where that is a module, else pagedllm.viz."""
-    found = set()
-    for node in ast.walk(TREES[name]):
+def imported_names(name: str) -> set[tuple[str, str | None]]:
+    """(module, name) for each thing `name` imports from pagedllm: `from pagedllm.kv import KVUsage` is
+    (pagedllm.kv, KVUsage), `from pagedllm.viz import figures` (pagedllm.viz.figures, None) where that is
+    a module, `import pagedllm.x` (pagedllm.x, None); in a module that calls import_module, a string that
+    is exactly a module's name (loaded by name) counts as importing it."""
+    tree, found = TREES[name], set()
+    by_name = any(
+        isinstance(node, ast.Call)
+        and "import_module" in (getattr(node.func, "attr", None), getattr(node.func, "id", None))
+        for node in ast.walk(tree)
+    )
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
+            found |= {(alias.name, None) for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for alias in node.names:
                 submodule = f"{node.module}.{alias.name}"
-                found.add(submodule if submodule in SOURCES else node.module)
-    return {module for module in found if module == "pagedllm" or module.startswith("pagedllm.")}
+                found.add((submodule, None) if submodule in SOURCES else (node.module, alias.name))
+        elif by_name and isinstance(node, ast.Constant) and node.value in SOURCES:
+            found.add((node.value, None))
+    return {
+        (module, what) for module, what in found if module == "pagedllm" or module.startswith("pagedllm.")
+    }
+
+
+def imported_modules(name: str) -> set[str]:
+    """The pagedllm modules `name` imports (imported_names' modules)."""
+    return {module for module, _ in imported_names(name)}
 
 
 GRAPH = {name: imported_modules(name) for name in SOURCES}
@@ -53,6 +72,8 @@ def test_the_graph_sees_imports_inside_functions_and_from_package_imports():
     assert "pagedllm.kv" in GRAPH["pagedllm.engine.llm_engine"]
     assert "pagedllm.entrypoints.llm" in GRAPH["pagedllm"]  # inside __getattr__
     assert "pagedllm.sampling_params" in GRAPH["pagedllm"]  # `from pagedllm import sampling_params`
+    assert "pagedllm.bench.memory" in GRAPH["pagedllm.entrypoints.cli"]  # loaded by its name
+    assert ("pagedllm.kv", "KVUsage") in imported_names("pagedllm.viz.figures")
 
 
 def test_nothing_outside_the_engine_reads_its_scheduler_allocator_runner_or_requests():
@@ -91,15 +112,135 @@ def test_each_floor_imports_only_downwards(floor):
     assert not bad, "\n".join(["imports up or across the floors:", *bad])
 
 
-def test_bench_and_viz_are_imported_only_by_the_cli_and_each_other():
+def test_nothing_below_bench_viz_and_entrypoints_imports_them():
+    """bench/, viz/ and entrypoints/ are the top: no floor below imports them (the package's own
+    __init__ re-exports the entrypoints' LLM, its face); within them, viz never imports bench, and of
+    the entrypoints only the CLI loads bench or viz."""
+    top = ("bench", "viz", "entrypoints")
     bad = sorted(
         f"{name} imports {module}"
         for name, modules in GRAPH.items()
-        if not within(name, "bench", "viz") and name != "pagedllm.entrypoints.cli"
         for module in modules
-        if within(module, "bench", "viz")
+        if (not within(name, *top) and name != "pagedllm" and within(module, *top))
+        or (within(name, "viz") and within(module, "bench"))
+        or (
+            within(name, "entrypoints")
+            and name != "pagedllm.entrypoints.cli"
+            and within(module, "bench", "viz")
+        )
     )
-    assert not bad, "\n".join(["bench or viz imported from below:", *bad])
+    assert not bad, "\n".join(["imported from below:", *bad])
+
+
+# What bench/ and viz/ may import from the rest of pagedllm: module -> the names (None: any).
+PUBLIC = {
+    "pagedllm": None,  # LLM, SamplingParams, ...: the package's face
+    "pagedllm.sampling_params": None,
+    "pagedllm.outputs": None,
+    "pagedllm.workload": None,  # the synthetic prompts bench and viz share
+    "pagedllm.engine.config": None,  # EngineConfig and its constants: the settings a user passes
+    "pagedllm.engine.stats": None,  # what stats() and the step observers give
+    "pagedllm.engine.run_info": None,  # what run_info() gives
+    "pagedllm.engine.op_profile": {"OpProfile"},  # what profile_ops() yields
+    "pagedllm.kv": {"KVUsage", "USAGE_PARTS"},  # what stats().kv_usage holds
+    # the model's files as a user names them: what the peers (HF, vLLM, llama.cpp) load too
+    "pagedllm.models.loader": {"DEFAULT_MODEL", "resolve_checkpoint", "read_config", "gguf_file"},
+}
+# Component benchmarks that must replay the allocator or a kernel: (importer, imported module or package)
+# -> why.
+COMPONENTS = {
+    ("pagedllm.bench.kernel", "pagedllm.ops"): "times the attention kernels themselves on synthetic caches",
+    ("pagedllm.bench.kernel", "pagedllm.kv"): "each KV dtype's default block size, as the engine's",
+    ("pagedllm.bench.gpu_check", "pagedllm.ops"): "checks the Triton kernels against the reference on a GPU",
+    ("pagedllm.bench.linear", "pagedllm.models.linear"): "times the matmul kernels on the model's shapes",
+    ("pagedllm.bench.linear", "pagedllm.models.quantization"): "times the int8 / int4 matmul kernels",
+    ("pagedllm.bench.linear", "pagedllm.ops.cpu"): "names the kernels' build, or why it cannot be built",
+    ("pagedllm.bench.memory", "pagedllm.kv"): "replays a trace through the allocators themselves (no model)",
+    ("pagedllm.bench.sharing", "pagedllm.kv"): "replays parallel sampling's block sharing in the allocator",
+    ("pagedllm.bench.sharing", "pagedllm.engine.beam_search"): "replays beam search's forks in the allocator",
+    ("pagedllm.bench.kv_groups", "pagedllm.kv"): "the hybrid KV groups' allocator, without a forward pass",
+    ("pagedllm.bench.kv_groups", "pagedllm.engine.scheduler"): "the real scheduler over that allocator",
+    ("pagedllm.bench.kv_groups", "pagedllm.engine.sequence"): "the sequences that scheduler takes",
+    ("pagedllm.bench.kv_groups", "pagedllm.engine.sampler"): "the samples it gets in place of a model's",
+    ("pagedllm.bench.kv_groups", "pagedllm.engine.kv_sizing"): "block bytes and groups, as the engine's",
+    ("pagedllm.bench.kv_groups", "pagedllm.models"): "the model's config (layers, windows): no weights",
+    ("pagedllm.bench.quality", "pagedllm.models.attention"): "runs the engine's model for one long prefill",
+    ("pagedllm.bench.quality", "pagedllm.ops"): "that prefill's cache, with the engine's key smoothing",
+    ("pagedllm.bench.quality", "pagedllm.models.tokenizer"): "tokenizes the text whose perplexity it takes",
+    ("pagedllm.bench.profile", "pagedllm.models.linear"): "the GEMM floor multiplies the model's weights",
+    ("pagedllm.bench.throughput", "pagedllm.engine.kv_sizing"): "a TP run gets one process's KV blocks",
+    ("pagedllm.bench.throughput", "pagedllm.engine.model_cache"): "holds the weights: the runs share a load",
+    ("pagedllm.viz.report", "pagedllm.engine.model_cache"): "holds the weights: both runs share one load",
+    ("pagedllm.bench.llama_cpp", "pagedllm.models.gguf_loader"): "llama.cpp's copies beside pagedllm's own",
+    ("pagedllm.bench.serve", "pagedllm.entrypoints.openai.server"): "the server's own CPU step budget",
+    ("pagedllm.bench.serve", "pagedllm.models.tokenizer"): "renders chat prompts for the load",
+    ("pagedllm.bench.snapshot", "pagedllm.entrypoints.openai.dashboard"): "times what GET /v1/kv does",
+    ("pagedllm.bench.snapshot", "pagedllm.entrypoints.openai.metrics"): "times the metrics it updates",
+}
+
+
+def under(module: str, package: str) -> bool:
+    return module == package or module.startswith(f"{package}.")
+
+
+def component(name: str, module: str) -> bool:
+    """Whether COMPONENTS lets `name` import `module` (an entry names the module or a package above it)."""
+    return any(a == name and under(module, b) for a, b in COMPONENTS)
+
+
+def test_bench_and_viz_import_only_the_public_face_or_say_why():
+    bad = sorted(
+        f"{name} imports {module}" + (f".{what}" if what else "")
+        for name in SOURCES
+        if within(name, "bench", "viz")
+        for module, what in imported_names(name)
+        if not within(module, "bench", "viz")
+        and not component(name, module)
+        and not (module in PUBLIC and (PUBLIC[module] is None or what in PUBLIC[module]))
+    )
+    assert not bad, "\n".join(["past the engine's face, not in COMPONENTS:", *bad])
+
+
+def test_every_component_entry_is_still_used():
+    """An allow-list entry whose import is gone is removed with it."""
+    stale = sorted(f"{a} -> {b}" for a, b in COMPONENTS if not any(under(m, b) for m in GRAPH.get(a, ())))
+    assert not stale, stale
+
+
+# The engine's face as bench/ and viz/ read it: `engine.X` (an LLMEngine, named engine or llm.engine).
+FACE = {
+    "add_request", "abort_request", "step", "has_unfinished_requests", "shutdown", "config",
+    "add_step_observer", "remove_step_observer", "profile_ops", "stats", "kv_snapshot", "run_info",
+    "unfinished_request_ids", "get_num_unfinished_requests", "layer_kv_caches", "comm_stats",
+}  # fmt: skip
+ENGINE_ATTRIBUTES = {  # (module, attribute) -> why a component benchmark reads it
+    ("pagedllm.bench.profile", "model"): "the GEMM floor multiplies the model's own weight matrices",
+    ("pagedllm.bench.quality", "model"): "one long prefill through the engine's model, for perplexity",
+}
+
+
+def engine_reads(name: str) -> set[str]:
+    """The attributes `name` reads on an engine: `engine.X` or `<anything>.engine.X`."""
+    reads = set()
+    for node in ast.walk(TREES[name]):
+        if isinstance(node, ast.Attribute):
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id == "engine") or (
+                isinstance(owner, ast.Attribute) and owner.attr == "engine"
+            ):
+                reads.add(node.attr)
+    return reads
+
+
+def test_bench_and_viz_read_only_the_engines_face():
+    bad = sorted(
+        f"{name} reads engine.{attr}"
+        for name in SOURCES
+        if within(name, "bench", "viz")
+        for attr in engine_reads(name)
+        if attr not in FACE and (name, attr) not in ENGINE_ATTRIBUTES
+    )
+    assert not bad, "\n".join(["engine attributes outside its face:", *bad])
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -129,7 +270,6 @@ def test_the_cycle_finder_finds_a_cycle_and_passes_a_tree():
     assert cycles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
 
 
-def test_bench_and_viz_import_each_other_without_cycles():
-    tools = {name for name in GRAPH if within(name, "bench", "viz")}
-    found = cycles({name: GRAPH[name] & tools for name in tools})
+def test_no_import_circle_anywhere():
+    found = cycles(GRAPH)
     assert not found, "\n".join(["import cycles:", *(" -> ".join(cycle) for cycle in found)])

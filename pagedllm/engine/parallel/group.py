@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import pagedllm
 from pagedllm._runtime import _DEFAULTED
 from pagedllm.models.parallel import TensorParallel
 
@@ -77,7 +76,9 @@ def spawn_worker(
     the caller's __main__); it exits when rank 0 says stop, or when this process is gone."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     env.pop(_DEFAULTED, None)
-    package_root = str(Path(pagedllm.__file__).resolve().parent.parent)  # the same pagedllm as this one
+    package_root = str(
+        Path(__file__).resolve().parents[3]
+    )  # the same pagedllm as this one (pagedllm/engine/parallel/)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (package_root, env.get("PYTHONPATH"))))
     command = [sys.executable, "-m", "pagedllm.engine.parallel.worker", init_method]
     command += ["--rank", str(rank), "--world-size", str(world_size), "--local-rank", str(local_rank)]
