@@ -60,12 +60,14 @@ def test_throughput_table_prints_the_workload_and_dashes_for_unreported_values(c
     prompt_tokens = sum(len(p) for p in make_prompts([(4, 9)] * 2, 49152, seed=0))
     assert lines[0].startswith(f"workload: 2 prompts of 4-9 random tokens, {prompt_tokens} prompt tokens")
     assert "3 output tokens each = 6;" in lines[0] and "watermark 0 / 0.2" in lines[0]
-    sweep = [line.split() for line in lines[2:4]]
+    sweep = [line.split() for line in lines[2:6:2]]  # each row, then what ran
     assert [cells[:2] for cells in sweep] == [["paged", "w=0"], ["paged", "w=0.2"]]
     assert all(cells[3] == "6" for cells in sweep)  # output tokens
     assert all(cells[-4] == "100%" for cells in sweep)  # both watermarks, the same greedy tokens
     assert all(cells[-1] == "-" for cells in sweep)  # one process: no collectives
-    assert lines[4].startswith("paged w=0 / paged w=0.2: ")
+    for ran in lines[3:7:2]:
+        assert ran.startswith("  ran: attention ") and ran.endswith(" threads") and "; linear " in ran
+    assert lines[6].startswith("paged w=0 / paged w=0.2: ")
     row = throughput.Row("hf batch 2", 1.0, 6, 6.0, None, None, None, None, None)
     assert throughput.format_row(row).split()[-6:] == ["-"] * 6
 
@@ -287,4 +289,5 @@ def test_hf_rows_read_a_gguf_models_float_copy(tmp_path, monkeypatch):
     args = Namespace(model=str(tmp_path / "tiny.gguf"), dtype="auto", hf_batch_size=2, output_len=5)
     row, tokens = throughput.run_hf(args, prompts)
     assert row.output_tokens == 15
+    assert row.ran.startswith("in the pagedllm process: transformers ")
     assert tokens == hf_greedy(hf, prompts[:2], 5) + hf_greedy(hf, prompts[2:], 5)
