@@ -99,31 +99,23 @@ def test_a_failing_peer_names_itself_and_its_error(tmp_path):
         run_script(script, {}, peer_env(), "test peer")
 
 
-# llama-bench -o json, two tests on a CPU build (the format of llama.cpp's tools/llama-bench README)
-LLAMA_BENCH_JSON = """[
-  {
+# llama-bench -o json on a CPU build: one object per test, each with every field of the format in llama.cpp's
+# tools/llama-bench README ("JSON"); the tg test differs from the pp one in its counts and times.
+_PP = {
     "build_commit": "b5c8ed3b", "build_number": 6132, "cpu_info": "AMD EPYC 9R14", "gpu_info": "",
     "backends": "CPU", "model_filename": "qwen2.5-coder-1.5b-instruct-q4_0.gguf",
     "model_type": "qwen2 1.5B Q4_0", "model_size": 1011884032, "model_n_params": 1543714304,
-    "n_batch": 2048, "n_ubatch": 512, "n_threads": 2, "cpu_mask": "0x0", "cpu_strict": false, "poll": 50,
+    "n_batch": 2048, "n_ubatch": 512, "n_threads": 2, "cpu_mask": "0x0", "cpu_strict": False, "poll": 50,
     "type_k": "f16", "type_v": "f16", "n_gpu_layers": 99, "split_mode": "layer", "main_gpu": 0,
-    "no_kv_offload": false, "flash_attn": false, "tensor_split": "0.00", "use_mmap": true,
-    "embeddings": false, "n_prompt": 512, "n_gen": 0, "n_depth": 0, "test_time": "2026-12-04T20:00:00Z",
+    "no_kv_offload": False, "flash_attn": False, "tensor_split": "0.00", "use_mmap": True,
+    "embeddings": False, "n_prompt": 512, "n_gen": 0, "n_depth": 0, "test_time": "2026-12-04T20:00:00Z",
     "avg_ns": 4140000000, "stddev_ns": 21000000, "avg_ts": 123.671498, "stddev_ts": 0.627301,
-    "samples_ns": [4120000000, 4150000000, 4150000000], "samples_ts": [124.27, 123.37, 123.37]
-  },
-  {
-    "build_commit": "b5c8ed3b", "build_number": 6132, "cpu_info": "AMD EPYC 9R14", "gpu_info": "",
-    "backends": "CPU", "model_filename": "qwen2.5-coder-1.5b-instruct-q4_0.gguf",
-    "model_type": "qwen2 1.5B Q4_0", "model_size": 1011884032, "model_n_params": 1543714304,
-    "n_batch": 2048, "n_ubatch": 512, "n_threads": 2, "cpu_mask": "0x0", "cpu_strict": false, "poll": 50,
-    "type_k": "f16", "type_v": "f16", "n_gpu_layers": 99, "split_mode": "layer", "main_gpu": 0,
-    "no_kv_offload": false, "flash_attn": false, "tensor_split": "0.00", "use_mmap": true,
-    "embeddings": false, "n_prompt": 0, "n_gen": 128, "n_depth": 0, "test_time": "2026-12-04T20:00:13Z",
-    "avg_ns": 6400000000, "stddev_ns": 40000000, "avg_ts": 20.000625, "stddev_ts": 0.125004,
-    "samples_ns": [6360000000, 6400000000, 6440000000], "samples_ts": [20.13, 20.0, 19.88]
-  }
-]"""
+    "samples_ns": [4120000000, 4150000000, 4150000000], "samples_ts": [124.27, 123.37, 123.37],
+}  # fmt: skip
+_TG = {**_PP, "n_prompt": 0, "n_gen": 128, "test_time": "2026-12-04T20:00:13Z", "avg_ns": 6400000000,
+       "stddev_ns": 40000000, "avg_ts": 20.000625, "stddev_ts": 0.125004,
+       "samples_ns": [6360000000, 6400000000, 6440000000], "samples_ts": [20.13, 20.0, 19.88]}  # fmt: skip
+LLAMA_BENCH_JSON = json.dumps([_PP, _TG], indent=2)
 
 
 def test_llama_bench_json_gives_pp_and_tg_rates():
