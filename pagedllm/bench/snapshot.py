@@ -41,7 +41,8 @@ def measure(engine, args) -> tuple[dict, dict]:
     from pagedllm.entrypoints.openai.dashboard import kv_payload
     from pagedllm.entrypoints.openai.metrics import EngineMetrics
 
-    prompts = make_prompts([args.input_len] * args.num_seqs, engine.run_info().vocab_size, args.seed)
+    info = engine.run_info()
+    prompts = make_prompts([args.input_len] * args.num_seqs, info.vocab_size, args.seed)
     params = SamplingParams(max_tokens=args.steps + 8, temperature=0, ignore_eos=True)
     for i, ids in enumerate(prompts):
         engine.add_request(f"snap-{i}", ids, params)
@@ -99,6 +100,7 @@ def measure(engine, args) -> tuple[dict, dict]:
         "encode_ms": statistics.mean(encode_ms),
         "snapshot_per_step": statistics.mean(snapshot_ms) / statistics.mean(step_ms),
         "json_bytes": size,
+        "ran": info.describe(),
     }
     return result, payload
 
@@ -145,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         f"JSON encoding (server thread)  {result['encode_ms']:9.2f} ms, {result['json_bytes']:,} bytes "
         "(the engine does not wait for it)"
     )
+    print(f"ran: {result['ran']}")
     return 0
 
 
