@@ -20,11 +20,11 @@ generating exactly `--output-len` tokens greedily (EOS ignored), all submitted a
 compares the paged layout with and without prefix caching: mean time to first token (on pagedllm's
 clock), output tokens/s and the share of prompt tokens the prefix cache served.
 
-`--hf` adds Hugging Face transformers' generate in this process; `--vllm` adds vLLM's offline LLM in a
-process of its own (bench/vllm_peer.py) with its own environment (bench/peers.py: pagedllm's OpenMP
-settings taken out) and its own defaults (no enforce_eager); every row is followed by what ran
-(pagedllm: attention backend, CPU build, linear method per weight type, threads; a peer: its process
-and settings).
+`--hf` adds Hugging Face transformers' generate (bench/hf_peer.py, at this run's thread count), `--vllm`
+vLLM's offline LLM (bench/vllm_peer.py, its own defaults: no enforce_eager), each in a process of its
+own with its own environment (bench/peers.py: pagedllm's OpenMP settings taken out); every row is
+followed by what ran (pagedllm: attention backend, CPU build, linear method per weight type, threads; a
+peer: its process and settings).
 
 `--tensor-parallel-size 1 2` runs each layout on one process and split over two (each rank with its
 share of the CPUs, the same number of KV blocks), and prints for the latter each rank's time in
@@ -38,7 +38,6 @@ import contextlib
 import importlib.util
 import itertools
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -210,41 +209,32 @@ def _measure(
 
 
 def run_hf(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
-    """Hugging Face transformers generate, left-padded batches of --hf-batch-size, same weights."""
-    import transformers
-    from transformers import AutoModelForCausalLM
-
+    """Hugging Face transformers generate on the same weights, left-padded batches of --hf-batch-size, in
+    its own process (hf_peer.py) with its own environment, at this run's thread count."""
     from pagedllm.models.loader import resolve_checkpoint
 
     path = resolve_checkpoint(args.model, float_weights=True)  # HF and vLLM read a float folder
-    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    tokens: list[list[int]] = []
-    start = time.perf_counter()
-    for lo in range(0, len(prompts), args.hf_batch_size):
-        batch = prompts[lo : lo + args.hf_batch_size]
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        with torch.inference_mode():
-            out = model.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=args.output_len,
-                min_new_tokens=args.output_len,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        tokens += out[:, width:].tolist()
-    seconds = time.perf_counter() - start
+    job = {
+        "model": str(path),
+        "dtype": "float32" if args.dtype == "auto" else args.dtype,
+        "threads": torch.get_num_threads(),
+        "batch_size": args.hf_batch_size,
+        "prompts": prompts,
+        "output_len": args.output_len,
+    }
+    env = peer_env()
+    result = run_script(HF_CHILD, job, env, "transformers")
+    tokens, seconds = result["tokens"], result["seconds"]
     total = sum(len(t) for t in tokens)
-    name = f"hf batch {args.hf_batch_size}"
-    row = Row(name, seconds, total, total / seconds, None, None, None, None, None)
+    row = Row(f"hf batch {args.hf_batch_size}", seconds, total, total / seconds, None, None, None, None, None)
     row.ran = (
-        f"in the pagedllm process: transformers {transformers.__version__}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+        f"transformers {result['version']}, torch {result['torch']}, {job['threads']} threads, "
+        f"{job['dtype']}; {env.describe()}"
     )
     return row, tokens
+
+
+HF_CHILD = Path(__file__).with_name("hf_peer.py")
 
 
 def run_vllm(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
