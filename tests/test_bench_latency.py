@@ -19,6 +19,10 @@ def test_latency_reports_ttft_decode_rate_and_itl_per_system(capsys):
     systems = {s["name"]: s for s in report["systems"]}
     # none: float32 through the kernel (one request at a time: max_num_seqs=1); auto: the GGUF's own blocks
     assert list(systems) == ["pagedllm kernel", "pagedllm gguf"]
+    assert (
+        systems["pagedllm gguf"]["ran"].startswith("attention ")
+        and "linear gguf: " in systems["pagedllm gguf"]["ran"]
+    )
     assert systems["pagedllm gguf"]["weight_mib"] < systems["pagedllm kernel"]["weight_mib"] / 4
     for system in systems.values():
         assert [run["prompt_len"] for run in system["runs"]] == [9, 40]
@@ -66,8 +70,9 @@ def test_llama_cpp_runs_the_same_file_and_its_f32_copy(capsys):
     argv = ["--prompt-lens", "20", "--output-len", "8", "--quantization", "none", "--llama-cpp", "--json"]
     assert latency.main(argv) == 0
     systems = {s["name"]: s for s in json.loads(capsys.readouterr().out)["systems"]}
-    assert set(systems) == {"pagedllm kernel", "llama.cpp F32", "llama.cpp Q4_1"}
-    ours, f32 = systems["pagedllm kernel"]["runs"][0], systems["llama.cpp F32"]["runs"][0]
+    assert set(systems) == {"pagedllm kernel", "llama-cpp-python F32", "llama-cpp-python Q4_1"}
+    ours, f32 = systems["pagedllm kernel"]["runs"][0], systems["llama-cpp-python F32"]["runs"][0]
+    assert "own process; removed" in systems["llama-cpp-python F32"]["ran"]
     assert ours["tokens"][:4] == f32["tokens"][:4]  # the same float32 weights, greedy
 
 
