@@ -49,6 +49,17 @@ def test_sharegpt_shows_the_papers_shape(capsys):
     assert all(r["preemptions"] == 0 for r in (cmax, pow2, oracle))
 
 
+def test_pageds_live_share_is_printed_with_its_preemptions_and_recomputed_tokens(capsys):
+    """The headline share is never printed without what the same replay paid for it."""
+    out = run_json(SMALL, capsys)
+    paged = out["rows"][0]
+    assert memory.main(SMALL) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("paged: "))
+    assert line.startswith(f"paged: {100 * paged['live_fraction']:.1f}% of slots live, with ")
+    paid = f"{paged['preemptions']:,} preemptions that recomputed {paged['recomputed_tokens']:,} tokens"
+    assert paid in line and paged["preemptions"] > 0
+
+
 def test_alpaca_short_sequences_pay_more_block_tail(capsys):
     out = run_json(["--workload", "alpaca", "--num-requests", "1500", "--num-blocks", "512"], capsys)
     paged, cmax, pow2, oracle = out["rows"]
