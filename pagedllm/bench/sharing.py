@@ -316,7 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=2048)
     flags.add_seed(parser, help="seed of the trace")
-    flags.add_model(parser, default="", help="also run the engine on this model (n = 4 and beam width 4)")
+    flags.add_model(
+        parser, default="", help="also run the engine on this model (n = 4, beam width 4; default: none)"
+    )
     parser.add_argument("--real-tokens", type=int, default=128, help="max tokens per answer in the real run")
     parser.add_argument("--plot", type=Path, metavar="FILE.png", help="draw the saved share per width")
     flags.add_json(parser, help="print JSON {config, rows} instead of a table")
