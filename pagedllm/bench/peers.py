@@ -55,7 +55,9 @@ def run_script(script: Path, job: dict, env: PeerEnv, what: str) -> object:
     with tempfile.TemporaryDirectory(prefix="pagedllm-peer-") as folder:
         result = Path(folder) / "result.json"
         done = subprocess.run(
-            [sys.executable, str(script)],
+            # -P: the script's folder (bench/, whose profile.py and trace.py would shadow the standard
+            # library's for the peer's own imports) is not put on sys.path
+            [sys.executable, "-P", str(script)],
             input=json.dumps({**job, "result_path": str(result)}),
             capture_output=True,
             text=True,
