@@ -41,7 +41,7 @@ from pagedllm.kv.interface import (
     duplicate,
     unknown,
 )
-from pagedllm.kv.tiers import HostPool, Prefetch, PrefixTiers
+from pagedllm.kv.tiers import HostPool, Prefetch, PrefixTiers, TierMoves
 
 GROWTH_ROOM_TOKENS = 128  # free slots after a sequence's newest block set aside for it (BlockPool.room)
 NO_BLOCK = -1  # a block_tables entry a window group has given back: no query reads that position again
@@ -143,6 +143,10 @@ class PagedAllocator:
         self._resident_slots = 0  # slots the tables of sequences on the device cover (shared: per table)
         self._promised = 0  # free blocks set aside for prefills in progress (the sum of their promises)
         self._hashed: tuple[tuple[int, ...], list[bytes]] = ((), [])  # the last prompt and its block hashes
+
+    def take_tier_moves(self) -> TierMoves:
+        """The prefix cache tiers' copies planned since the last call (none without tiers)."""
+        return self.tiers.take_moves() if self.tiers is not None else TierMoves()
 
     def enable_events(self) -> KVEventLog:
         """Log the prefix cache's changes from now on as vLLM's KV cache events (kv/events.py)."""
