@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from pagedllm import ops
 from pagedllm.kv import default_block_size
 from pagedllm.ops import BACKENDS, get_backend_name, kv_block_bytes, reference
 from pagedllm.ops.kv_cache import is_quantized, kv_blocks
@@ -84,12 +85,6 @@ class Row:
     contiguous_impl: str
     threads: int
     device: str
-
-
-def _backend_module(name: str):
-    import importlib
-
-    return importlib.import_module(f"pagedllm.ops.{BACKENDS[name]}")
 
 
 def per_sequence_attention(batch: PagedBatch, scale: float) -> Callable[[], torch.Tensor]:
@@ -216,8 +211,8 @@ def make_batch(
 
 
 def _through_tables(backend: str, b: PagedBatch, scale: float) -> Callable[[], torch.Tensor]:
-    inputs = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale)
-    return lambda: _backend_module(backend).paged_decode_attention(*inputs)
+    q, args, attend = b.q, b.args(scale, decode=True), ops.backend(backend).paged_attention
+    return lambda: attend(q, args)
 
 
 def attended_query(backend: str, b: PagedBatch, scale: float) -> torch.Tensor:
@@ -305,10 +300,11 @@ def sweep_case(shape: str, backend: str, dtype: str, context: int, args: argpars
     for kv_dtype in args.kv_dtype:
         b = make_batch(shape, dtype, kv_dtype, lens, args, scattered=True)
         b.keys = b.values = []  # the contiguous copies: only the paged kernel is timed here
-        inputs = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale)
         variants[kv_dtype] = _through_tables(backend, b, scale)
         tol = 2e-2 if dtype == "bf16" else 1e-4
-        expected = reference.paged_decode_attention(attended_query(backend, b, scale), *inputs[1:]).float()
+        expected = reference.paged_attention(
+            attended_query(backend, b, scale), b.args(scale, decode=True)
+        ).float()
         torch.testing.assert_close(variants[kv_dtype]().float(), expected, atol=tol, rtol=tol)
     ms = median_ms(variants, args.reps, args.warmup, torch.device(args.device))
     tokens = sum(lens)
