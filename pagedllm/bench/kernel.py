@@ -368,6 +368,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per case instead of a table")
+    p.add_argument(
+        "--decoder-layer",
+        metavar="MODEL",
+        nargs="?",
+        const="smollm2-135m",
+        help="instead: one request's decode steps (200-token prompt, 128 steps) on MODEL's own weights with "
+        "its layers in one call vs their ops one by one, alternating (default MODEL: smollm2-135m)",
+    )
     args = p.parse_args(argv)
     if args.block_size is not None and args.block_size < 1:
         p.error(f"--block-size must be >= 1, got {args.block_size}")
@@ -455,10 +463,30 @@ def print_sweep(args: argparse.Namespace) -> None:
         print(f"{first}/X: how many times faster paged decode runs over X's cache than over {first}'s")
 
 
+def print_decoder_layer(model_name: str) -> None:
+    """--decoder-layer: the one-call decoder layer's step time against its ops one by one."""
+    from pagedllm.models import load_model
+    from pagedllm.models.fused_timing import time_fused_decode
+
+    loaded = load_model(model_name, max_num_seqs=1)
+    t = time_fused_decode(loaded.model)
+    print(
+        f"{model_name} ({loaded.linear_method} weights, {t.backend} backend, {torch.get_num_threads()} "
+        f"threads): one request's decode step after a {t.context}-token prompt, median of {t.steps} steps "
+        f"per round, {t.fused_layers} of {t.layers} layers in one call"
+    )
+    print(f"one call   ms/step: {' '.join(f'{ms:.2f}' for ms in t.fused_ms)}")
+    print(f"op by op   ms/step: {' '.join(f'{ms:.2f}' for ms in t.by_ops_ms)}")
+    print(f"one call is {t.speedup:.2f}x as fast (same tokens both ways)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.decoder_layer:
+        print_decoder_layer(args.decoder_layer)
+        return 0
     if args.kv_sweep:
         print_sweep(args)
         return 0
