@@ -25,7 +25,14 @@ from collections.abc import Callable
 import torch
 
 from pagedllm.ops import cpu, reference, sdpa
-from pagedllm.ops.backend import AttentionArgs, Backend, DecoderLayerSpec, FusedDecoderLayer, KernelWeight
+from pagedllm.ops.backend import (
+    AttentionArgs,
+    Backend,
+    DecoderLayerSpec,
+    FunctionBackend,
+    FusedDecoderLayer,
+    KernelWeight,
+)
 from pagedllm.ops.kv_cache import allocate_kv_caches, kv_block_bytes
 from pagedllm.ops.reference import copy_blocks, read_block_bytes, swap_blocks, write_block_bytes
 
@@ -36,6 +43,7 @@ __all__ = [
     "AttentionArgs",
     "Backend",
     "DecoderLayerSpec",
+    "FunctionBackend",
     "FusedDecoderLayer",
     "KernelWeight",
     "act_and_mul",
@@ -59,22 +67,22 @@ __all__ = [
 
 
 def _triton() -> Backend:
-    from pagedllm.ops.triton_ops import TritonBackend  # imported on first use: Triton may be missing
+    from pagedllm.ops import triton_ops  # imported on first use: Triton may be missing
 
-    return TritonBackend()
+    return triton_ops.BACKEND
 
 
-# The registry: each backend's name and what makes it (called once, on first use).
+# The registry: each backend's name and what gives it (called once, on first use).
 BACKENDS: dict[str, Callable[[], Backend]] = {
-    "torch": reference.ReferenceBackend,
-    "sdpa": sdpa.SdpaBackend,
-    "cpu": cpu.CpuBackend,
+    "torch": lambda: reference.BACKEND,
+    "sdpa": lambda: sdpa.BACKEND,
+    "cpu": lambda: cpu.BACKEND,
     "triton": _triton,
 }
 
 
 def register_backend(name: str, make: Callable[[], Backend]) -> None:
-    """Add a backend under `name` (PAGEDLLM_ATTN_BACKEND then names it); `make` is called on first use."""
+    """Add a backend under `name` (PAGEDLLM_ATTN_BACKEND then names it); `make` gives it, on first use."""
     if name in BACKENDS:
         raise ValueError(f"a backend named {name!r} is already registered")
     BACKENDS[name] = make

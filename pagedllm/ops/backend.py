@@ -2,16 +2,19 @@
 layer take, written once here.
 
 A backend is an object; pagedllm.ops keeps a registry of them by name and sends each op to the backend
-chosen for the tensors' device and dtype. A new backend is one class that implements `Backend` (subclass
-reference.ReferenceBackend to keep the reference's elementwise ops) and one `ops.register_backend` call.
+chosen for the tensors' device and dtype. Each backend module makes its own as a FunctionBackend of its
+functions (BACKEND); a new backend is any object that implements `Backend` (a FunctionBackend, or one
+made from the reference's with dataclasses.replace, keeps it short) and one `ops.register_backend` call.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+from torch import Tensor
 
 # One linear layer's weight as the C++ linear kernel reads it (csrc/linear.cpp; models/linear.py's
 # LinearMethod.kernel_args): (data, scales, mins, group_size, bias).
@@ -93,12 +96,7 @@ class Backend(Protocol):
     name: str
 
     def write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
     ) -> None:
         """Scatter new tokens' K/V ([T, Hkv, D]) into cache slots (slot_mapping [T] int64); -1 skips."""
 
@@ -122,3 +120,23 @@ class Backend(Protocol):
     def fused_decoder_layer(self, spec: DecoderLayerSpec) -> FusedDecoderLayer | None:
         """The layer as one call, equal to the bit to its ops one by one on this backend; None where
         this backend cannot run it so."""
+
+
+def no_fused_layer(spec: DecoderLayerSpec) -> None:
+    """A backend without a one-call layer's answer: every layer runs its ops one by one."""
+    return None
+
+
+@dataclass(frozen=True)
+class FunctionBackend:
+    """A Backend made of a module's functions (each backend module's BACKEND); dataclasses.replace makes
+    one that differs in some of them (sdpa and triton keep the reference's elementwise ops)."""
+
+    name: str
+    write_kv: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None]
+    paged_attention: Callable[[Tensor, AttentionArgs], Tensor]
+    rms_norm: Callable[[Tensor, Tensor, float, bool], Tensor]
+    act_and_mul: Callable[[Tensor, str], Tensor]
+    rotary_embedding_: Callable[[Tensor, Tensor, Tensor], None]
+    argmax: Callable[[Tensor], Tensor]
+    fused_decoder_layer: Callable[[DecoderLayerSpec], FusedDecoderLayer | None] = no_fused_layer

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.ops.backend import AttentionArgs, DecoderLayerSpec
+from pagedllm.ops.backend import AttentionArgs, DecoderLayerSpec, FunctionBackend
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["attention.cpp", "decoder.cpp", "elementwise.cpp", "linear.cpp", "register.cpp", "sampling.cpp"]
@@ -302,23 +302,18 @@ class CpuDecoderLayer:
         )  # fmt: skip
 
 
-class CpuBackend:
-    """The `cpu` backend: every op a C++ kernel, and a decoder layer in one call of them."""
+def fused_decoder_layer(spec: DecoderLayerSpec) -> CpuDecoderLayer | None:
+    """The layer in one call where every projection is in the C++ kernel's storage or oneDNN's (not, say,
+    a weight torch's F.linear multiplies)."""
+    if any(projection is None for projection in spec.projections):
+        return None
+    return CpuDecoderLayer(spec)
 
-    name = "cpu"
-    write_kv = staticmethod(write_kv)
-    paged_attention = staticmethod(paged_attention)
-    rms_norm = staticmethod(rms_norm)
-    act_and_mul = staticmethod(act_and_mul)
-    rotary_embedding_ = staticmethod(rotary_embedding_)
-    argmax = staticmethod(argmax)
 
-    def fused_decoder_layer(self, spec: DecoderLayerSpec) -> CpuDecoderLayer | None:
-        """The one call where every projection is in the C++ kernel's storage or oneDNN's (not, say, a
-        weight torch's F.linear multiplies)."""
-        if any(projection is None for projection in spec.projections):
-            return None
-        return CpuDecoderLayer(spec)
+# The `cpu` backend: every op a C++ kernel, and a decoder layer in one call of them.
+BACKEND = FunctionBackend(
+    "cpu", write_kv, paged_attention, rms_norm, act_and_mul, rotary_embedding_, argmax, fused_decoder_layer
+)
 
 
 def dequantize_rows(

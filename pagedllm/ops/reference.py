@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.ops.backend import AttentionArgs, DecoderLayerSpec
+from pagedllm.ops.backend import AttentionArgs, FunctionBackend
 from pagedllm.ops.kv_cache import LARGEST_CODE, is_quantized, key_smoothing, kv_scales
 
 ACTIVATIONS = {
@@ -257,19 +257,7 @@ def rotary_embedding_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.T
     x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
 
 
-class ReferenceBackend:
-    """The `torch` backend: the functions above. Backends without their own elementwise kernels subclass
-    it."""
-
-    name = "torch"
-    write_kv = staticmethod(write_kv)
-    paged_attention = staticmethod(paged_attention)
-    rms_norm = staticmethod(rms_norm)
-    act_and_mul = staticmethod(act_and_mul)
-    rotary_embedding_ = staticmethod(rotary_embedding_)
-    argmax = staticmethod(argmax)
-
-    def fused_decoder_layer(self, spec: DecoderLayerSpec) -> None:
-        """None: a layer's ops run one by one (the one call exists to spare the C++ kernels Python's
-        calls)."""
-        return None
+# The `torch` backend. Backends without their own elementwise kernels keep its ones.
+BACKEND = FunctionBackend(
+    "torch", write_kv, paged_attention, rms_norm, act_and_mul, rotary_embedding_, argmax
+)

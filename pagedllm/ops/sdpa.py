@@ -3,6 +3,8 @@ scaled_dot_product_attention with the GQA group folded into the query-length dim
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -63,8 +65,5 @@ def paged_attention(q: torch.Tensor, args: AttentionArgs) -> torch.Tensor:
     return out
 
 
-class SdpaBackend(reference.ReferenceBackend):
-    """The `sdpa` backend: the reference's ops, with attention by scaled_dot_product_attention."""
-
-    name = "sdpa"
-    paged_attention = staticmethod(paged_attention)
+# The `sdpa` backend: the reference's ops, attention by scaled_dot_product_attention.
+BACKEND = dataclasses.replace(reference.BACKEND, name="sdpa", paged_attention=paged_attention)

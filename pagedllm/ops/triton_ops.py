@@ -15,13 +15,15 @@ multiplies the query by the factor (the mean shifts every score of a query alike
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
+from pagedllm.ops import reference
 from pagedllm.ops.backend import AttentionArgs
 from pagedllm.ops.kv_cache import LARGEST_CODE, key_smoothing, kv_scales
-from pagedllm.ops.reference import ReferenceBackend
 
 _BLOCK_N = 32  # keys per inner iteration
 _PREFILL_BLOCK_Q = 16  # query rows per program when a sequence may have several
@@ -386,9 +388,7 @@ def paged_attention(q: torch.Tensor, args: AttentionArgs) -> torch.Tensor:
     return out
 
 
-class TritonBackend(ReferenceBackend):
-    """The `triton` backend: the kernels above for the K/V store and attention, the reference's other ops."""
-
-    name = "triton"
-    write_kv = staticmethod(write_kv)
-    paged_attention = staticmethod(paged_attention)
+# The `triton` backend: the kernels above for the K/V store and attention, the reference's other ops.
+BACKEND = dataclasses.replace(
+    reference.BACKEND, name="triton", write_kv=write_kv, paged_attention=paged_attention
+)
