@@ -23,7 +23,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_groups, num_seqs, max_blocks] int32
     context_lens: torch.Tensor  # [num_seqs] int32
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
-    max_query_len: int  # 1 means every sequence decodes one token (a backend may launch otherwise then)
+    max_query_len: int  # 1 means every sequence decodes one token (Triton then launches per sequence)
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
     layer_groups: Sequence[int] | None = None  # per layer its KV group (None: one group)
 
