@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from pagedllm import ops
 from pagedllm.kv import default_block_size
 from pagedllm.ops import BACKENDS, get_backend_name, kv_block_bytes, reference
 from pagedllm.ops.kv_cache import is_quantized, kv_blocks
@@ -84,12 +85,6 @@ class Row:
     contiguous_impl: str
     threads: int
     device: str
-
-
-def _backend_module(name: str):
-    import importlib
-
-    return importlib.import_module(f"pagedllm.ops.{BACKENDS[name]}")
 
 
 def per_sequence_attention(batch: PagedBatch, scale: float) -> Callable[[], torch.Tensor]:
@@ -216,8 +211,8 @@ def make_batch(
 
 
 def _through_tables(backend: str, b: PagedBatch, scale: float) -> Callable[[], torch.Tensor]:
-    inputs = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale)
-    return lambda: _backend_module(backend).paged_decode_attention(*inputs)
+    q, args, attend = b.q, b.args(scale, decode=True), ops.backend(backend).paged_attention
+    return lambda: attend(q, args)
 
 
 def attended_query(backend: str, b: PagedBatch, scale: float) -> torch.Tensor:
@@ -305,10 +300,11 @@ def sweep_case(shape: str, backend: str, dtype: str, context: int, args: argpars
     for kv_dtype in args.kv_dtype:
         b = make_batch(shape, dtype, kv_dtype, lens, args, scattered=True)
         b.keys = b.values = []  # the contiguous copies: only the paged kernel is timed here
-        inputs = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale)
         variants[kv_dtype] = _through_tables(backend, b, scale)
         tol = 2e-2 if dtype == "bf16" else 1e-4
-        expected = reference.paged_decode_attention(attended_query(backend, b, scale), *inputs[1:]).float()
+        expected = reference.paged_attention(
+            attended_query(backend, b, scale), b.args(scale, decode=True)
+        ).float()
         torch.testing.assert_close(variants[kv_dtype]().float(), expected, atol=tol, rtol=tol)
     ms = median_ms(variants, args.reps, args.warmup, torch.device(args.device))
     tokens = sum(lens)
@@ -372,6 +368,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per case instead of a table")
+    p.add_argument(
+        "--decoder-layer",
+        metavar="MODEL",
+        nargs="?",
+        const="smollm2-135m",
+        help="instead: one request's decode steps (200-token prompt, 128 steps) on MODEL's own weights with "
+        "its layers in one call vs their ops one by one, alternating (default MODEL: smollm2-135m)",
+    )
     args = p.parse_args(argv)
     if args.block_size is not None and args.block_size < 1:
         p.error(f"--block-size must be >= 1, got {args.block_size}")
@@ -459,10 +463,30 @@ def print_sweep(args: argparse.Namespace) -> None:
         print(f"{first}/X: how many times faster paged decode runs over X's cache than over {first}'s")
 
 
+def print_decoder_layer(model_name: str) -> None:
+    """--decoder-layer: the one-call decoder layer's step time against its ops one by one."""
+    from pagedllm.models import load_model
+    from pagedllm.models.fused_timing import time_fused_decode
+
+    loaded = load_model(model_name, max_num_seqs=1)
+    t = time_fused_decode(loaded.model)
+    print(
+        f"{model_name} ({loaded.linear_method} weights, {t.backend} backend, {torch.get_num_threads()} "
+        f"threads): one request's decode step after a {t.context}-token prompt, median of {t.steps} steps "
+        f"per round, {t.fused_layers} of {t.layers} layers in one call"
+    )
+    print(f"one call   ms/step: {' '.join(f'{ms:.2f}' for ms in t.fused_ms)}")
+    print(f"op by op   ms/step: {' '.join(f'{ms:.2f}' for ms in t.by_ops_ms)}")
+    print(f"one call is {t.speedup:.2f}x as fast (same tokens both ways)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.decoder_layer:
+        print_decoder_layer(args.decoder_layer)
+        return 0
     if args.kv_sweep:
         print_sweep(args)
         return 0
