@@ -152,9 +152,7 @@ def test_bad_context_range_is_rejected():
 
 def test_contiguous_baselines_agree_with_the_reference():
     b = random_paged_batch([7, 30, 1], [1, 1, 1], 6, 2, 16, 4)
-    expected = reference.paged_decode_attention(
-        b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, 0.3
-    )
+    expected = reference.paged_attention(b.q, b.args(0.3, decode=True))
     torch.testing.assert_close(kernel.per_sequence_attention(b, 0.3)(), expected)
     torch.testing.assert_close(kernel.padded_batch_attention(b, 0.3)(), expected)
 

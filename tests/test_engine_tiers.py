@@ -131,8 +131,10 @@ def test_a_disk_load_in_flight_does_not_hold_up_other_requests(model, reference,
     want_short = clean.generate([short], decode)[0].outputs[0].token_ids
     assert_all_blocks_free(clean)
     engine = LLM(model, **tiered).engine  # restarted: the prompts' blocks are on disk only
-    gate, read = threading.Event(), engine.disk_store.read
-    engine.disk_store.read = lambda key: gate.wait(60) and read(key)  # the disk is slow until the gate opens
+    gate, read = threading.Event(), engine.transfers.store.read
+    engine.transfers.store.read = lambda key: (
+        gate.wait(60) and read(key)
+    )  # the disk is slow until the gate opens
     engine.add_request("decoder", short, decode)
     engine.step()  # its prefill
     engine.add_request("loader", PROMPTS[0], GREEDY)
@@ -140,7 +142,7 @@ def test_a_disk_load_in_flight_does_not_hold_up_other_requests(model, reference,
     for _ in range(4):  # the loader's blocks are being read: the decoder steps on meanwhile
         for out in engine.step():
             tokens[out.request_id] = out.outputs[0].token_ids
-        assert engine.disk_reader.num_pending == 1 and engine.stats().kv_tiers.reading_blocks > 0
+        assert engine.transfers.reader.num_pending == 1 and engine.stats().kv_tiers.reading_blocks > 0
     assert len(tokens["decoder"]) == 5 and "loader" not in tokens
     (loader,) = engine.requests["loader"].seqs
     assert loader.loading_kv and engine.stats().num_waiting == 1

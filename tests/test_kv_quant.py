@@ -18,7 +18,7 @@ from test_llm import PROMPTS
 from pagedllm import LLM, SamplingParams, ops
 from pagedllm.engine.config import EngineConfig
 from pagedllm.models import load_model
-from pagedllm.ops import cpu, reference
+from pagedllm.ops import AttentionArgs, cpu, reference
 from pagedllm.ops.kv_cache import allocate_kv_caches, key_smoothing, kv_block_bytes, kv_blocks, kv_scales
 from pagedllm.ops.synthetic import random_paged_batch
 
@@ -185,8 +185,7 @@ def test_reference_attention_on_quantized_blocks_tracks_float32(kv_dtype, max_ab
     6.6e-2 and 3.5%: e4m3's 3 mantissa bits round coarser than int8's steps of max / 127)."""
     b = random_paged_batch([30, 512, 2000, 70], [1, 1, 1, 40], 9, 3, 64, 16, seed=4, kv_dtype=kv_dtype)
     scale = 64**-0.5
-    args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.context_lens, scale)
-    out = reference.paged_prefill_attention(*args)
+    out = reference.paged_attention(b.q, b.args(scale))
     expected = dense_batch_attention(b, scale)
     error = out - expected
     assert error.abs().max() < max_abs and error.norm() / expected.norm() < max_rel
@@ -220,7 +219,7 @@ def test_the_key_smoothing_takes_the_outlier_channels_error_away(kv_dtype, max_r
                 held.copy_(value)
         slots = (tables[0].long()[:, None] * block_size + torch.arange(block_size)).flatten()[:context]
         reference.write_kv(keys, values, k_cache, v_cache, slots)
-        out = reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+        out = reference.paged_attention(q, AttentionArgs(k_cache, v_cache, tables, lens, 0.125))
         errors.append(((out - expected).norm() / expected.norm()).item())
     assert errors[0] < max_rel and errors[1] > gain * errors[0], errors
 
@@ -275,10 +274,10 @@ def test_a_layer_in_one_call_equals_its_ops_one_by_one_on_a_quantized_cache(
         pytest.skip(cpu.unavailable_reason() or "no C++ build for this CPU")
     monkeypatch.setattr(cpu, "selected_isa", lambda: isa)
     model = load_model(str(tiny_llama_dir), quantization="none", max_num_seqs=4).model
-    assert all(layer.one_call is not None for layer in model.layers)
+    assert all(layer.fused is not None for layer in model.layers)
     fused = _steps(model, kv_dtype)
     for layer in model.layers:
-        layer.one_call = None
+        layer.fused = None
     by_ops = _steps(model, kv_dtype)
     assert all(torch.equal(a, b) for a, b in zip(fused, by_ops, strict=True))
     assert not any(t.isnan().any() for t in fused)

@@ -151,6 +151,7 @@ PUBLIC = {
 COMPONENTS = {
     ("pagedllm.bench.kernel", "pagedllm.ops"): "times the attention kernels themselves on synthetic caches",
     ("pagedllm.bench.kernel", "pagedllm.kv"): "each KV dtype's default block size, as the engine's",
+    ("pagedllm.bench.kernel", "pagedllm.models"): "--decoder-layer: a layer in one call vs op by op",
     ("pagedllm.bench.gpu_check", "pagedllm.ops"): "checks the Triton kernels against the reference on a GPU",
     ("pagedllm.bench.linear", "pagedllm.models.linear"): "times the matmul kernels on the model's shapes",
     ("pagedllm.bench.linear", "pagedllm.models.quantization"): "times the int8 / int4 matmul kernels",

@@ -324,10 +324,9 @@ def check_gguf_against_hf(config, arch: str, tmp_path, monkeypatch, prompt_lens:
 
 
 def fusable_layers(config) -> list[bool]:
-    """Which layers run as one C++ call: a Llama-family layer's ops (no QK-norm, a dense MLP). Gemma's
-    layers have their own order of ops."""
-    llama = not config.architecture.startswith("Gemma")
-    return [llama and not config.qk_norm and i not in config.moe_layers for i in range(config.num_layers)]
+    """Which layers run as one C++ call: every family's, QK-norm and Gemma's norms around the MLP included,
+    but a mixture of experts' (its tokens are routed between the ops)."""
+    return [i not in config.moe_layers for i in range(config.num_layers)]
 
 
 def _mixed_steps(model, kv_dtype: torch.dtype) -> list[torch.Tensor]:
@@ -359,9 +358,9 @@ def _mixed_steps(model, kv_dtype: torch.dtype) -> list[torch.Tensor]:
 def test_a_layer_in_one_call_equals_its_ops_one_by_one(
     checkpoint, quantization, dtype, kv_dtype, method, isa, monkeypatch
 ):
-    """Where every weight is in the C++ kernel's storage or oneDNN's, a Llama-family layer runs as one call
-    of the same kernels (cpu.decoder_layer): its logits must be bit-identical to the layer's ops called
-    from Python, on every C++ build this CPU runs."""
+    """Where every weight is in the C++ kernel's storage or oneDNN's, a layer of every family runs as one
+    call of the same kernels (the cpu backend's fused_decoder_layer): its logits must be bit-identical to
+    the layer's ops called from Python, on every C++ build this CPU runs."""
     if isa is None:
         pytest.skip(cpu.unavailable_reason() or "no C++ build for this CPU")
     monkeypatch.setattr(cpu, "selected_isa", lambda: isa)
@@ -371,13 +370,11 @@ def test_a_layer_in_one_call_equals_its_ops_one_by_one(
         skip_unless_onednn_packs(dtype)
     _, folder = checkpoint
     model = load_model(str(folder), dtype=dtype, quantization=quantization, max_num_seqs=4).model
-    one_call = [getattr(layer, "one_call", None) is not None for layer in model.layers]
+    one_call = [layer.fused is not None for layer in model.layers]
     assert one_call == fusable_layers(model.config)
-    if not any(one_call):
-        return
     fused = _mixed_steps(model, kv_dtype)
     for layer in model.layers:
-        layer.one_call = None
+        layer.fused = None
     by_ops = _mixed_steps(model, kv_dtype)
     assert all(torch.equal(a, b) for a, b in zip(fused, by_ops, strict=True))
     assert not any(t.isnan().any() for t in fused)
@@ -389,9 +386,9 @@ def test_a_layer_runs_one_call_only_where_the_kernels_run_every_op(checkpoint, m
     _, folder = checkpoint
     monkeypatch.setenv("PAGEDLLM_LINEAR_METHOD", "dense")
     model = load_model(str(folder), quantization="none", max_num_seqs=64).model
-    assert all(getattr(layer, "one_call", None) is None for layer in model.layers)
+    assert all(layer.fused is None for layer in model.layers)
     for method in ("onednn", "kernel"):
         monkeypatch.setenv("PAGEDLLM_LINEAR_METHOD", method)
         model = load_model(str(folder), quantization="none", max_num_seqs=64).model
-        fused = [getattr(layer, "one_call", None) is not None for layer in model.layers]
+        fused = [layer.fused is not None for layer in model.layers]
         assert fused == fusable_layers(model.config)

@@ -5,7 +5,6 @@ TRITON_INTERPRET=1 (test_ops_triton.py starts that run in a subprocess) it runs 
 instead, on the same cases.
 """
 
-import importlib
 import math
 import os
 from dataclasses import dataclass
@@ -14,7 +13,8 @@ import pytest
 import torch
 from oracles import dense_batch_attention
 
-from pagedllm.ops import BACKENDS, cpu, reference
+from pagedllm import ops
+from pagedllm.ops import AttentionArgs, cpu, reference
 from pagedllm.ops.kv_cache import allocate_kv_caches, is_quantized, key_smoothing, kv_blocks, kv_scales
 from pagedllm.ops.synthetic import random_paged_batch
 
@@ -157,14 +157,16 @@ def backend(request, monkeypatch):
     name, _, isa = request.param.partition("-")
     if isa:  # the cpu backend, on the build for this instruction set
         monkeypatch.setattr(cpu, "selected_isa", lambda: isa)
-    module = importlib.import_module(f"pagedllm.ops.{BACKENDS[name]}")
+    chosen = ops.backend(name)
     if request.param != "triton":
-        yield module
+        yield chosen
         return
+    from pagedllm.ops import triton_ops
+
     launches: list = []
-    for name in ("_paged_attention_kernel", "_write_kv_kernel"):
-        monkeypatch.setattr(module, name, _CountedLaunches(getattr(module, name), launches))
-    yield module
+    for kernel in ("_paged_attention_kernel", "_write_kv_kernel"):
+        monkeypatch.setattr(triton_ops, kernel, _CountedLaunches(getattr(triton_ops, kernel), launches))
+    yield chosen
     assert launches, "the test passed without launching a Triton kernel"
 
 
@@ -172,7 +174,7 @@ def _int8_query_codes(backend, k_cache: torch.Tensor) -> bool:
     """Whether the backend's decode meets this cache's key codes with int16 query codes and sums its
     values under int16 weight codes (the cpu kernels on an int8 cache): it then equals the reference on
     reference.int8_decode_query's query up to WEIGHT_ROUNDING."""
-    return backend.__name__ == "pagedllm.ops.cpu" and k_cache.dtype == INT8
+    return backend.name == "cpu" and k_cache.dtype == INT8
 
 
 # The cpu kernels' decode over an int8 cache rounds each tile's weights (up to 16 keys of a block, each
@@ -208,19 +210,13 @@ def _attended_query(backend, b, scale: float) -> torch.Tensor:
     return q
 
 
-def _skip_softcap_on_sdpa(backend, case: Case) -> None:
-    if case.softcap is not None and backend.__name__.endswith(".sdpa"):
-        pytest.skip("SDPA cannot soft-cap: pagedllm.ops sends soft-capped attention to the reference")
-
-
 @pytest.mark.parametrize("case", DECODE.values(), ids=DECODE.keys())
 def test_decode_matches_reference(backend, case):
-    _skip_softcap_on_sdpa(backend, case)
     b = _batch(case)
     scale = 1 / math.sqrt(case.head_dim)
-    args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale, case.window, case.softcap)
-    out = backend.paged_decode_attention(*args)
-    expected = reference.paged_decode_attention(_attended_query(backend, b, scale), *args[1:]).to(case.dtype)
+    args = b.args(scale, case.window, case.softcap, decode=True)
+    out = backend.paged_attention(b.q, args)
+    expected = reference.paged_attention(_attended_query(backend, b, scale), args).to(case.dtype)
     assert out.dtype == case.dtype and out.shape == b.q.shape
     torch.testing.assert_close(out, expected, **_tolerance_of(backend, case, b))
 
@@ -245,9 +241,9 @@ if not INTERPRETED:
             pytest.skip("only the cpu kernels quantize the query")
         b = _batch(case)
         scale = 1 / math.sqrt(case.head_dim)
-        args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale, case.window)
-        out = backend.paged_decode_attention(*args).float()
-        exact = reference.paged_decode_attention(b.q.float(), *args[1:])
+        args = b.args(scale, case.window, decode=True)
+        out = backend.paged_attention(b.q, args).float()
+        exact = reference.paged_attention(b.q.float(), args)
         group = case.num_heads // case.num_kv_heads
         factor = key_smoothing(b.k_cache)[1].repeat_interleave(group, dim=0)
         q_scale = (b.q.float() * scale * factor).abs().amax(dim=-1) / reference.DECODE_QUERY_LARGEST  # [S, H]
@@ -272,13 +268,11 @@ if not INTERPRETED:
 
 @pytest.mark.parametrize("case", PREFILL.values(), ids=PREFILL.keys())
 def test_prefill_matches_reference(backend, case):
-    _skip_softcap_on_sdpa(backend, case)
     b = _batch(case)
     scale = 1 / math.sqrt(case.head_dim)
-    args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.context_lens, scale, case.window)
-    args += (case.softcap,)
-    out = backend.paged_prefill_attention(*args)
-    expected = reference.paged_prefill_attention(_attended_query(backend, b, scale), *args[1:]).to(case.dtype)
+    args = b.args(scale, case.window, case.softcap)
+    out = backend.paged_attention(b.q, args)
+    expected = reference.paged_attention(_attended_query(backend, b, scale), args).to(case.dtype)
     assert out.dtype == case.dtype and out.shape == b.q.shape
     torch.testing.assert_close(out, expected, **_tolerance_of(backend, case, b))
 
@@ -312,15 +306,11 @@ def test_a_sliding_window_never_reads_table_entries_before_its_window(
     _release_before_windows(b, window)
     scale = 0.125
     expected = dense_batch_attention(b, scale, window)
-    for attend in (backend.paged_prefill_attention, reference.paged_prefill_attention):
-        out = attend(
-            b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.context_lens, scale, window
-        )
+    for attend in (backend.paged_attention, reference.paged_attention):
+        out = attend(b.q, b.args(scale, window))
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     if all(n == 1 for n in query_lens):
-        out = backend.paged_decode_attention(
-            b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale, window
-        )
+        out = backend.paged_attention(b.q, b.args(scale, window, decode=True))
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -332,12 +322,8 @@ def test_contiguous_layout_is_block_size_one(backend):
     blocks = b.block_tables.long()
     slots = (blocks[:, :, None] * 8 + torch.arange(8)).flatten(1).to(torch.int32)  # [S, max_blocks * 8]
     scale = 0.25
-    out = backend.paged_prefill_attention(
-        b.q, flat_k, flat_v, slots, b.query_start_loc, b.context_lens, scale
-    )
-    expected = reference.paged_prefill_attention(
-        b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.context_lens, scale
-    )
+    out = backend.paged_attention(b.q, b.args(scale, k_cache=flat_k, v_cache=flat_v, block_tables=slots))
+    expected = reference.paged_attention(b.q, b.args(scale))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -376,9 +362,8 @@ def test_query_may_be_a_strided_view(backend):
     fused = torch.cat([b.q, torch.randn(b.q.shape[0], 4, 16)], dim=1)  # [T, H + 2 Hkv, D]
     q_view = fused[:, :6]
     assert not q_view.is_contiguous()
-    args = (b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.context_lens, 0.25)
-    out = backend.paged_prefill_attention(q_view, *args)
-    torch.testing.assert_close(out, reference.paged_prefill_attention(b.q, *args), atol=1e-5, rtol=1e-5)
+    out = backend.paged_attention(q_view, b.args(0.25))
+    torch.testing.assert_close(out, reference.paged_attention(b.q, b.args(0.25)), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
@@ -436,8 +421,10 @@ def test_every_fp8_code_reads_as_torch_converts_it(backend):
     q = torch.randn(num_seqs, 1, head_dim)
     tables = torch.arange(num_seqs, dtype=torch.int32)[:, None]
     lens = torch.ones(num_seqs, dtype=torch.int32)
-    out = backend.paged_decode_attention(q, k_cache, v_cache, tables, lens, 1.0)
+    out = backend.paged_attention(q, AttentionArgs(k_cache, v_cache, tables, lens, 1.0))
     assert torch.equal(out, rows.view(num_seqs, 1, head_dim).float() * scale)
     starts = torch.arange(num_seqs + 1, dtype=torch.int32)
-    out = backend.paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens, 1.0)
+    out = backend.paged_attention(
+        q, AttentionArgs(k_cache, v_cache, tables, lens, 1.0, query_start_loc=starts)
+    )
     assert torch.equal(out, rows.view(num_seqs, 1, head_dim).float() * scale)

@@ -1,5 +1,7 @@
 """Backend choice: automatic per device, forced by PAGEDLLM_ATTN_BACKEND, and the sdpa fallback."""
 
+import dataclasses
+import importlib.util
 import logging
 import os
 import subprocess
@@ -11,7 +13,7 @@ import torch
 from oracles import dense_batch_attention
 
 from pagedllm import ops
-from pagedllm.ops import cpu
+from pagedllm.ops import cpu, reference
 from pagedllm.ops.synthetic import random_paged_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,11 +29,10 @@ def fresh_choice(monkeypatch):
 
 def _check_public_ops_match_dense_attention():
     b = random_paged_batch([19, 40], [3, 1], 6, 2, 16, 8)
-    args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.context_lens, 0.25)
-    torch.testing.assert_close(ops.paged_prefill_attention(*args), dense_batch_attention(b, 0.25))
+    torch.testing.assert_close(ops.paged_attention(b.q, b.args(0.25)), dense_batch_attention(b, 0.25))
     d = random_paged_batch([19, 40], [1, 1], 6, 2, 16, 8)
-    args = (d.q, d.k_cache, d.v_cache, d.block_tables, d.context_lens, 0.25, 8)
-    torch.testing.assert_close(ops.paged_decode_attention(*args), dense_batch_attention(d, 0.25, window=8))
+    decode = d.args(0.25, window=8, decode=True)
+    torch.testing.assert_close(ops.paged_attention(d.q, decode), dense_batch_attention(d, 0.25, window=8))
 
 
 def test_cpu_tensors_use_the_cpp_kernel_by_default():
@@ -89,22 +90,21 @@ def test_missing_compiler_falls_back_in_a_fresh_process(tmp_path):
 
 def test_cpu_kernel_rejects_bad_inputs_by_name():
     b = random_paged_batch([20], [1], 4, 2, 16, 4)
-    args = [b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, 0.25]
     with pytest.raises(RuntimeError, match="context length 99"):
-        cpu.paged_decode_attention(*args[:4], torch.tensor([99], dtype=torch.int32), 0.25)
+        cpu.paged_attention(
+            b.q, b.args(0.25, decode=True, context_lens=torch.tensor([99], dtype=torch.int32))
+        )
     bad_table = b.block_tables.clone()
     bad_table[0, 0] = 1000
     with pytest.raises(RuntimeError, match="block id 1000 of sequence 0 is out of range"):
-        cpu.paged_decode_attention(b.q, b.k_cache, b.v_cache, bad_table, b.context_lens, 0.25)
+        cpu.paged_attention(b.q, b.args(0.25, decode=True, block_tables=bad_table))
     p = random_paged_batch([20, 9], [5, 9], 4, 2, 16, 4)
     bad_table = p.block_tables.clone()
     bad_table[1, 2] = -1  # the last block sequence 1 reads
     with pytest.raises(RuntimeError, match="block id -1 of sequence 1 is out of range"):
-        cpu.paged_prefill_attention(
-            p.q, p.k_cache, p.v_cache, bad_table, p.query_start_loc, p.context_lens, 0.25
-        )
+        cpu.paged_attention(p.q, p.args(0.25, block_tables=bad_table))
     with pytest.raises(RuntimeError, match="dtype"):
-        cpu.paged_decode_attention(b.q.bfloat16(), *args[1:])
+        cpu.paged_attention(b.q.bfloat16(), b.args(0.25, decode=True))
     with pytest.raises(RuntimeError, match="slot 80"):
         cpu.write_kv(b.q[:, :2], b.q[:, :2], b.k_cache, b.v_cache, torch.tensor([80]))
 
@@ -146,3 +146,34 @@ def test_an_untouched_cpu_kv_cache_commits_memory_only_where_written():
     touched = ops.allocate_kv_caches(2, 16384, 16, 1, 64, torch.float32, "cpu")
     assert _resident_bytes() - before > size * 0.9
     del touched
+
+
+def test_every_registered_backend_implements_the_interface():
+    """The registry's backends (triton where Triton is installed) are each a Backend, named as registered."""
+    names = [name for name in ops.BACKENDS if name != "triton" or importlib.util.find_spec("triton")]
+    for name in names:
+        backend = ops.backend(name)
+        assert isinstance(backend, ops.Backend) and backend.name == name
+    with pytest.raises(ValueError, match="'flash'"):
+        ops.backend("flash")
+    with pytest.raises(ValueError, match="'cpu' is already registered"):
+        ops.register_backend("cpu", ops.BACKENDS["torch"])
+
+
+def test_a_registered_backend_serves_the_public_ops(monkeypatch):
+    """A new backend is one object and one registration: PAGEDLLM_ATTN_BACKEND then names it."""
+    calls = []
+
+    def counted(q, args):
+        calls.append(q.shape[0])
+        return reference.paged_attention(q, args)
+
+    counting = dataclasses.replace(reference.BACKEND, name="counting", paged_attention=counted)
+    ops.register_backend("counting", lambda: counting)
+    monkeypatch.setenv(ops.ENV_VAR, "counting")
+    try:
+        _check_public_ops_match_dense_attention()
+    finally:
+        del ops.BACKENDS["counting"]
+        ops.backend.cache_clear()
+    assert calls == [4, 2]

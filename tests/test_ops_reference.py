@@ -23,15 +23,11 @@ def test_reference_matches_dense_attention(heads, kv_heads, block_size, context_
     head_dim = 16
     b = random_paged_batch(context_lens, query_lens, heads, kv_heads, head_dim, block_size, seed=3)
     scale = 1 / math.sqrt(head_dim)
-    out = reference.paged_prefill_attention(
-        b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.context_lens, scale, window
-    )
+    out = reference.paged_attention(b.q, b.args(scale, window))
     expected = dense_batch_attention(b, scale, window)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     if all(n == 1 for n in query_lens):
-        decode = reference.paged_decode_attention(
-            b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale, window
-        )
+        decode = reference.paged_attention(b.q, b.args(scale, window, decode=True))
         torch.testing.assert_close(decode, expected, atol=1e-5, rtol=1e-5)
 
 

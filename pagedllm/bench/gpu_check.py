@@ -50,12 +50,8 @@ def check_case(
         device=device, seed=len(name), kv_dtype=kv_dtype,
     )  # fmt: skip
     scale = 1 / math.sqrt(head_dim)
-    if decode:
-        args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale, window)
-        out, expected = triton_ops.paged_decode_attention(*args), reference.paged_decode_attention(*args)
-    else:
-        args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.context_lens, scale, window)
-        out, expected = triton_ops.paged_prefill_attention(*args), reference.paged_prefill_attention(*args)
+    args = b.args(scale, window, decode=decode)
+    out, expected = triton_ops.paged_attention(b.q, args), reference.paged_attention(b.q, args)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     err = (out.float() - expected.float()).abs().max().item()
     ok = torch.allclose(out.float(), expected.float(), atol=tol, rtol=tol)

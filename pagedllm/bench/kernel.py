@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import importlib.util
 import json
 import math
@@ -42,8 +41,10 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from pagedllm import ops
 from pagedllm.bench import flags
 from pagedllm.kv import default_block_size
+from pagedllm.models.loader import DEFAULT_MODEL
 from pagedllm.ops import BACKENDS, kv_block_bytes, reference
 from pagedllm.ops.kv_cache import is_quantized, kv_blocks
 from pagedllm.ops.synthetic import PagedBatch, random_paged_batch
@@ -87,10 +88,6 @@ class Row:
     contiguous_impl: str
     threads: int
     device: str
-
-
-def _backend_module(name: str):
-    return importlib.import_module(f"pagedllm.ops.{BACKENDS[name]}")
 
 
 def per_sequence_attention(batch: PagedBatch, scale: float) -> Callable[[], torch.Tensor]:
@@ -217,8 +214,8 @@ def make_batch(
 
 
 def _through_tables(backend: str, b: PagedBatch, scale: float) -> Callable[[], torch.Tensor]:
-    inputs = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale)
-    return lambda: _backend_module(backend).paged_decode_attention(*inputs)
+    q, args, attend = b.q, b.args(scale, decode=True), ops.backend(backend).paged_attention
+    return lambda: attend(q, args)
 
 
 def attended_query(backend: str, b: PagedBatch, scale: float) -> torch.Tensor:
@@ -306,10 +303,11 @@ def sweep_case(shape: str, backend: str, dtype: str, context: int, args: argpars
     for kv_dtype in args.kv_dtype:
         b = make_batch(shape, dtype, kv_dtype, lens, args, scattered=True)
         b.keys = b.values = []  # the contiguous copies: only the paged kernel is timed here
-        inputs = (b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, scale)
         variants[kv_dtype] = _through_tables(backend, b, scale)
         tol = 2e-2 if dtype == "bf16" else 1e-4
-        expected = reference.paged_decode_attention(attended_query(backend, b, scale), *inputs[1:]).float()
+        expected = reference.paged_attention(
+            attended_query(backend, b, scale), b.args(scale, decode=True)
+        ).float()
         torch.testing.assert_close(variants[kv_dtype]().float(), expected, atol=tol, rtol=tol)
     ms = median_ms(variants, args.reps, args.warmup, torch.device(args.device))
     tokens = sum(lens)
@@ -373,6 +371,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     flags.add_threads(p)
     flags.add_seed(p, help="seed of the random queries and caches")
     flags.add_json(p, help="one JSON object per case instead of a table")
+    p.add_argument(
+        "--decoder-layer",
+        metavar="MODEL",
+        nargs="?",
+        const=DEFAULT_MODEL,
+        help="instead: one request's decode steps (200-token prompt, 128 steps) on MODEL's own weights with "
+        "its layers in one call vs their ops one by one, alternating (default MODEL: pagedllm's default)",
+    )
     args = p.parse_args(argv)
     if args.block_size is not None and args.block_size < 1:
         p.error(f"--block-size must be >= 1, got {args.block_size}")
@@ -478,9 +484,29 @@ def print_sweep(args: argparse.Namespace) -> None:
         print(f"{first}/X: how many times faster paged decode runs over X's cache than over {first}'s")
 
 
+def print_decoder_layer(model_name: str) -> None:
+    """--decoder-layer: the one-call decoder layer's step time against its ops one by one."""
+    from pagedllm.models import load_model
+    from pagedllm.models.fused_timing import time_fused_decode
+
+    loaded = load_model(model_name, max_num_seqs=1)
+    t = time_fused_decode(loaded.model)
+    print(
+        f"{model_name} ({loaded.linear_method} weights, {t.backend} backend, {torch.get_num_threads()} "
+        f"threads): one request's decode step after a {t.context}-token prompt, median of {t.steps} steps "
+        f"per round, {t.fused_layers} of {t.layers} layers in one call"
+    )
+    print(f"one call   ms/step: {' '.join(f'{ms:.2f}' for ms in t.fused_ms)}")
+    print(f"op by op   ms/step: {' '.join(f'{ms:.2f}' for ms in t.by_ops_ms)}")
+    print(f"one call is {t.speedup:.2f}x as fast (same tokens both ways)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     flags.apply_threads(args)
+    if args.decoder_layer:
+        print_decoder_layer(args.decoder_layer)
+        return 0
     if args.kv_sweep:
         print_sweep(args)
         return 0

@@ -1,10 +1,19 @@
 """LLMEngine: requests in, one scheduled forward pass per step, RequestOutputs out.
 
-A step reads as nano-vllm's: the scheduler picks the step's work, the model runner computes it, and
-postprocessing turns the logits into each sequence's next token (the sampler's, or its beam search's
-choice) and hands them to the scheduler, the one owner of what follows: appends, KV slots, stops, frees.
-With speculative decoding the proposer then gives each decoding sequence draft tokens for the next
-step, which verifies them (engine/speculative.py: n-gram lookup; engine/draft_model.py: a draft model).
+A step reads as nano-vllm's: the scheduler plans the step (which tokens, which block tables, which block
+copies), the model runner computes it, and the postprocessor (engine/postprocess.py) turns the logits
+into each sequence's next token and hands them to the scheduler, the one owner of what follows: appends,
+KV slots, stops, frees. With speculative decoding the proposer then gives each decoding sequence draft
+tokens for the next step, which verifies them (engine/speculative.py: n-gram lookup; engine/draft_model.py:
+a draft model). The engine is built by engine/build.py; the prefix cache tiers' byte moves are
+engine/kv_transfer.py's.
+
+A step either completes or fails as a whole: what it made findable in the prefix cache is committed only
+once its forward pass and postprocessing ran (`KVAllocator.commit`). If anything in it raises, the
+allocator rolls the step back (no block, tier entry or KV event of it survives), every request holding KV
+blocks ends (finish_reason "error", gone from the engine, its blocks back in the pool), and `step()`
+raises the step's exception; the engine goes on serving the waiting requests and the next ones. Only if
+that clean-up itself fails is the engine broken for good (`failure` says why).
 """
 
 from __future__ import annotations
@@ -16,37 +25,24 @@ from contextlib import AbstractContextManager
 import torch
 
 from pagedllm._runtime import apply_thread_count, keep_large_allocations
-from pagedllm.engine import prompt_logprobs
-from pagedllm.engine.beam_search import BeamSearchDriver, beam_sampling_params, beam_tokens
-from pagedllm.engine.config import EngineConfig, parse_bytes
-from pagedllm.engine.draft_model import DraftModelProposer
-from pagedllm.engine.generation_config import sampling_defaults
-from pagedllm.engine.guided import GrammarCompiler
-from pagedllm.engine.kv_sizing import check_max_model_len, kv_block_bytes, model_kv_groups, num_kv_blocks
-from pagedllm.engine.kv_store import DiskReader, DiskStore, kv_fingerprint
-from pagedllm.engine.model_cache import load_shared_model
-from pagedllm.engine.model_runner import ModelRunner, StepInputs, calibration_ids
+from pagedllm.engine import build
+from pagedllm.engine.beam_search import BeamSearchDriver, beam_sampling_params
+from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.op_profile import OpRecording, profile_ops
 from pagedllm.engine.parallel.executor import Executor
-from pagedllm.engine.parallel.runner import ParallelModelRunner
+from pagedllm.engine.postprocess import Postprocessor
 from pagedllm.engine.request import Request, check_prompt
 from pagedllm.engine.run_info import RunInfo, read_run_info
-from pagedllm.engine.sampler import Sample, SampleRow, sample
-from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
-from pagedllm.engine.sequence import Sequence
-from pagedllm.engine.speculative import NgramProposer, SpeculativeConfig, accepted_length
+from pagedllm.engine.scheduler import SchedulerOutput
+from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.speculative import propose_drafts
 from pagedllm.engine.stats import STEP_PHASES, EngineStats, StepObserver, StepTrace
-from pagedllm.engine.stop_checker import StopChecker
-from pagedllm.kv import ContiguousAllocator, KVAllocator, PagedAllocator
+from pagedllm.kv import PagedAllocator
 from pagedllm.kv.events import KVEventLog
-from pagedllm.kv.tiers import DISK, HOST, DiskTier, HostPool, PrefixTiers, TierMoves
-from pagedllm.models.parallel import SINGLE
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-PREFETCH_SEQS = 8  # waiting prompts whose disk-tier blocks are read ahead, each step
 
 
 class LLMEngine:
@@ -57,186 +53,32 @@ class LLMEngine:
             keep_large_allocations()
         # Under tensor parallelism the other ranks start now and load their shards while this one does.
         self.executor = Executor(config) if config.is_parallel else None
+        self.transfers = None
+        self._broken: str | None = None  # why the engine cannot step any more, if a rollback failed
         try:
-            self._start(config)
+            build.build(self, config)
         except BaseException:
             self.shutdown()
             raise
-
-    def _start(self, config: EngineConfig) -> None:
-        tp = self.executor.tp if self.executor else SINGLE
-        loaded = load_shared_model(
-            config.model,
-            config.torch_dtype,
-            config.device,
-            config.quantization,
-            tp,
-            config.max_num_seqs,
-            config.max_model_len,
-        )
-        self.loaded_model, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
-        self.weight_bytes = loaded.weight_bytes
-        self.eos_token_ids = set(loaded.eos_token_ids)
-        model_cfg = self.model.config
-        self.max_model_len = check_max_model_len(config.max_model_len, model_cfg.max_position_embeddings)
-        self.default_sampling = sampling_defaults(config.generation_config, loaded.path)
-        self.grammars = GrammarCompiler(loaded.path, model_cfg.vocab_size, sorted(self.eos_token_ids))
-        self.kv_groups = model_kv_groups(model_cfg, self.hybrid_kv_cache)
-        # Rank 0 holds the most KV heads of any rank: its blocks are the largest.
-        block_bytes = kv_block_bytes(
-            model_cfg,
-            self.model.num_kv_heads,
-            config.kv_torch_dtype,
-            config.block_size,
-            self.kv_groups.layers_per_group,
-        )
-        self.num_kv_blocks = num_kv_blocks(config, block_bytes, self.weight_bytes)
-        self.kv_cache_bytes = self.num_kv_blocks * block_bytes
-        self.tiers = self._make_tiers(block_bytes) if config.has_kv_tiers else None
-        self.allocator = self._make_allocator()
-        logger.info(
-            "weights %.1f MiB (%s), KV cache %.1f MiB: %d blocks of %d tokens (%d tokens, %s layout)",
-            self.weight_bytes / 2**20,
-            loaded.linear_method,
-            self.kv_cache_bytes / 2**20,
-            self.num_kv_blocks,
-            config.block_size,
-            self.num_kv_blocks * config.block_size,
-            config.kv_layout,
-        )
-        # The runner's cache has the allocator's geometry (the contiguous layout: blocks of one slot).
-        cache = (
-            self.allocator.num_total_blocks,
-            self.allocator.block_size,
-            config.kv_torch_dtype,
-            config.device,
-        )
-        if self.tiers is not None:  # the host tier's pool is the swap pool too
-            num_host_blocks = self.tiers.host.num_blocks
-        else:
-            num_host_blocks = cache[0] if config.preemption_mode == "swap" else 0
-        prefault, groups = config.prefault_kv_cache, self.kv_groups
-        if self.executor:
-            self.runner = ParallelModelRunner(
-                self.executor, self.model, *cache, num_host_blocks, prefault, groups
-            )
-        else:
-            self.runner = ModelRunner(self.model, *cache, num_host_blocks, prefault, groups)
-        self.runner.calibrate_key_smoothing(calibration_ids(model_cfg.vocab_size, self.max_model_len))
-        self.disk_store = self.disk_reader = None
-        if self.tiers is not None:
-            probe = min(8, num_host_blocks, self.num_kv_blocks)
-            self.tiers.observe_load(HOST, self.runner.time_host_load(probe), probe)
-            if config.kv_offload_dir is not None:
-                self.disk_store = self._open_disk_store(block_bytes)
-                self.disk_reader = DiskReader(self.disk_store)
-        self.proposer = self._make_proposer(config.speculative_config)
-        self.scheduler = Scheduler(
-            self.allocator,
-            self.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            preemption_mode=config.preemption_mode,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            watermark=config.watermark,
-            stop_checker=StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len),
-            # A sequence that leaves the cache leaves the draft model's too.
-            on_release=self.proposer.release if self.proposer is not None else None,
-        )
-        self.spec_verifies = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.requests: dict[str, Request] = {}
+        self.postprocessor = Postprocessor(self.requests, self.scheduler, self.eos_token_ids, self.fork)
         self.num_steps = 0
         self._observers: list[StepObserver] = []
         self._snapshots = None  # the dashboard's KVSnapshots, made on first use
-
-    @property
-    def hybrid_kv_cache(self) -> bool:
-        """Whether sliding-window layers hold only their window (KV groups): paged, and not disabled."""
-        return self.config.kv_layout == "paged" and not self.config.disable_hybrid_kv_cache_manager
-
-    def _make_proposer(self, spec: SpeculativeConfig | None) -> NgramProposer | DraftModelProposer | None:
-        if spec is None:
-            return None
-        if spec.method == "ngram":
-            return NgramProposer(spec)
-        # Its pool: as many blocks as the target's (its own, smaller ones): it holds what the target does.
-        return DraftModelProposer(spec, self.config, self.model.config.vocab_size, self.num_kv_blocks)
-
-    def _make_allocator(self) -> KVAllocator:
-        config = self.config
-        if config.kv_layout == "paged":
-            return PagedAllocator(
-                self.num_kv_blocks,
-                config.block_size,
-                enable_prefix_caching=config.enable_prefix_caching,
-                windows=self.kv_groups.windows,
-                # Admission asks a prompt's first chunk: one block of new tokens (a window group's promise
-                # adds its window: what it holds once it decodes); a longer chunk takes the free blocks the
-                # scheduler finds for it (prefill_room).
-                prefill_chunk=config.block_size if config.enable_chunked_prefill else None,
-                tiers=self.tiers,
-            )
-        num_slots = self.num_kv_blocks * config.block_size
-        return ContiguousAllocator(num_slots, self.max_model_len, reserve=config.contiguous_reserve)
-
-    def _make_tiers(self, block_bytes: int) -> PrefixTiers:
-        """The host tier (kv_offload_memory; a disk tier alone stages its reads in a pool the size of the
-        KV cache) and the disk tier (kv_offload_dir, kv_offload_disk), sized in blocks."""
-        config = self.config
-        num_host = self.num_kv_blocks
-        if config.kv_offload_memory is not None:
-            num_host = parse_bytes(config.kv_offload_memory, "kv_offload_memory") // block_bytes
-            if num_host < 1:
-                raise ValueError(
-                    f"kv_offload_memory={config.kv_offload_memory!r} holds no KV block ({block_bytes} bytes)"
-                )
-        disk = None
-        if config.kv_offload_dir is not None:
-            num_disk = parse_bytes(config.kv_offload_disk, "kv_offload_disk") // block_bytes
-            if num_disk < 1:
-                raise ValueError(
-                    f"kv_offload_disk={config.kv_offload_disk!r} holds no KV block ({block_bytes} bytes)"
-                )
-            disk = DiskTier(num_disk)
-        return PrefixTiers(HostPool(num_host), disk, config.block_size)
-
-    def _open_disk_store(self, block_bytes: int) -> DiskStore:
-        """The disk tier's folder for this model and these settings; the blocks already there (from an
-        earlier process) join the tier, oldest first, as far as its size allows."""
-        config, model_cfg = self.config, self.model.config
-        settings = {
-            "model": config.model,
-            "dtype": str(config.torch_dtype),
-            "kv_cache_dtype": str(config.kv_torch_dtype),
-            "quantization": config.quantization,
-            "linear_method": self.loaded_model.linear_method,
-            "block_size": config.block_size,
-            "layers": model_cfg.num_layers,
-            "kv_heads": self.model.num_kv_heads,
-            "head_dim": model_cfg.head_dim,
-            "block_bytes": block_bytes,
-            "layout": "per layer K then V, a block as [slot, kv_head, dim] (quantized: codes, then scales)",
-        }
-        fingerprint, described = kv_fingerprint(
-            self.loaded_model.path, settings, self.runner.key_smoothing_bytes()
-        )
-        store = DiskStore(config.kv_offload_dir, fingerprint, described, block_bytes)
-        for key in store.scan():
-            for old in self.tiers.disk.add(key):
-                store.delete(old)
-        logger.info("disk tier %s: %d blocks found", store.folder, len(self.tiers.disk.keys))
-        return store
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and the disk reader (if any); the engine cannot step after."""
         if self.executor is not None:
             self.executor.stop()
-        if getattr(self, "disk_reader", None) is not None:  # None too when start-up failed before it
-            self.disk_reader.close()
+        if self.transfers is not None:
+            self.transfers.close()
 
     @property
     def failure(self) -> str | None:
-        """Why the engine can no longer step (a tensor-parallel rank died or hung), or None."""
+        """Why the engine can no longer step (a tensor-parallel rank died or hung, a rollback failed), or
+        None."""
+        if self._broken is not None:
+            return self._broken
         return self.executor.failure if self.executor is not None else None
 
     # -- requests ---------------------------------------------------------------------------------
@@ -306,220 +148,70 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, postprocess; report every request that changed (a beam search
-        only once it is done)."""
+        only once it is done). Raises StepFailed (the step rolled back, its requests ended) if it fails."""
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
         self.num_steps += 1
         clock = _PhaseClock()
-        if self.disk_reader is not None:
-            self._prefetch()
-        out = self.scheduler.schedule()
-        moves = self._tier_moves(out)
-        clock.lap("schedule")
-        context_tokens = sum(seq.num_cached_tokens for seq in out.scheduled)
-        logits = self._run(out, clock) if out.scheduled else None
-        if moves is not None:
-            self._persist(moves)
-        changed = self._postprocess(out, logits, clock)
+        if self.transfers is not None:
+            self.transfers.prefetch(self.scheduler, self.allocator)
+        try:
+            out = self.scheduler.schedule()
+            clock.lap("schedule")
+            context_tokens = sum(seq.num_cached_tokens for seq in out.scheduled)
+            logits = self._run(out, clock)
+            changed = self.postprocessor.process(out, logits, clock.lap)
+            if self.transfers is not None:
+                self.transfers.persist(out.tier_moves)
+            if self.proposer is not None:
+                clock.lap("rest")
+                propose_drafts(self.proposer, self.scheduler.running, self.requests, self.max_model_len)
+                clock.lap("propose")
+            self.allocator.commit()
+        except Exception:
+            self._fail_step()
+            raise
         outputs = [self._output(request) for request in changed]
         clock.lap("rest")
-        if self.proposer is not None:
-            self._propose()
-            clock.lap("propose")
         if self._observers:
             self._notify(out, clock.seconds, context_tokens)
         return outputs
 
-    def _run(self, out: SchedulerOutput, clock: _PhaseClock) -> torch.Tensor:
-        block_tables = [self.allocator.block_tables(seq.seq_id) for seq in out.scheduled]
-        clock.lap("rest")
-        inputs = self.runner.prepare_inputs(out, block_tables)
+    def _run(self, out: SchedulerOutput, clock: _PhaseClock) -> torch.Tensor | None:
+        """The step's forward pass (block moves first); only the moves when nothing is scheduled."""
+        if not out.scheduled:
+            if out.swap_out or out.swap_in or out.copies:
+                self.runner.move_blocks(out.swap_out, out.swap_in, out.copies)
+            return None
+        inputs = self.runner.prepare_inputs(out, out.block_tables)
         clock.lap("inputs")
         logits = self.runner.execute_step(inputs)
         clock.lap("forward")
         if self.tiers is not None and 2 * (out.num_tokens - len(out.decodes)) >= out.num_tokens >= 32:
             self.tiers.observe_prefill(clock.seconds["forward"], out.num_tokens)  # a prefill-bound step
         if any(seq.needs_prompt_logprobs for seq in out.prefills):  # logits of prompt positions came too
-            logits = self._gather_prompt_logprobs(out, inputs, logits)
+            logits = self.postprocessor.gather_prompt_logprobs(out, inputs.num_logits, logits)
             clock.lap("sample")
         return logits
 
-    # -- prefix cache tiers -----------------------------------------------------------------------
+    def _fail_step(self) -> None:
+        """Roll the failed step back and end every request whose KV it may have touched: each one holding
+        blocks (running, swapped, or admitted part way). Waiting requests holding none go on."""
+        logger.exception("engine step %d failed: rolling it back", self.num_steps)
+        try:
+            self.allocator.rollback()
+            failed = [request for request in self.requests.values() if self._holds_kv(request)]
+            self.scheduler.fail([seq for request in failed for seq in request.seqs])
+            for request in failed:
+                del self.requests[request.request_id]
+        except Exception as error:
+            self._broken = f"a failed step could not be rolled back ({type(error).__name__}: {error})"
+            raise
 
-    def _prefetch(self) -> None:
-        """Land the disk reads that finished into host blocks, then start reads of the disk-tier blocks of
-        the next waiting prompts (on the reader's thread); a prompt whose blocks are still being read waits
-        in the queue (`Sequence.loading_kv`) while the others step. With nothing else to run, wait for one."""
-        scheduler = self.scheduler
-        idle = not scheduler.running and not scheduler.swapped
-        idle = idle and not any(seq.admissible for seq in scheduler.waiting)
-        for done in self.disk_reader.finished(block=idle):
-            good = [(slot, data) for (_, slot), data in zip(done.reads, done.payloads, strict=True) if data]
-            if good:
-                rows = torch.frombuffer(bytearray(b"".join(data for _, data in good)), dtype=torch.uint8)
-                self.runner.write_host_blocks([slot for slot, _ in good], rows.view(len(good), -1))
-            self.tiers.observe_load(DISK, done.seconds, len(done.reads))
-            self.tiers.prefetched(done.reads, [data is not None for data in done.payloads])
-        for i, seq in enumerate(scheduler.waiting):
-            if i >= PREFETCH_SEQS or seq.awaiting or seq.needs_prompt_logprobs:
-                seq.loading_kv = False
-                continue
-            plan = self.allocator.plan_prefetch(seq.token_ids)
-            if plan.reads:
-                self.disk_reader.submit(plan.reads)
-            seq.loading_kv = plan.pending
-
-    def _tier_moves(self, out: SchedulerOutput) -> TierMoves | None:
-        """The tiers' copies planned since the last step: evicted blocks to host memory go with the swap-
-        outs, host-tier hits into device blocks with the swap-ins (made now if no forward runs)."""
-        if self.tiers is None:
-            return None
-        moves = self.tiers.take_moves()
-        out.swap_out += moves.offload
-        out.swap_in += moves.load
-        if not out.scheduled and (moves.offload or moves.load):
-            self.runner.move_blocks(moves.offload, moves.load, [])
-        return moves
-
-    def _persist(self, moves: TierMoves) -> None:
-        """After the forward computed them: write the newly cached blocks to the disk tier's files, delete
-        those it evicted (a disk that fails a write loses that block from the tier, nothing else)."""
-        if self.disk_store is None:
-            return
-        disk = self.tiers.disk
-        keep = [(block, key) for block, key in moves.persist if key in disk]
-        if keep:
-            rows = self.runner.read_device_blocks([block for block, _ in keep]).numpy()
-            for (_, key), row in zip(keep, rows, strict=True):
-                try:
-                    self.disk_store.write(key, row.tobytes())
-                except OSError as error:
-                    logger.warning("disk tier: block not written (%s)", error)
-                    disk.forget(key)
-        for key in moves.drop:
-            if key not in disk:
-                self.disk_store.delete(key)
-
-    def _gather_prompt_logprobs(
-        self, out: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor
-    ) -> torch.Tensor:
-        """Take the prompt log-probabilities out of the step's logits (each sequence's last
-        inputs.num_logits rows); returns each scheduled sequence's last row, which its next token needs."""
-        ends = inputs.num_logits.cumsum()
-        for seq, end, count in zip(out.scheduled, ends.tolist(), inputs.num_logits.tolist(), strict=True):
-            cached = seq.num_cached_tokens
-            wanted = prompt_logprobs.wanted_positions(seq, cached - out.num_new_tokens[seq.seq_id], cached)
-            if wanted:
-                prompt_logprobs.gather(seq, wanted, logits[end - count : end])
-        if len(logits) == len(ends):
-            return logits
-        return logits[torch.from_numpy(ends - 1).to(logits.device)]
-
-    def _postprocess(
-        self, out: SchedulerOutput, logits: torch.Tensor | None, clock: _PhaseClock
-    ) -> list[Request]:
-        """The step's new tokens, sampled or chosen by beam searches, go to the scheduler. Returns the
-        requests that changed (a beam search only once it is done)."""
-        new_tokens = []
-        for seq in out.ignored:  # finished by the scheduler: they can never fit the cache
-            search = self.requests[seq.request_id].beam_search
-            if search is not None:  # the search goes on without the beam (which may end its round)
-                new_tokens += search.drop(seq)
-        ready = [seq for _, seq in out.ready()] if logits is not None else []
-        if ready:
-            new_tokens += self._next_tokens(out, logits, clock)
-        for seq in self.scheduler.update_from_output(new_tokens):
-            search = self.requests[seq.request_id].beam_search
-            if search is not None:  # a beam outgrew the cache (it cannot end a round: all just moved)
-                search.drop(seq)
-        changed = [*out.ignored, *ready, *(seq for seq, _ in new_tokens)]  # the last: n > 1 forks too
-        requests = {seq.request_id: self.requests[seq.request_id] for seq in changed}
-        return [request for request in requests.values() if request.beam_search is None or request.finished]
-
-    def _next_tokens(
-        self, out: SchedulerOutput, logits: torch.Tensor, clock: _PhaseClock
-    ) -> list[tuple[Sequence, Sample]]:
-        """Each computed sequence's next token: sampled (an n > 1 request's siblings are forked at its
-        first and sample from the same logits), or, for a beam, its search's once the round is complete."""
-        rows, seqs, beams = [], [], []
-        for row, seq in out.ready():
-            search = self.requests[seq.request_id].beam_search
-            if search is None:
-                rows.append(row)
-                seqs.append(seq)
-            else:
-                beams.append((row, seq, search))
-        for row, seq in list(zip(rows, seqs, strict=True)):
-            for child in self.requests[seq.request_id].fork_samples(seq, self.fork):
-                rows.append(row)
-                seqs.append(child)
-        new_tokens = []
-        if seqs:
-            # A sequence with k draft tokens has k + 1 rows: row i verifies draft i (the last: the next).
-            picked_rows, sample_rows = [], []
-            for row, seq in zip(rows, seqs, strict=True):
-                drafts = seq.draft_token_ids
-                for i in range(len(drafts) + 1):
-                    picked_rows.append(row + i)
-                    draft = drafts[i] if i < len(drafts) else None
-                    q = seq.draft_probs[i] if draft is not None and seq.draft_probs is not None else None
-                    sample_rows.append(self._sample_row(seq, drafts[:i], draft, q))
-            all_rows = picked_rows == list(range(len(logits)))
-            picked = logits if all_rows else logits[picked_rows]  # all: no copy
-            clock.lap("rest")
-            samples = iter(sample(picked, sample_rows))
-            for seq in seqs:
-                run = [next(samples) for _ in range(len(seq.draft_token_ids) + 1)]
-                num_new = accepted_length([smp.token_id for smp in run], seq.draft_token_ids)
-                if seq.draft_token_ids:
-                    self.spec_verifies += 1
-                    self.spec_draft_tokens += len(seq.draft_token_ids)
-                    self.spec_accepted_tokens += num_new - 1
-                new_tokens += [(seq, smp) for smp in run[:num_new]]
-            clock.lap("sample")
-        if beams:
-            beam_logits = logits[[row for row, _, _ in beams]]
-            new_tokens += beam_tokens(beam_logits, [(seq, search) for _, seq, search in beams])
-        return new_tokens
-
-    def _sample_row(
-        self,
-        seq: Sequence,
-        accepted: list[int] | None = None,
-        draft: int | None = None,
-        draft_probs: torch.Tensor | None = None,
-    ) -> SampleRow:
-        """What the sampler needs for seq's next token; for a verify pass's row, the next token after the
-        drafts before it (`accepted`, as if already sampled), checking `draft` (drawn from `draft_probs`)."""
-        params = seq.params
-        output = seq.output_token_ids + accepted if accepted else seq.output_token_ids
-        banned: tuple[int, ...] = ()
-        if len(output) < params.min_tokens:
-            banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_token_ids))
-        generator = self.requests[seq.request_id].generator
-        return SampleRow(
-            params,
-            generator,
-            banned,
-            seq.prompt_token_ids,
-            output,
-            guide=seq.guide,
-            draft_token_id=draft,
-            draft_probs=draft_probs,
+    def _holds_kv(self, request: Request) -> bool:
+        return any(
+            seq.seq_id in self.allocator or seq.status is SequenceStatus.RUNNING for seq in request.seqs
         )
-
-    def _propose(self) -> None:
-        """Draft tokens for each running sequence that decodes next step (not a beam, not guided: their
-        next tokens depend on more than the logits), at most one fewer than it may still generate."""
-        seqs = [
-            seq
-            for seq in self.scheduler.running
-            if seq.num_tokens - seq.num_cached_tokens == 1
-            and seq.guide is None
-            and self.requests[seq.request_id].beam_search is None
-        ]
-        rooms = [seq.max_new_tokens(self.max_model_len) - 1 for seq in seqs]
-        generators = [self.requests[seq.request_id].generator for seq in seqs]
-        for seq, draft in zip(seqs, self.proposer.propose_batch(seqs, rooms, generators), strict=True):
-            seq.draft_token_ids, seq.draft_probs = draft.token_ids, draft.probs
 
     def _output(self, request: Request) -> RequestOutput:
         output = request.output(self.tokenizer)
@@ -570,9 +262,9 @@ class LLMEngine:
             num_blocks_swapped_in=scheduler.num_blocks_swapped_in,
             kv_usage=self.allocator.usage(),
             kv_all_free=self.allocator.all_free() and (self.proposer is None or self.proposer.all_free()),
-            spec_verifies=self.spec_verifies,
-            spec_draft_tokens=self.spec_draft_tokens,
-            spec_accepted_tokens=self.spec_accepted_tokens,
+            spec_verifies=self.postprocessor.spec.verifies,
+            spec_draft_tokens=self.postprocessor.spec.draft_tokens,
+            spec_accepted_tokens=self.postprocessor.spec.accepted_tokens,
             kv_tiers=self.tiers.usage() if self.tiers is not None else None,
         )
 

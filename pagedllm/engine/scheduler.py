@@ -37,6 +37,7 @@ from pagedllm.engine.sampler import Sample
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.engine.stop_checker import StopChecker
 from pagedllm.kv import KVAllocator, NoFreeBlocks
+from pagedllm.kv.tiers import TierMoves
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     preempted: list[Sequence] = field(default_factory=list)  # since the previous step's forward pass
     ignored: list[Sequence] = field(default_factory=list)  # can never fit the cache: finished ("length")
+    block_tables: list[list[list[int]]] = field(default_factory=list)  # per scheduled sequence, per group
+    # The prefix cache tiers' disk writes and deletes, made after the forward computed the blocks.
+    tier_moves: TierMoves = field(default_factory=TierMoves)
 
     @property
     def scheduled(self) -> list[Sequence]:
@@ -177,7 +181,25 @@ class Scheduler:
                 self._schedule_prefills(out, budget)
         for seq in out.scheduled:
             seq.num_cached_tokens += out.num_new_tokens[seq.seq_id]
+        self._plan_memory(out)
         return out
+
+    def _plan_memory(self, out: SchedulerOutput) -> None:
+        """The step's block tables, and the prefix cache tiers' copies planned since the last step: blocks
+        evicted to host memory go with the swap-outs, host-tier hits into device blocks with the swap-ins."""
+        out.block_tables = [self.allocator.block_tables(seq.seq_id) for seq in out.scheduled]
+        out.tier_moves = self.allocator.take_tier_moves()
+        out.swap_out += out.tier_moves.offload
+        out.swap_in += out.tier_moves.load
+
+    def fail(self, seqs: list[Sequence]) -> None:
+        """A step failed: end these sequences ("error"), their blocks back in the pool, and drop the block
+        moves decided for the next step (they were for the sequences failed)."""
+        for seq in seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "error"
+                self.finish(seq)
+        self._next = SchedulerOutput()
 
     def _has_work_waiting(self) -> bool:
         return bool(self.swapped) or any(seq.admissible for seq in self.waiting)

@@ -139,3 +139,19 @@ def accepted_length(target_token_ids: Sequence[int], draft_token_ids: Sequence[i
         if target_token_ids[i] != draft:
             return i + 1
     return len(draft_token_ids) + 1
+
+
+def propose_drafts(proposer, running: list, requests: dict, max_model_len: int) -> None:
+    """Draft tokens for each running sequence that decodes next step (not a beam, not guided: their next
+    tokens depend on more than the logits), at most one fewer than it may still generate."""
+    seqs = [
+        seq
+        for seq in running
+        if seq.num_tokens - seq.num_cached_tokens == 1
+        and seq.guide is None
+        and requests[seq.request_id].beam_search is None
+    ]
+    rooms = [seq.max_new_tokens(max_model_len) - 1 for seq in seqs]
+    generators = [requests[seq.request_id].generator for seq in seqs]
+    for seq, draft in zip(seqs, proposer.propose_batch(seqs, rooms, generators), strict=True):
+        seq.draft_token_ids, seq.draft_probs = draft.token_ids, draft.probs

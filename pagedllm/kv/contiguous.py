@@ -26,6 +26,7 @@ from pagedllm.kv.interface import (
     duplicate,
     unknown,
 )
+from pagedllm.kv.tiers import TierMoves
 
 RESERVE_POLICIES = ("max", "pow2", "oracle")
 
@@ -154,6 +155,12 @@ class ContiguousAllocator:
         """No prefix cache and every layer's slab: nothing to do."""
         self._slab(seq_id)
 
+    def commit(self) -> None:
+        """No prefix cache: a step's end changes nothing."""
+
+    def rollback(self) -> None:
+        """No prefix cache: nothing a failed step wrote is findable by another sequence."""
+
     def prefill_room(self, seq_id: Hashable, start: int, num_tokens: int, *, keep_free: int = 0) -> int:
         """The slab holds every prompt token from admission on: all of them."""
         self._slab(seq_id)
@@ -217,6 +224,10 @@ class ContiguousAllocator:
             i -= 1
             start = self.gaps.pop(i)[0]
         self.gaps.insert(i, (start, end - start))
+
+    def take_tier_moves(self) -> TierMoves:
+        """No prefix cache, so no tiers: nothing to move."""
+        return TierMoves()
 
     def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
         raise _cannot_swap(seq_id)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
+from pagedllm.kv.tiers import TierMoves
+
 
 class NoFreeBlocks(RuntimeError):
     """Not enough free KV memory for the operation; the allocator was left unchanged."""
@@ -112,6 +114,13 @@ class KVAllocator(Protocol):
     # is computed), at most num_tokens, keeping keep_free blocks for others where it can; at least one.
     def prefill_room(self, seq_id: Hashable, start: int, num_tokens: int, *, keep_free: int = 0) -> int: ...
 
+    # The step's end (kv/journal.py): commit when its forward pass and postprocessing succeeded (what it
+    # cached stays findable, and is reported as KV events), rollback when it raised (nothing it cached is
+    # findable any more, on any tier); then the engine frees the failed sequences.
+    def commit(self) -> None: ...
+
+    def rollback(self) -> None: ...
+
     def can_append(self, seq_id: Hashable) -> bool: ...
 
     def append(self, seq_id: Hashable, token_id: int) -> list[tuple[int, int]]: ...
@@ -125,6 +134,10 @@ class KVAllocator(Protocol):
     def reserve_lookahead(self, seq_id: Hashable, num_slots: int) -> list[tuple[int, int]]: ...
 
     def release_lookahead(self, seq_id: Hashable) -> None: ...
+
+    def take_tier_moves(self) -> TierMoves:
+        """The prefix cache tiers' block copies planned since the last call (kv/tiers.py)."""
+        ...
 
     def free(self, seq_id: Hashable) -> None: ...
 

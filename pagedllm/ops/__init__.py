@@ -1,47 +1,62 @@
 """Attention that reads K/V through block tables, the store of new K/V into slots, the fused elementwise
-ops of a decoder layer (rms_norm, act_and_mul, rotary_embedding_) and greedy sampling's argmax.
+ops of a decoder layer (rms_norm, act_and_mul, rotary_embedding_), greedy sampling's argmax, and a decoder
+layer in one call where the backend offers it.
 
-Tensors in, tensors out: no engine concepts here. Every op dispatches to a backend:
+Tensors in, tensors out: no engine concepts here. Every op goes to a backend (backend.Backend), an object
+registered here by name:
   torch   the reference (reference.py): gather + softmax in fp32, slow, trusted
   sdpa    pure PyTorch: per-sequence index_select + scaled_dot_product_attention
   cpu     C++ kernels reading K/V in place (csrc/), built on first use for the CPU's instruction set
   triton  GPU kernels (triton_ops.py)
-A backend without its own elementwise kernels uses the reference ones.
 PAGEDLLM_ATTN_BACKEND picks one; otherwise CUDA tensors use triton (sdpa if Triton is missing), CPU
 tensors use cpu for fp32/bf16 (sdpa for fp16, and, with one warning line, if the kernel cannot
 be built), other devices sdpa.
-The choice is made once per device type and cached (reset_backend_cache() forgets it).
+The choice is made once per device type and dtype and cached (reset_backend_cache() forgets it).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import importlib.util
 import logging
 import os
-from types import ModuleType
+from collections.abc import Callable
 
 import torch
 
-from pagedllm.ops import reference
+from pagedllm.ops import cpu, reference, sdpa
+from pagedllm.ops.backend import (
+    AttentionArgs,
+    Backend,
+    DecoderLayerSpec,
+    FunctionBackend,
+    FusedDecoderLayer,
+    KernelWeight,
+)
 from pagedllm.ops.kv_cache import allocate_kv_caches, kv_block_bytes
 from pagedllm.ops.reference import copy_blocks, read_block_bytes, swap_blocks, write_block_bytes
 
-BACKENDS = {"torch": "reference", "sdpa": "sdpa", "cpu": "cpu", "triton": "triton_ops"}
 ENV_VAR = "PAGEDLLM_ATTN_BACKEND"
 
 __all__ = [
     "BACKENDS",
-    "argmax",
-    "copy_blocks",
-    "get_backend_name",
+    "AttentionArgs",
+    "Backend",
+    "DecoderLayerSpec",
+    "FunctionBackend",
+    "FusedDecoderLayer",
+    "KernelWeight",
     "act_and_mul",
     "allocate_kv_caches",
+    "argmax",
+    "backend",
+    "copy_blocks",
+    "get_backend",
+    "get_backend_name",
     "kv_block_bytes",
-    "paged_decode_attention",
-    "paged_prefill_attention",
+    "paged_attention",
     "read_block_bytes",
+    "register_backend",
     "reset_backend_cache",
     "rms_norm",
     "rotary_embedding_",
@@ -51,9 +66,37 @@ __all__ = [
 ]
 
 
-def _cpu_or_fallback() -> str:
-    from pagedllm.ops import cpu
+def _triton() -> Backend:
+    from pagedllm.ops import triton_ops  # imported on first use: Triton may be missing
 
+    return triton_ops.BACKEND
+
+
+# The registry: each backend's name and what gives it (called once, on first use).
+BACKENDS: dict[str, Callable[[], Backend]] = {
+    "torch": lambda: reference.BACKEND,
+    "sdpa": lambda: sdpa.BACKEND,
+    "cpu": lambda: cpu.BACKEND,
+    "triton": _triton,
+}
+
+
+def register_backend(name: str, make: Callable[[], Backend]) -> None:
+    """Add a backend under `name` (PAGEDLLM_ATTN_BACKEND then names it); `make` gives it, on first use."""
+    if name in BACKENDS:
+        raise ValueError(f"a backend named {name!r} is already registered")
+    BACKENDS[name] = make
+
+
+@functools.cache
+def backend(name: str) -> Backend:
+    """The registered backend of this name (made once)."""
+    if name not in BACKENDS:
+        raise ValueError(f"no backend named {name!r}; registered: {sorted(BACKENDS)}")
+    return BACKENDS[name]()
+
+
+def _cpu_or_fallback() -> str:
     reason = cpu.unavailable_reason()
     if reason is None:
         return "cpu"
@@ -66,6 +109,11 @@ def _cpu_or_fallback() -> str:
 def get_backend_name(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
     """Name of the backend that serves tensors of this dtype on this device."""
     return _resolve(torch.device(device).type, dtype)
+
+
+def get_backend(device: torch.device | str, dtype: torch.dtype = torch.float32) -> Backend:
+    """The backend that serves tensors of this dtype on this device."""
+    return _backend(torch.device(device).type, dtype)
 
 
 @functools.cache
@@ -87,8 +135,12 @@ def _resolve(device_type: str, dtype: torch.dtype) -> str:
 
 
 @functools.cache
-def _backend(device_type: str, dtype: torch.dtype) -> ModuleType:
-    return importlib.import_module(f"pagedllm.ops.{BACKENDS[_resolve(device_type, dtype)]}")
+def _backend(device_type: str, dtype: torch.dtype) -> Backend:
+    return backend(_resolve(device_type, dtype))
+
+
+def _of(x: torch.Tensor) -> Backend:
+    return _backend(x.device.type, x.dtype)
 
 
 def write_kv(
@@ -99,87 +151,37 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Scatter new tokens' K/V ([T, Hkv, D]) into cache slots (slot_mapping [T] int64); -1 skips."""
-    _backend(key.device.type, key.dtype).write_kv(key, value, k_cache, v_cache, slot_mapping)
+    _of(key).write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """q [S, H, D], one token per sequence (the last of its context) -> [S, H, D]. `softcap`: scores
-    capped at +-softcap (softcap * tanh(score / softcap), Gemma 2)."""
-    return _attention_backend(q, softcap).paged_decode_attention(
-        q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, softcap
-    )
-
-
-def paged_prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """q [T, H, D]; rows query_start_loc[s]:[s+1] are the last tokens of sequence s, causal -> [T, H, D].
-    `softcap` as in paged_decode_attention."""
-    return _attention_backend(q, softcap).paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window, softcap
-    )
-
-
-def _attention_backend(q: torch.Tensor, softcap: float | None) -> ModuleType:
-    """The backend's attention; soft-capped scores need one that caps them: sdpa's SDPA call cannot, so
-    the reference serves them there."""
-    backend = _backend(q.device.type, q.dtype)
-    if softcap is not None and backend.__name__ == "pagedllm.ops.sdpa":
-        return reference
-    return backend
-
-
-def _elementwise(x: torch.Tensor, name: str):
-    return _elementwise_op(x.device.type, x.dtype, name)
-
-
-@functools.cache
-def _elementwise_op(device_type: str, dtype: torch.dtype, name: str):
-    backend = _backend(device_type, dtype)
-    return getattr(backend, name) if hasattr(backend, name) else getattr(reference, name)
+def paged_attention(q: torch.Tensor, args: AttentionArgs) -> torch.Tensor:
+    """q [T, H, D] -> [T, H, D], attending through args' block tables (backend.AttentionArgs)."""
+    return _of(q).paged_attention(q, args)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
     """x / rms(x) * weight over the last dim (Gemma: * (1 + weight)); float32 math, x's dtype out."""
-    return _elementwise(x, "rms_norm")(x, weight, eps, unit_offset)
+    return _of(x).rms_norm(x, weight, eps, unit_offset)
 
 
 def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up for x = [gate | up], [T, 2I] -> [T, I]; activation "silu" or "gelu_pytorch_tanh"."""
-    return _elementwise(x, "act_and_mul")(x, activation)
+    return _of(x).act_and_mul(x, activation)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) for x [rows, N] (greedy sampling over logits): [rows] int64, the first index of
     each row's largest value, a NaN counting as largest."""
-    return _elementwise(x, "argmax")(x)
+    return _of(x).argmax(x)
 
 
 def rotary_embedding_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
     """Rotate x [T, H, D] (e.g. the q and k heads of a fused projection) in place by each token's position;
     cos_sin [max_positions, D] float32 holds each rotated pair's cos, then sin."""
-    _elementwise(x, "rotary_embedding_")(x, positions, cos_sin)
+    _of(x).rotary_embedding_(x, positions, cos_sin)
 
 
 def reset_backend_cache() -> None:
     """Forget the cached backend choice (after changing PAGEDLLM_ATTN_BACKEND)."""
     _resolve.cache_clear()
     _backend.cache_clear()
-    _elementwise_op.cache_clear()

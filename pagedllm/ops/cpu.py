@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.ops.backend import AttentionArgs, DecoderLayerSpec, FunctionBackend
+
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["attention.cpp", "decoder.cpp", "elementwise.cpp", "linear.cpp", "register.cpp", "sampling.cpp"]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DPAGEDLLM_AVX512"]
@@ -164,12 +166,6 @@ def _namespace(isa: str | None):
     return getattr(torch.ops, f"pagedllm_{isa}")
 
 
-@functools.cache
-def _one_row_each(num_seqs: int) -> torch.Tensor:
-    """query_start_loc of a decode batch (never written to, so shared between calls)."""
-    return torch.arange(num_seqs + 1, dtype=torch.int32)
-
-
 def _as_int32(t: torch.Tensor) -> torch.Tensor:
     """t as a contiguous int32 tensor (the model runner's already is: then t itself, without a call)."""
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
@@ -186,50 +182,26 @@ def write_kv(
     kernels().write_kv(key, value, k_cache, v_cache, slot_mapping.to(torch.int64).contiguous())
 
 
-def paged_prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, args: AttentionArgs) -> torch.Tensor:
     """Query rows of sequence s are the last rows of its context; causal; see reference.py."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype)
-    kernels().paged_attention(
-        out,
-        q,
-        k_cache,
-        v_cache,
-        _as_int32(block_tables),
-        _as_int32(query_start_loc),
-        _as_int32(context_lens),
-        scale,
-        sliding_window or 0,
-        softcap or 0.0,
-    )
+    kernels().paged_attention(out, q, *_attention_operands(args))
     return out
 
 
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """One query token per sequence: the prefill kernel with one row each."""
-    one_row_each = _one_row_each(q.shape[0])
-    return paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, one_row_each, context_lens, scale, sliding_window, softcap
+def _attention_operands(args: AttentionArgs) -> tuple:
+    """args as the C++ attention takes them (after out and q)."""
+    return (
+        args.k_cache,
+        args.v_cache,
+        _as_int32(args.block_tables),
+        _as_int32(args.query_start_loc),
+        _as_int32(args.context_lens),
+        args.scale,
+        args.sliding_window or 0,
+        args.softcap or 0.0,
     )
 
 
@@ -300,57 +272,48 @@ def panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return panels[ids // PANEL_COLS, :, ids % PANEL_COLS]
 
 
-def decoder_layer_args(
-    cos_sin: torch.Tensor,
-    input_norm: torch.Tensor,
-    post_attention_norm: torch.Tensor,
-    linears: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int, torch.Tensor | None]],
-    eps: float,
-    num_heads: int,
-    num_kv_heads: int,
-    scale: float,
-    window: int | None,
-    activation: str,
-) -> tuple:
-    """What decoder_layer needs of one layer besides the step's tensors, built once: the rotary table,
-    both norms' weights, the qkv, o, gate_up and down projections as (data, scales, mins, group_size,
-    bias) in csrc/linear.cpp's storage (or a oneDNN-packed weight, group_size ONEDNN_PACKED), and the
-    layer's constants."""
-    weights = [t for data, scales, mins, _, bias in linears for t in (data, scales, mins, bias)]
-    group_sizes = [group_size for _, _, _, group_size, _ in linears]
-    return (
-        cos_sin,
-        input_norm,
-        post_attention_norm,
-        weights,
-        group_sizes,
-        eps,
-        num_heads,
-        num_kv_heads,
-        scale,
-        window or 0,
-        ACTIVATIONS[activation],
-    )
+class CpuDecoderLayer:
+    """A decoder layer (backend.DecoderLayerSpec) as one call of csrc/decoder.cpp: the same kernels, in the
+    same order, as the layer's ops called one by one from Python, which it spares (~80 us a layer at one
+    decode row, a quarter of a step on 4-bit weights)."""
+
+    def __init__(self, spec: DecoderLayerSpec):
+        pre, post = spec.feedforward_norms or (None, None)
+        q_norm, k_norm = spec.qk_norms or (None, None)
+        norms = [spec.input_norm, spec.post_attention_norm, pre, post, q_norm, k_norm]
+        weights = [t for data, scales, mins, _, bias in spec.projections for t in (data, scales, mins, bias)]
+        group_sizes = [group_size for *_, group_size, _ in spec.projections]
+        self.cos_sin = spec.cos_sin
+        self.weights = (norms, weights, group_sizes, spec.eps, spec.unit_offset)
+        self.shape = (spec.num_heads, spec.num_kv_heads)
+        self.activation = ACTIVATIONS[spec.activation]
+
+    def __call__(
+        self, h: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, args: AttentionArgs
+    ) -> torch.Tensor:
+        """The step's index tensors must already be what the runner builds (contiguous; int64 positions
+        and slots, int32 tables and lengths)."""
+        k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window, softcap = (
+            _attention_operands(args)
+        )
+        return kernels().decoder_layer(
+            h, positions, k_cache, v_cache, slot_mapping, block_tables, query_start_loc, context_lens,
+            self.cos_sin, *self.weights, *self.shape, scale, window, softcap, self.activation,
+        )  # fmt: skip
 
 
-def decoder_layer(
-    h: torch.Tensor,
-    positions: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    layer: tuple,
-) -> torch.Tensor:
-    """A Llama-family decoder layer (csrc/decoder.cpp) on h [T, hidden]: the same kernels, in the same
-    order, as models/llama.py calls one by one, in one call; `layer` is decoder_layer_args'. The step's
-    index tensors must already be what the runner builds (contiguous; int64 positions and slots, int32
-    tables and lengths)."""
-    return kernels().decoder_layer(
-        h, positions, k_cache, v_cache, slot_mapping, block_tables, query_start_loc, context_lens, *layer
-    )
+def fused_decoder_layer(spec: DecoderLayerSpec) -> CpuDecoderLayer | None:
+    """The layer in one call where every projection is in the C++ kernel's storage or oneDNN's (not, say,
+    a weight torch's F.linear multiplies)."""
+    if any(projection is None for projection in spec.projections):
+        return None
+    return CpuDecoderLayer(spec)
+
+
+# The `cpu` backend: every op a C++ kernel, and a decoder layer in one call of them.
+BACKEND = FunctionBackend(
+    "cpu", write_kv, paged_attention, rms_norm, act_and_mul, rotary_embedding_, argmax, fused_decoder_layer
+)
 
 
 def dequantize_rows(

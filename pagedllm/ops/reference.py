@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.ops.backend import AttentionArgs, FunctionBackend
 from pagedllm.ops.kv_cache import LARGEST_CODE, is_quantized, key_smoothing, kv_scales
 
 ACTIVATIONS = {
@@ -150,49 +151,22 @@ def _attend(
     return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
 
 
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """One query token per sequence (q [S, H, D]), the last token of its context: prefill, one row each."""
-    one_row_each = torch.arange(q.shape[0] + 1, device=q.device)
-    return paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, one_row_each, context_lens, scale, sliding_window, softcap
-    )
-
-
-def paged_prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Several query tokens per sequence (q [T, H, D], sequence s owns rows
-    query_start_loc[s]:query_start_loc[s+1]), the last ones of its context: causal within the chunk,
-    attending to all earlier tokens (e.g. a cached prefix) through the block table. `softcap`: scores
-    capped at +-softcap by softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
+def paged_attention(q: torch.Tensor, args: AttentionArgs) -> torch.Tensor:
+    """Query rows q [T, H, D] of each sequence (args.query_start_loc), the last ones of its context: causal
+    within the step, attending to all earlier tokens (e.g. a cached prefix) through the block table, each
+    sequence gathered and attended on its own."""
     out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    for s, context_len in enumerate(context_lens.tolist()):
+    starts = args.query_start_loc.tolist()
+    window = args.sliding_window
+    for s, context_len in enumerate(args.context_lens.tolist()):
         lo, hi = starts[s], starts[s + 1]
         if hi == lo:
             continue
         first_pos = context_len - (hi - lo)
-        key_start = 0 if sliding_window is None else max(0, first_pos + 1 - sliding_window)
-        k, v = gather_kv(k_cache, v_cache, block_tables[s], context_len, key_start)
+        key_start = 0 if window is None else max(0, first_pos + 1 - window)
+        k, v = gather_kv(args.k_cache, args.v_cache, args.block_tables[s], context_len, key_start)
         pos = torch.arange(first_pos, context_len, device=q.device)
-        out[lo:hi] = _attend(q[lo:hi], k, v, pos, scale, sliding_window, softcap, key_start)
+        out[lo:hi] = _attend(q[lo:hi], k, v, pos, args.scale, window, args.softcap, key_start)
     return out
 
 
@@ -281,3 +255,9 @@ def rotary_embedding_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.T
     cos, sin = cos_sin[positions, None].chunk(2, dim=-1)
     x1, x2 = x.float().chunk(2, dim=-1)
     x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+
+
+# The `torch` backend. Backends without their own elementwise kernels keep its ones.
+BACKEND = FunctionBackend(
+    "torch", write_kv, paged_attention, rms_norm, act_and_mul, rotary_embedding_, argmax
+)

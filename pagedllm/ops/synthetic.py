@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.ops.backend import AttentionArgs
 from pagedllm.ops.kv_cache import allocate_kv_caches, is_quantized, key_smoothing, kv_scales
 from pagedllm.ops.reference import fit_key_smoothing, quantize, smooth_keys
 
@@ -22,6 +23,25 @@ class PagedBatch:
     # per sequence [context_len, Hkv, D]: the same K, contiguous (of a quantized cache: before quantizing)
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+
+    def args(
+        self,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+        decode: bool = False,
+        **replaced: torch.Tensor,
+    ) -> AttentionArgs:
+        """The batch's attention arguments (`decode`: one query row per sequence, its last token);
+        `replaced` swaps any of its tensors (k_cache=..., block_tables=...)."""
+        tensors = dict(
+            k_cache=self.k_cache,
+            v_cache=self.v_cache,
+            block_tables=self.block_tables,
+            context_lens=self.context_lens,
+            query_start_loc=None if decode else self.query_start_loc,
+        )
+        return AttentionArgs(**{**tensors, **replaced}, scale=scale, sliding_window=window, softcap=softcap)
 
 
 def _quantized_copy(

@@ -15,10 +15,14 @@ multiplies the query by the factor (the mean shifts every score of a query alike
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
+from pagedllm.ops import reference
+from pagedllm.ops.backend import AttentionArgs
 from pagedllm.ops.kv_cache import LARGEST_CODE, key_smoothing, kv_scales
 
 _BLOCK_N = 32  # keys per inner iteration
@@ -326,19 +330,11 @@ def write_kv(
     )
 
 
-def _attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    block_q: int,
-) -> torch.Tensor:
-    """Launch with tiles of block_q rows per sequence (block_q == 1 only when every sequence has one row)."""
+def paged_attention(q: torch.Tensor, args: AttentionArgs) -> torch.Tensor:
+    """Query rows of sequence s are the last rows of its context; causal; see reference.py. A decode step
+    launches one program per (sequence, kv head), any other tiles of _PREFILL_BLOCK_Q rows."""
+    block_q = 1 if args.decode else _PREFILL_BLOCK_Q
+    k_cache, v_cache, context_lens = args.k_cache, args.v_cache, args.context_lens
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_seqs = context_lens.shape[0]
     if q.shape[0] == 0 or num_seqs == 0:
@@ -348,8 +344,8 @@ def _attention(
     group = num_heads // num_kv_heads
     assert q.stride(2) == 1
     caches, smoothing, scale_strides, form = _cache_operands(k_cache, v_cache)
-    query_start_loc = query_start_loc.to(torch.int32)
-    block_tables = block_tables.to(torch.int32)
+    query_start_loc = args.query_start_loc.to(torch.int32)
+    block_tables = args.block_tables.to(torch.int32)
     tiles = (query_start_loc[1:] - query_start_loc[:-1] + block_q - 1) // block_q
     tile_starts = torch.zeros(num_seqs + 1, dtype=torch.int32, device=q.device)
     torch.cumsum(tiles, 0, out=tile_starts[1:])
@@ -365,9 +361,9 @@ def _attention(
         query_start_loc,
         tile_starts,
         context_lens.to(torch.int32),
-        scale,
-        sliding_window or 0,
-        softcap or 0.0,
+        args.scale,
+        args.sliding_window or 0,
+        args.softcap or 0.0,
         num_seqs,
         q.stride(0),
         q.stride(1),
@@ -392,44 +388,7 @@ def _attention(
     return out
 
 
-def paged_prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Query rows of sequence s are the last rows of its context; causal; see reference.py."""
-    return _attention(
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        query_start_loc,
-        context_lens,
-        scale,
-        sliding_window,
-        softcap,
-        _PREFILL_BLOCK_Q,
-    )
-
-
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """One query token per sequence: one program per (sequence, kv head)."""
-    one_row_each = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return _attention(
-        q, k_cache, v_cache, block_tables, one_row_each, context_lens, scale, sliding_window, softcap, 1
-    )
+# The `triton` backend: the kernels above for the K/V store and attention, the reference's other ops.
+BACKEND = dataclasses.replace(
+    reference.BACKEND, name="triton", write_kv=write_kv, paged_attention=paged_attention
+)

@@ -8,6 +8,7 @@ not one per request).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -16,8 +17,10 @@ from dataclasses import dataclass
 
 from pagedllm._runtime import release_openmp_threads
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.openai.errors import ShuttingDown
+from pagedllm.engine.stats import EngineStats
+from pagedllm.entrypoints.openai.errors import EngineDead, ShuttingDown
 from pagedllm.entrypoints.openai.metrics import EngineMetrics, RequestTimes
+from pagedllm.kv.events import KVEventLog
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -73,23 +76,60 @@ class AsyncEngine:
         self._wakeup = threading.Condition()
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
+        self.death: str | None = None  # why the engine thread stopped stepping, if it died
+        self._pending: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()  # run() calls waiting
         self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
+        # Fixed at start-up, so read on any thread: what the routes need to render and check requests.
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.default_sampling = engine.default_sampling  # from generation_config.json
+        self.num_kv_blocks = engine.num_kv_blocks
+
+    @property
+    def failure(self) -> str | None:
+        """Why no request can be served now (the engine thread died, a tensor-parallel rank failed), or
+        None while healthy."""
+        return self.death or self.engine.failure
+
+    def compile_grammar(self, guided) -> None:
+        """Compile a guided-decoding spec (a bad one raises ValueError); thread-safe, cached."""
+        self.engine.grammars.compile(guided)
 
     def start(self) -> None:
         """Start stepping on the engine thread; call it from the thread that built the engine."""
         release_openmp_threads()  # this thread's OpenMP threads would slow the engine thread's
         self._thread.start()
 
-    def stop(self) -> None:
-        """Abort whatever still runs, stop the thread; afterwards every KV block is free."""
+    def stop(self) -> EngineStats:
+        """Abort whatever still runs, stop the thread; returns the engine's last stats (every KV block is
+        free unless something leaked: `kv_all_free`)."""
         with self._wakeup:
             self._stopped = True
             self._wakeup.notify()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
         self.engine.shutdown()
+        stats = self.engine.stats()
+        if stats.kv_all_free:
+            logger.info("engine stopped: all %d KV blocks are free", self.num_kv_blocks)
+        else:
+            logger.error("engine stopped with KV blocks still held: %s", stats.kv_usage)
+        return stats
+
+    def enable_kv_events(self) -> KVEventLog:
+        """The prefix cache's changes as vLLM's KV events (LLMEngine.enable_kv_events); before start()."""
+        if self._thread.is_alive():
+            raise RuntimeError("enable_kv_events must be called before the engine thread starts")
+        return self.engine.enable_kv_events()
+
+    @property
+    def has_open_streams(self) -> bool:
+        return bool(self._streams)
 
     def _submit(self, fn: Callable[[], None]) -> None:
         with self._wakeup:
+            if self.death is not None:
+                raise EngineDead(self.death)
             self._calls.append(fn)
             self._wakeup.notify()
 
@@ -97,8 +137,10 @@ class AsyncEngine:
         """fn(engine) on the engine thread, between steps; its exception is raised here."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
+        pending = (loop, future)
 
         def call() -> None:
+            self._pending.discard(pending)
             try:
                 result = fn(self.engine)
             except Exception as error:
@@ -106,7 +148,12 @@ class AsyncEngine:
             else:
                 loop.call_soon_threadsafe(_settle, future, result, None)
 
-        self._submit(call)
+        self._pending.add(pending)
+        try:
+            self._submit(call)
+        except EngineDead:
+            self._pending.discard(pending)
+            raise
         return await future
 
     async def add(
@@ -142,8 +189,10 @@ class AsyncEngine:
         return [RequestStream(self, rid, stream) for rid, stream in zip(request_ids, streams, strict=True)]
 
     def abort(self, request_id: str) -> None:
-        """Stop a request (queued after anything submitted before, so after its own `add`)."""
-        self._submit(lambda: self._abort(request_id))
+        """Stop a request (queued after anything submitted before, so after its own `add`); nothing to do
+        once the engine thread has died (its requests were ended then)."""
+        with contextlib.suppress(EngineDead):
+            self._submit(lambda: self._abort(request_id))
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
@@ -151,19 +200,47 @@ class AsyncEngine:
         self.metrics.observe(self.engine)
 
     def _loop(self) -> None:
-        while True:
-            with self._wakeup:
-                while not (self._calls or self._stopped or self.engine.has_unfinished_requests()):
-                    self._wakeup.wait()
-                calls, self._calls = self._calls, []
-                stopped = self._stopped
-            for call in calls:
-                call()
-            if stopped:
-                self._shutdown()
-                return
-            if self.engine.has_unfinished_requests():
-                self._step()
+        try:
+            while True:
+                with self._wakeup:
+                    while not (self._calls or self._stopped or self.engine.has_unfinished_requests()):
+                        self._wakeup.wait()
+                    calls, self._calls = self._calls, []
+                    stopped = self._stopped
+                for call in calls:
+                    _guarded(call)
+                if stopped:
+                    self._shutdown()
+                    return
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as error:
+            self._die(error)
+            raise
+
+    def _die(self, error: BaseException) -> None:
+        """The engine thread cannot go on: say why (`failure`, /health), end every open stream and every
+        waiting call with that reason (a 500, or an error event), free what the requests held as far as the
+        engine still can, and refuse new work (EngineDead: 503)."""
+        logger.critical("the engine thread died", exc_info=error)
+        with self._wakeup:
+            self.death = f"the engine thread died: {type(error).__name__}: {error}"
+            self._calls.clear()
+        dead = RuntimeError(self.death)  # in flight: a 500 (or an error event); new requests: EngineDead
+        for request_id in self.engine.unfinished_request_ids():
+            _guarded(lambda rid=request_id: self.engine.abort_request(rid))
+        self._end_streams(list(self._streams), dead)
+        for loop, future in list(self._pending):
+            with contextlib.suppress(RuntimeError):  # the loop has closed
+                loop.call_soon_threadsafe(_settle, future, None, dead)
+        self._pending.clear()
+
+    def _end_streams(self, request_ids: list[str], error: BaseException) -> None:
+        """Each of these requests' streams raises `error` (after any output already delivered)."""
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                _deliver(stream.loop, [(stream, error)])
 
     def _shutdown(self) -> None:
         self._fail_all(ShuttingDown("the server shut down: the request was aborted"))
@@ -177,19 +254,28 @@ class AsyncEngine:
         if request_ids:
             logger.warning("aborting %d requests: %s", len(request_ids), error)
         for request_id in request_ids:
-            stream = self._streams.get(request_id)
-            self._abort(request_id)
-            if stream is not None:
-                _deliver(stream.loop, [(stream, error)])
+            _guarded(lambda rid=request_id: self.engine.abort_request(rid))
+        self._end_streams(request_ids, error)
+        self.metrics.observe(self.engine)
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as error:  # fail the running requests, keep serving the next ones
-            num = self.engine.get_num_unfinished_requests()
-            logger.exception("engine step failed; aborting %d requests", num)
-            self._fail_all(error)
+        except Exception as error:  # the engine rolled the step back and ended the requests it touched
+            live = set(self.engine.unfinished_request_ids())
+            self._end_streams([rid for rid in self._streams if rid not in live], error)
+            self.metrics.observe(self.engine)
             return
+        try:
+            self._deliver_outputs(outputs)
+        except Exception as error:  # no stream may wait for outputs that will never come
+            logger.exception("delivering a step's outputs failed")
+            request_ids = [output.request_id for output in outputs]
+            for request_id in request_ids:
+                _guarded(lambda rid=request_id: self.engine.abort_request(rid))
+            self._end_streams(request_ids, error)
+
+    def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
@@ -210,6 +296,14 @@ class AsyncEngine:
         for loop, batch in batches.items():
             _deliver(loop, batch)
         self.metrics.observe(self.engine)
+
+
+def _guarded(call: Callable[[], None]) -> None:
+    """Run one call on the engine thread; an exception is logged, never the end of the thread."""
+    try:
+        call()
+    except Exception:
+        logger.exception("a call on the engine thread failed")
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, batch: list[tuple[_Stream, object]]) -> None:

@@ -44,6 +44,13 @@ class ShuttingDown(APIError):
         super().__init__(message, 503)
 
 
+class EngineDead(APIError):
+    """The engine thread died: no request can be served (503); its reason names why."""
+
+    def __init__(self, message: str):
+        super().__init__(message, 503)
+
+
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     kind = KINDS.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
     return p.ErrorResponse(

@@ -45,7 +45,7 @@ from pagedllm.entrypoints.openai.dashboard import kv_payload
 from pagedllm.entrypoints.openai.errors import APIError, error_body, error_response, install_error_handlers
 from pagedllm.entrypoints.openai.kv_routing import KVEventPublisher, PromptBlocks, RoutingKey
 from pagedllm.entrypoints.openai.limits import Admission, LimitsMiddleware, ServerLimits
-from pagedllm.entrypoints.openai.server import PROMETHEUS_TEXT, build_serving, log_kv_at_stop, openai_routes
+from pagedllm.entrypoints.openai.server import PROMETHEUS_TEXT, build_serving, openai_routes
 from pagedllm.entrypoints.openai.streams import until_disconnected
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class EngineReplica:
         self.replica_id = context.replica_id.unique_id
         self.publisher = None  # the KV cache events, for KVCacheAwareRouter
         if kv_events:
-            log = self.serving.engine.engine.enable_kv_events()
+            log = self.serving.engine.enable_kv_events()
             self.publisher = KVEventPublisher(log, self.replica_id, context.app_name)
         self.serving.engine.start()
         logger.info("replica %s (pid %d) serves %s on %d CPUs", self.replica_id, os.getpid(), model, num_cpus)
@@ -156,7 +156,7 @@ class EngineReplica:
 
     def check_health(self) -> None:
         """Ray's health check: a failed engine (a dead tensor-parallel rank) makes Ray replace the replica."""
-        failure = self.serving.engine.engine.failure
+        failure = self.serving.engine.failure
         if failure is not None:
             raise RuntimeError(failure)
 
@@ -166,7 +166,6 @@ class EngineReplica:
         engine = getattr(getattr(self, "serving", None), "engine", None)
         if engine is not None:
             engine.stop()
-            log_kv_at_stop(engine.engine)
 
 
 # -- the ingress ----------------------------------------------------------------------------------------

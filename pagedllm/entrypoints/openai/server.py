@@ -90,7 +90,7 @@ def build_serving(
             engine_kwargs["max_num_batched_tokens"] = server_cpu_batched_tokens()
     engine = AsyncEngine(LLMEngine(EngineConfig(model=model, **engine_kwargs)))
     limits = limits or ServerLimits()
-    serving_models = OpenAIServingModels(served_model_name or model, engine.engine.max_model_len, model)
+    serving_models = OpenAIServingModels(served_model_name or model, engine.max_model_len, model)
     return Serving(
         engine,
         serving_models,
@@ -147,8 +147,7 @@ def build_app(
     async def lifespan(app: FastAPI):
         engine.start()
         yield
-        engine.stop()
-        log_kv_at_stop(engine.engine)
+        app.state.final_stats = engine.stop()
 
     app = FastAPI(title="pagedllm", lifespan=lifespan)
     app.state.engine = engine
@@ -164,7 +163,7 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        failure = engine.engine.failure
+        failure = engine.failure
         if failure is not None:
             return error_response(failure, 503)
         return Response(status_code=200)
@@ -177,14 +176,6 @@ def build_app(
 
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4"
-
-
-def log_kv_at_stop(engine: LLMEngine) -> None:
-    stats = engine.stats()
-    if stats.kv_all_free:
-        logger.info("engine stopped: all %d KV blocks are free", engine.num_kv_blocks)
-    else:
-        logger.error("engine stopped with KV blocks still held: %s", stats.kv_usage)
 
 
 def _respond(result: BaseModel | AsyncIterator[str]) -> BaseModel | StreamingResponse:
@@ -212,7 +203,7 @@ def main(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_timeout + 10
     )
     DrainingServer(config, app.state.admission, app.state.engine, shutdown_timeout).run()
-    return 0 if app.state.engine.engine.stats().kv_all_free else 1
+    return 0 if app.state.final_stats.kv_all_free else 1
 
 
 class DrainingServer(uvicorn.Server):
@@ -252,7 +243,7 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     def _abort_running(self) -> None:
-        if self.engine.engine.has_unfinished_requests():
+        if self.engine.has_open_streams:
             logger.warning(
                 "shutdown timeout (%gs) reached: aborting the running requests", self.shutdown_timeout
             )

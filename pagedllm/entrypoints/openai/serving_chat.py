@@ -29,7 +29,7 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.limits.check_logprobs("top_logprobs", request.top_logprobs)
         num_top = (request.top_logprobs or 0) if request.logprobs else None
-        plan = plan_tools(request, getattr(self.engine.engine.tokenizer, "chat_template", None))
+        plan = plan_tools(request, getattr(self.engine.tokenizer, "chat_template", None))
         if plan.guided is not None:
             guided = await self.compiled(plan.guided, "tools")
         else:
@@ -54,7 +54,7 @@ class OpenAIServingChat(OpenAIServing):
     def _response(
         self, response_id: str, final: RequestOutput, num_top: int | None, plan: ToolPlan
     ) -> p.ChatCompletionResponse:
-        tokenizer = self.engine.engine.tokenizer
+        tokenizer = self.engine.tokenizer
         choices = []
         for o in final.outputs:
             parser = plan.new_parser()
@@ -93,7 +93,7 @@ class OpenAIServingChat(OpenAIServing):
         """One chunk per choice that advanced. With tools, a delta that only fed the parser (text held
         back at a possible `<tool_call>`, a call's name not yet complete) sends nothing; its tokens'
         logprobs go with the next chunk."""
-        tokenizer, model = self.engine.engine.tokenizer, self.models.model_name
+        tokenizer, model = self.engine.tokenizer, self.models.model_name
         last: dict[int, RequestOutput] = {}
         parsers: dict[int, ToolParser | None] = {}
         tokens_sent: dict[int, int] = {}

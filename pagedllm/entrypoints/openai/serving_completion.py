@@ -62,7 +62,7 @@ class OpenAIServingCompletion(OpenAIServing):
     def _response(
         self, request: p.CompletionRequest, response_id: str, final: list[RequestOutput], echoes: list[str]
     ) -> p.CompletionResponse:
-        tokenizer = self.engine.engine.tokenizer
+        tokenizer = self.engine.tokenizer
         choices = []
         for i, output in enumerate(final):
             scored = None
@@ -93,7 +93,7 @@ class OpenAIServingCompletion(OpenAIServing):
         streams: list[RequestStream],
         echoes: list[str],
     ) -> AsyncIterator[p.CompletionResponse]:
-        tokenizer, model, offsets = self.engine.engine.tokenizer, self.models.model_name, {}
+        tokenizer, model, offsets = self.engine.tokenizer, self.models.model_name, {}
         last: dict[int, RequestOutput] = {}
         try:
             async for d in deltas(remember(outputs, last), request.n, request.stop):
@@ -127,7 +127,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """The prompt as echo puts it before the completion: token ids decoded, text as sent."""
         if isinstance(prompt, str):
             return prompt
-        tokenizer = self.engine.engine.tokenizer
+        tokenizer = self.engine.tokenizer
         return tokenizer.decode(prompt) if tokenizer is not None else ""
 
 

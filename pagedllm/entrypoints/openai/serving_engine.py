@@ -48,8 +48,8 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncEngine, models: OpenAIServingModels, limits: ServerLimits):
         self.engine, self.models, self.limits = engine, models, limits
-        self.max_model_len = engine.engine.max_model_len
-        self.default_sampling = engine.engine.default_sampling  # from generation_config.json
+        self.max_model_len = engine.max_model_len
+        self.default_sampling = engine.default_sampling  # from generation_config.json
 
     def check_request(self, request: p.SamplingRequest) -> None:
         """The checks that need no engine: the model's name and the server's limit on n."""
@@ -131,7 +131,7 @@ class OpenAIServing:
         """`guided`, its grammar compiled off the engine thread (the engine then hits the compiler's
         cache); a schema xgrammar cannot use is a 400 naming `param`."""
         try:
-            await asyncio.to_thread(self.engine.engine.grammars.compile, guided)
+            await asyncio.to_thread(self.engine.compile_grammar, guided)
         except ValueError as error:
             raise APIError(str(error), param=param) from error
         return guided

@@ -17,7 +17,7 @@ class OpenAIServingTokenization(OpenAIServing):
         self.models.check_model(request.model)
         messages = None if request.messages is None else template_messages(request.messages)
         tools = None if request.tools is None else [t.model_dump(exclude_none=True) for t in request.tools]
-        if tools and not template_reads_tools(getattr(self.engine.engine.tokenizer, "chat_template", None)):
+        if tools and not template_reads_tools(getattr(self.engine.tokenizer, "chat_template", None)):
             raise APIError("tools: this model's chat template has no tool support", param="tools")
 
         def tokenize(engine: LLMEngine) -> p.TokenizeResponse:

@@ -1,13 +1,16 @@
-// A Llama-family decoder layer in one call: the kernels models/llama.py's layer calls one by one
-// (rms_norm, linear, rotary_embedding, write_kv, paged_attention, act_and_mul; linear being pagedllm's
-// kernel, or oneDNN's for prepacked weights), in the same order on the same tensors, so its result is the
-// same to the bit. It exists for speed alone: at one decode row a layer's ten op calls from Python cost
-// ~80 us, a quarter of a step on 4-bit weights; here, one call.
+// A decoder layer in one call: the kernels a model's layer calls one by one (rms_norm, linear,
+// rotary_embedding, write_kv, paged_attention, act_and_mul; linear being pagedllm's kernel, or oneDNN's for
+// prepacked weights; torch's add for Gemma's residuals), in the same order on the same tensors, so its
+// result is the same to the bit. It exists for speed alone: at one decode row a layer's ten op calls from
+// Python cost ~80 us, a quarter of a step on 4-bit weights; here, one call.
 //
-//   x = rms_norm(h) ; q, k, v = split(x Wqkv^T) ; rotate q, k ; store k, v ; a = attention(q)
-//   h = h + a Wo^T ; x = rms_norm(h) ; h = h + act_and_mul(x Wgate_up^T) Wdown^T
+//   x = rms_norm(h) ; q, k, v = split(x Wqkv^T) ; [q, k = rms_norm(q), rms_norm(k)] ; rotate q, k
+//   store k, v ; a = attention(q)
+//   Llama: h = h + a Wo^T ; x = rms_norm(h) ; h = h + act_and_mul(x Wgate_up^T) Wdown^T
+//   Gemma: h = h + rms_norm(a Wo^T) ; x = rms_norm(h) ; h = h + rms_norm(act_and_mul(x Wgate_up^T) Wdown^T)
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/record_function.h>
 
@@ -66,42 +69,75 @@ at::Tensor project(const at::Tensor& x, const c10::List<c10::optional<at::Tensor
   });
 }
 
+// The layer's norms, in this order: input, post_attention, pre_feedforward, post_feedforward (the last
+// two Gemma's, around the MLP), q, k (per-head QK-norm); the last four may be absent.
+enum Norm : int64_t { kInput, kPostAttention, kPreFeedforward, kPostFeedforward, kQuery, kKey, kNorms };
+
 }  // namespace
 
 at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& query_start_loc, const at::Tensor& context_lens, const at::Tensor& cos_sin,
-                         const at::Tensor& input_norm, const at::Tensor& post_attention_norm,
+                         const c10::List<c10::optional<at::Tensor>>& norms,
                          const c10::List<c10::optional<at::Tensor>>& weights, at::IntArrayRef group_sizes,
-                         double eps, int64_t num_heads, int64_t num_kv_heads, double scale, int64_t window,
-                         int64_t activation) {
+                         double eps, bool unit_offset, int64_t num_heads, int64_t num_kv_heads, double scale,
+                         int64_t window, double softcap, int64_t activation) {
   TORCH_CHECK(h.dim() == 2, "h must be [T, hidden], got ", h.sizes());
   TORCH_CHECK(weights.size() == 16 && group_sizes.size() == 4,
               "expected 4 linear layers (qkv, o, gate_up, down) as 16 tensors and 4 group sizes, got ",
               weights.size(), " and ", group_sizes.size());
+  TORCH_CHECK(norms.size() == kNorms && norms.get(kInput).has_value() && norms.get(kPostAttention).has_value(),
+              "expected 6 norms (input, post_attention, pre_feedforward, post_feedforward, q, k), the first two "
+              "present, got ", norms.size());
+  const bool sandwich = norms.get(kPreFeedforward).has_value();
+  TORCH_CHECK(sandwich == norms.get(kPostFeedforward).has_value() &&
+                  norms.get(kQuery).has_value() == norms.get(kKey).has_value(),
+              "the feedforward norms and the QK-norms come in pairs");
   const int64_t tokens = h.size(0), head_dim = k_cache.size(3);
+  // out = rms_norm(x) with the layer's norm `which`
+  const auto normalize = [&](const at::Tensor& out, const at::Tensor& x, Norm which) {
+    profiled(OP("rms_norm"), [&] { rms_norm(out, x, *norms.get(which), eps, unit_offset); });
+  };
   at::Tensor x = at::empty(h.sizes(), h.options());
-  profiled(OP("rms_norm"), [&] { rms_norm(x, h, input_norm, eps, false); });
+  normalize(x, h, kInput);
   const at::Tensor heads = project(x, weights, 0, group_sizes[0], c10::nullopt)
                                .view({tokens, num_heads + 2 * num_kv_heads, head_dim});
-  profiled(OP("rotary_embedding"),
-           [&] { rotary_embedding(heads.narrow(1, 0, num_heads + num_kv_heads), positions, cos_sin); });
-  const at::Tensor q = heads.narrow(1, 0, num_heads);
+  at::Tensor qk = heads.narrow(1, 0, num_heads + num_kv_heads);
+  if (norms.get(kQuery).has_value()) {  // each head normed into a fresh tensor, as torch.cat makes one
+    const at::Tensor normed = at::empty(qk.sizes(), qk.options());
+    normalize(normed.narrow(1, 0, num_heads), qk.narrow(1, 0, num_heads), kQuery);
+    normalize(normed.narrow(1, num_heads, num_kv_heads), qk.narrow(1, num_heads, num_kv_heads), kKey);
+    qk = normed;
+  }
+  profiled(OP("rotary_embedding"), [&] { rotary_embedding(qk, positions, cos_sin); });
+  const at::Tensor q = qk.narrow(1, 0, num_heads);
   profiled(OP("write_kv"), [&] {
-    write_kv(heads.narrow(1, num_heads, num_kv_heads), heads.narrow(1, num_heads + num_kv_heads, num_kv_heads),
+    write_kv(qk.narrow(1, num_heads, num_kv_heads), heads.narrow(1, num_heads + num_kv_heads, num_kv_heads),
              k_cache, v_cache, slot_mapping);
   });
   at::Tensor attended = at::empty(q.sizes(), q.options());
   profiled(OP("paged_attention"), [&] {
     paged_attention(attended, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window,
-                    0.0);  // Gemma 2's soft-capped layers do not run as one call
+                    softcap);
   });
-  const at::Tensor mid = project(attended.view({tokens, num_heads * head_dim}), weights, 1, group_sizes[1], h);
-  profiled(OP("rms_norm"), [&] { rms_norm(x, mid, post_attention_norm, eps, false); });
-  const at::Tensor gate_up = project(x, weights, 2, group_sizes[2], c10::nullopt);
-  at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
-  profiled(OP("act_and_mul"), [&] { act_and_mul(act, gate_up, activation); });
-  return project(act, weights, 3, group_sizes[3], mid);
+  const at::Tensor flat = attended.view({tokens, num_heads * head_dim});
+  // act_and_mul(in Wgate_up^T) Wdown^T (+ residual)
+  const auto mlp = [&](const at::Tensor& in, const c10::optional<at::Tensor>& residual) {
+    const at::Tensor gate_up = project(in, weights, 2, group_sizes[2], c10::nullopt);
+    at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
+    profiled(OP("act_and_mul"), [&] { act_and_mul(act, gate_up, activation); });
+    return project(act, weights, 3, group_sizes[3], residual);
+  };
+  if (!sandwich) {  // the residual adds inside the projections
+    const at::Tensor mid = project(flat, weights, 1, group_sizes[1], h);
+    normalize(x, mid, kPostAttention);
+    return mlp(x, mid);
+  }
+  normalize(x, project(flat, weights, 1, group_sizes[1], c10::nullopt), kPostAttention);
+  const at::Tensor mid = at::add(h, x);
+  normalize(x, mid, kPreFeedforward);
+  normalize(x, mlp(x, c10::nullopt), kPostFeedforward);
+  return at::add(mid, x);
 }
 
 }  // namespace pagedllm

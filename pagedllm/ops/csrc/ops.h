@@ -28,9 +28,9 @@ void dequantize_rows(at::Tensor out, const at::Tensor& weight, const c10::option
 at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& query_start_loc, const at::Tensor& context_lens, const at::Tensor& cos_sin,
-                         const at::Tensor& input_norm, const at::Tensor& post_attention_norm,
+                         const c10::List<c10::optional<at::Tensor>>& norms,
                          const c10::List<c10::optional<at::Tensor>>& weights, at::IntArrayRef group_sizes,
-                         double eps, int64_t num_heads, int64_t num_kv_heads, double scale, int64_t window,
-                         int64_t activation);
+                         double eps, bool unit_offset, int64_t num_heads, int64_t num_kv_heads, double scale,
+                         int64_t window, double softcap, int64_t activation);
 
 }  // namespace pagedllm

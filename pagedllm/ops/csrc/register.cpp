@@ -28,9 +28,9 @@ PAGEDLLM_LIBRARY(PAGEDLLM_NAMESPACE, m) {
       "Tensor ids) -> ()");
   m.def(
       "decoder_layer(Tensor h, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, Tensor cos_sin, Tensor input_norm, "
-      "Tensor post_attention_norm, Tensor?[] weights, int[] group_sizes, float eps, int num_heads, "
-      "int num_kv_heads, float scale, int window, int activation) -> Tensor");
+      "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, Tensor cos_sin, Tensor?[] norms, "
+      "Tensor?[] weights, int[] group_sizes, float eps, bool unit_offset, int num_heads, int num_kv_heads, "
+      "float scale, int window, float softcap, int activation) -> Tensor");
 }
 
 PAGEDLLM_LIBRARY_IMPL(PAGEDLLM_NAMESPACE, CPU, m) {
