@@ -155,9 +155,10 @@ def test_profiled_attention_bytes_are_every_layers_context_of_each_step():
 
 def test_gemm_floor_counts_every_linear_layer_once():
     from pagedllm.bench.profile import gemm_floor, linear_layers
-    from pagedllm.engine.llm_engine import load_shared_model
+    from pagedllm.engine.model_cache import load_shared_model
+    from pagedllm.models import DEFAULT_MODEL
 
-    model = load_shared_model("smollm2-135m", torch.float32, "cpu").model
+    model = load_shared_model(DEFAULT_MODEL, torch.float32, "cpu").model
     layers = linear_layers(model)
     assert len(layers) == 4 * model.config.num_layers + 1 and layers[-1] is model.lm_head
     floor = gemm_floor(model, rows=2, head_rows=1, dtype=torch.float32, reps=1)
