@@ -1,6 +1,7 @@
 """The allocator's KV cache events (kv/events.py): replayed, they give exactly the set of first-group block
 hashes its prefix cache holds, at every point of a random run that evicts; each stored block's hash is
-its parent's and its tokens' (so a reader can rebuild the chain); AllBlocksCleared starts the log."""
+its parent's and its tokens' (so a reader can rebuild the chain); AllBlocksCleared starts the log. A block
+is reported stored only when the step that cached it commits (tests/test_kv_journal.py: rollbacks)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ def test_replayed_events_equal_the_cached_blocks_through_a_run_that_evicts():
                     live.append(step)
                 except NoFreeBlocks:
                     pass
+        kv.commit()  # each operation is a step of its own
         events = log.drain()
         removed += sum(isinstance(e, BlockRemoved) for e in events)
         replay(events, held)
@@ -73,6 +75,8 @@ def test_the_chain_matches_the_prompt_hashes_a_router_computes():
     log = kv.enable_events()
     prompt = list(range(3 * BS + 1))
     kv.allocate("a", prompt, 4)
+    assert log.drain() == [AllBlocksCleared()]  # nothing stored before its step commits
+    kv.commit()
     stored = [e for e in log.drain() if isinstance(e, BlockStored)]
     assert [e.block_hashes[0] for e in stored] == block_hash_chain(prompt, BS)
     assert [e.parent_block_hash for e in stored] == [None, *block_hash_chain(prompt, BS)[:-1]]

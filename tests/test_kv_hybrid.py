@@ -163,15 +163,9 @@ class HybridMachine(PagedMachine):
         self.unwritten.setdefault(seq_id, len(self.tokens[seq_id]))
         self.tokens[seq_id].append(token)
 
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data())
-    def free(self, data):
-        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
-        self.kv.free(seq_id)
-        self.drafts.pop(seq_id, None)
-        for held in (self.tokens, self.computed, self.started, self.host_blocks, self.unwritten):
-            held.pop(seq_id, None)
-        self.swapped.discard(seq_id)
+    def drop(self, seq_id: int) -> None:
+        super().drop(seq_id)
+        del self.computed[seq_id], self.started[seq_id]
 
     # -- invariants --------------------------------------------------------------------------------
 

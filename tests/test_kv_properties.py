@@ -8,7 +8,10 @@ Speculative decoding is a pair of rules: `speculate` reserves lookahead slots an
 there at once (the verify pass), `verify` accepts a prefix of them and releases the rest (forks and
 swaps happen between the two, on other sequences, as the engine's steps interleave them); each
 sequence's block hashes must then be the hash chain of its accepted tokens alone, as a run that never
-speculated makes them.
+speculated makes them. Steps end as the engine ends them: `commit` keeps the step, `rollback` is a failed
+step (kv/journal.py): the simulated cache loses every write since the last commit, the allocator rolls
+back, and the sequences the step touched are freed (before or after the rollback). A block the failed step
+left findable would then serve a later prompt content never written: the read-back invariant catches it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,42 @@ from kv_helpers import free_order, slots
 
 from pagedllm.kv import ContiguousAllocator, NoFreeBlocks, PagedAllocator
 from pagedllm.kv.block_pool import hash_block
+
+STEP_OPS = (
+    "allocate",
+    "append",
+    "cache_blocks",
+    "reserve_lookahead",
+    "release_lookahead",
+    "swap_out",
+    "swap_in",
+)
+MISSING = object()
+
+
+class StepCache(dict):
+    """The simulated cache (slot -> content), remembering each slot's content before the first write of the
+    step: a failed step's writes never happened."""
+
+    def __init__(self):
+        super().__init__()
+        self.before: dict = {}
+
+    def __setitem__(self, slot, value):
+        self.before.setdefault(slot, self.get(slot, MISSING))
+        super().__setitem__(slot, value)
+
+    def commit(self) -> None:
+        self.before.clear()
+
+    def rollback(self) -> None:
+        for slot, value in self.before.items():
+            if value is MISSING:
+                super().pop(slot, None)
+            else:
+                super().__setitem__(slot, value)
+        self.before.clear()
+
 
 SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
 MAX_MODEL_LEN = 24
@@ -40,10 +79,14 @@ class KVMachine(RuleBasedStateMachine):
         self.swapped: set[int] = set()
         self.unwritten: dict[int, int] = {}  # swapped sequence -> its first token appended while away
         self.host_blocks: dict[int, int] = {}  # swapped sequence -> host blocks it holds
-        self.device: dict[int, tuple[int, int]] = {}  # slot -> (position, token) written there
-        self.host: dict[int, tuple[int, int] | None] = {}
+        self.device = StepCache()  # slot -> (position, token) written there
+        self.host = StepCache()
         self.drafts: dict[int, list[int]] = {}  # sequence -> draft tokens in its lookahead slots
         self.next_id = 0
+        self.touched: set[int] = set()  # sequences the step since the last commit changed (failed with it)
+        self.committed: dict = {}  # paged: the prefix cache (key -> block id) at the last commit
+        for name in STEP_OPS + ("fork",):
+            setattr(self.kv, name, self.tracked(getattr(self.kv, name), 2 if name == "fork" else 1))
 
     # -- helpers -----------------------------------------------------------------------------------
 
@@ -60,6 +103,24 @@ class KVMachine(RuleBasedStateMachine):
     def tables(self, seq_id: int) -> list[list[int]]:
         """The sequence's block tables: one, or one per KV group."""
         return [self.kv.block_table(seq_id)]
+
+    def tracked(self, op, num_ids: int):
+        """The allocator's method `op`, noting the sequences it is called for as touched by the step."""
+
+        def run(*args, **kwargs):
+            self.touched.update(args[:num_ids])
+            return op(*args, **kwargs)
+
+        return run
+
+    def drop(self, seq_id: int) -> None:
+        """Free a sequence and forget it."""
+        self.kv.free(seq_id)
+        del self.tokens[seq_id]
+        self.drafts.pop(seq_id, None)
+        self.swapped.discard(seq_id)
+        self.unwritten.pop(seq_id, None)
+        self.host_blocks.pop(seq_id, None)
 
     def write(self, seq_id: int, start: int) -> None:
         for t, slot in enumerate(slots(self.kv, seq_id, start), start):
@@ -193,13 +254,33 @@ class KVMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def free(self, data):
-        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
-        self.kv.free(seq_id)
-        del self.tokens[seq_id]
-        self.drafts.pop(seq_id, None)
-        self.swapped.discard(seq_id)
-        self.unwritten.pop(seq_id, None)
-        self.host_blocks.pop(seq_id, None)
+        self.drop(data.draw(st.sampled_from(sorted(self.tokens))))
+
+    @rule()
+    def commit(self):
+        """The step succeeded: its writes and what it cached stay."""
+        self.kv.commit()
+        self.device.commit()
+        self.host.commit()
+        self.touched.clear()
+        if isinstance(self.kv, PagedAllocator):
+            self.committed = {key: block.block_id for key, block in self.kv.pool.cached.items()}
+
+    @rule(free_first=st.booleans())
+    def rollback(self, free_first):
+        """The step failed: none of its writes happened, and its sequences are freed."""
+        failed = sorted(self.touched & set(self.tokens))
+        self.touched.clear()
+        self.device.rollback()
+        self.host.rollback()
+        for seq_id in failed if free_first else ():
+            self.drop(seq_id)
+        self.kv.rollback()
+        for seq_id in () if free_first else failed:
+            self.drop(seq_id)
+        if isinstance(self.kv, PagedAllocator):  # only what earlier steps cached, where they cached it
+            cached = {key: block.block_id for key, block in self.kv.pool.cached.items()}
+            assert cached.items() <= self.committed.items()
 
     # -- invariants --------------------------------------------------------------------------------
 

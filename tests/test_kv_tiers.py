@@ -17,9 +17,11 @@ def make(num_blocks: int, host: int, disk: int | None = None) -> tuple[PagedAllo
 
 
 def run(alloc: PagedAllocator, seq_id: str, prompt: list[int]) -> int:
-    """Admit a prompt, compute it whole, free it (its full blocks stay cached); returns its hit."""
+    """A step that admits a prompt, computes it whole and frees it (its full blocks stay cached: the step
+    commits); returns its hit."""
     hit = alloc.allocate(seq_id, prompt, 1)
     alloc.free(seq_id)
+    alloc.commit()
     return hit
 
 

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from pagedllm.kv.interface import NoFreeBlocks
+from pagedllm.kv.journal import StepJournal
 from pagedllm.kv.tiers import PrefixTiers
 
 if TYPE_CHECKING:
@@ -120,6 +121,7 @@ class BlockPool:
     def __init__(self, num_blocks: int, room: int = 0, tiers: PrefixTiers | None = None):
         self.tiers = tiers  # told of every block cached and evicted (one KV group only)
         self.events: KVEventLog | None = None  # told of the first KV group's evictions (kv/events.py)
+        self.journal = StepJournal()  # the keys cached since the last commit (kv/journal.py)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.room_queue = FreeBlockQueue([])  # free blocks set aside for a run's growth, oldest first
@@ -146,12 +148,7 @@ class BlockPool:
         block = self._follower(after, evicting=fallback.block_hash is not None) or fallback
         self._unqueue(block)
         if block.block_hash is not None:
-            del self.cached[block.block_hash]
-            if self.tiers is not None:
-                self.tiers.evicted(block.block_hash[1], block.block_id)
-            if self.events is not None and block.block_hash[0] == 0:
-                self.events.removed(block.block_hash[1])
-            block.block_hash = None
+            self._evict(block)
         block.ref_cnt, block.num_tokens = 1, 0
         for following in self.blocks[block.block_id + 1 : block.block_id + 1 + self.room]:
             if not self._extends_runs(following, evicting=True):
@@ -161,6 +158,20 @@ class BlockPool:
                 following.room = True
                 self.room_queue.append(following)
         return block
+
+    def _evict(self, block: Block) -> None:
+        """Drop a free block's content from the cache: a copy moves down a tier and its removal is an event,
+        unless it was cached this step (its K/V may not be computed yet: nothing to keep or report)."""
+        key, block.block_hash = block.block_hash, None
+        del self.cached[key]
+        if self.journal.evicted(key):
+            if self.tiers is not None:
+                self.tiers.uncached(key[1])
+            return
+        if self.tiers is not None:
+            self.tiers.evicted(key[1], block.block_id)
+        if self.events is not None and key[0] == 0:
+            self.events.removed(key[1])
 
     def _follower(self, block: Block | None, evicting: bool) -> Block | None:
         """The block right after `block`, if it may extend a run."""
@@ -218,6 +229,29 @@ class BlockPool:
             return False
         self.cached[block_hash] = block
         block.block_hash = block_hash
+        self.journal.cached(block_hash, block)
         if self.tiers is not None:
             self.tiers.cached(block_hash[1], block.block_id)
         return True
+
+    def commit(self) -> None:
+        """The step succeeded: what it cached stays findable (and is reported), its tier entries stay."""
+        self.journal.commit(self.events)
+        if self.tiers is not None:
+            self.tiers.commit()
+
+    def rollback(self) -> set[int]:
+        """The step failed: every block it cached is unhashed (held blocks stay held; a free one moves to
+        the front of the free queue, as a plain block does) and the tier entries it planned are forgotten.
+        Returns the unhashed blocks' ids."""
+        undone = set()
+        for key, block in self.journal.rollback():
+            del self.cached[key]
+            block.block_hash = None
+            undone.add(block.block_id)
+            if block.ref_cnt == 0 and not block.room:
+                self.free_queue.remove(block)
+                self.free_queue.appendleft(block)
+        if self.tiers is not None:
+            self.tiers.rollback()
+        return undone

@@ -154,6 +154,12 @@ class ContiguousAllocator:
         """No prefix cache and every layer's slab: nothing to do."""
         self._slab(seq_id)
 
+    def commit(self) -> None:
+        """No prefix cache: a step's end changes nothing."""
+
+    def rollback(self) -> None:
+        """No prefix cache: nothing a failed step wrote is findable by another sequence."""
+
     def prefill_room(self, seq_id: Hashable, start: int, num_tokens: int, *, keep_free: int = 0) -> int:
         """The slab holds every prompt token from admission on: all of them."""
         self._slab(seq_id)

@@ -512,14 +512,14 @@ class PagedAllocator:
 
     def _cache(self, seq: _Seq, group: int, i: int) -> None:
         """Make block i of a group's table findable by its hash; a first-group block newly cached is an
-        event of the log, if one is set."""
+        event of the log, if one is set, once the step commits."""
         if (
             self.pool.cache(seq.tables[group][i], (group, seq.block_hashes[i]))
             and group == 0
             and self.events is not None
         ):
             bs, parent = self.block_size, seq.block_hashes[i - 1] if i else None
-            self.events.stored(seq.block_hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
+            self.pool.journal.stored(seq.block_hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
 
     def _slots_held(self, seq: _Seq) -> int:
         return sum(block.num_tokens for table in seq.tables for block in table if block is not None)
@@ -763,6 +763,26 @@ class PagedAllocator:
             group_hits = [None] * first + [self.pool.cached.get((g, h)) for h in computed]
             hits.append(group_hits + [None] * (num_blocks - len(group_hits)))
         return hits
+
+    # -- the step's end (kv/journal.py) ----------------------------------------------------------------
+
+    def commit(self) -> None:
+        """The step's forward pass and postprocessing succeeded: everything cached since the last commit
+        stays findable, and is reported to the event log now."""
+        self.pool.commit()
+
+    def rollback(self) -> None:
+        """The step failed: nothing cached since the last commit is findable any more (device blocks keep
+        their tables or free-queue places as plain blocks; host and disk tier entries are forgotten) and no
+        event reports it. A sequence left holding such a block counts its cached blocks only up to it (the
+        engine frees the failed sequences next, in either order)."""
+        undone = self.pool.rollback()
+        for seq in self._seqs.values() if undone else ():
+            for table in seq.tables:
+                for i, block in enumerate(table[: seq.num_cached_blocks]):
+                    if block is not None and block.block_id in undone:
+                        seq.num_cached_blocks = i
+                        break
 
     # -- views -----------------------------------------------------------------------------------------
 

@@ -11,7 +11,9 @@ Each tier is bounded by its size in blocks and evicts its least recently used bl
 preemption takes its host blocks from the same host pool, evicting cached ones if it must.
 
 Nothing here touches bytes: the allocator asks the tiers where a block is and records the copies to
-make (TierMoves); the engine's runner makes them, the way swap preemption's copies are made.
+make (TierMoves); the engine's runner makes them, the way swap preemption's copies are made. A host copy
+or disk write planned is provisional until the step that makes it commits (kv/journal.py): a failed step's
+`rollback` forgets those entries (their bytes may never have been written) and drops its pending copies.
 
 Loads happen only when they pay: `load_pays(tier)` compares the measured seconds to load a block from
 that tier with the seconds to prefill its tokens (the engine feeds both in as it runs: `observe_*`).
@@ -54,6 +56,18 @@ class Prefetch:
 
     reads: list[tuple[bytes, int]] = field(default_factory=list)  # (key, host slot) to read it into
     pending: bool = False  # some of its next blocks are being read (these or earlier ones): not admitted yet
+
+
+@dataclass
+class _Planned:
+    """Tier entries planned and not committed yet: host copies of evicted blocks, keys written to disk."""
+
+    host: list[tuple[bytes, int]] = field(default_factory=list)  # (key, host slot)
+    disk: list[bytes] = field(default_factory=list)
+
+    def extend(self, other: _Planned) -> None:
+        self.host += other.host
+        self.disk += other.disk
 
 
 @dataclass(frozen=True)
@@ -154,6 +168,8 @@ class PrefixTiers:
         self.block_size = block_size
         self.counters = TierCounters()
         self._moves = TierMoves()
+        self._planned = _Planned()  # entries whose copies are in self._moves (not taken yet)
+        self._taken = _Planned()  # entries whose copies this step took (committed with it)
         self.reading: dict[bytes, int] = {}  # key -> host slot, for the disk reads in flight
         # Measured seconds: to load one block from each tier, and to prefill one token (None: not yet).
         self.load_seconds: dict[str, float | None] = {HOST: None, DISK: None}
@@ -173,6 +189,7 @@ class PrefixTiers:
         self.host.cache(key, slot)
         self.host.pinned.add(slot)  # written this step: no swap-out may take it before the copy is made
         self._moves.offload.append((block_id, slot))
+        self._planned.host.append((key, slot))
         self.counters.offloaded_blocks += 1
 
     def cached(self, key: bytes, block_id: int) -> None:
@@ -183,10 +200,21 @@ class PrefixTiers:
             self.disk.touch(key)
             return
         self._moves.persist.append((block_id, key))
+        self._planned.disk.append(key)
         self.counters.persisted_blocks += 1
         for old in self.disk.add(key):
             self._moves.drop.append(old)
             self.counters.disk_evicted_blocks += 1
+
+    def uncached(self, key: bytes) -> None:
+        """A block cached this step left the device cache before its step ended: a write-through not yet
+        made never will be (the block may be reused before the forward that would compute it)."""
+        persist = [(block, k) for block, k in self._moves.persist if k != key]
+        if len(persist) < len(self._moves.persist):
+            self._moves.persist = persist
+            self._planned.disk.remove(key)
+            self.disk.forget(key)
+            self.counters.persisted_blocks -= 1
 
     def host_run(self, keys: Iterable[bytes]) -> list[int]:
         """Host slots of the leading keys found in host memory (empty where loading them does not pay)."""
@@ -248,8 +276,33 @@ class PrefixTiers:
     def take_moves(self) -> TierMoves:
         """The copies planned since the last call; this step's pins end with it."""
         moves, self._moves = self._moves, TierMoves()
+        self._taken.extend(self._planned)
+        self._planned = _Planned()
         self.host.pinned.clear()
         return moves
+
+    def commit(self) -> None:
+        """The step whose moves were taken succeeded: its host and disk entries stay (those planned since,
+        whose copies the next step makes, wait for that step's commit)."""
+        self._taken = _Planned()
+
+    def rollback(self) -> None:
+        """The step failed: forget the host and disk entries planned since the last commit (their slots go
+        back to the free host blocks, their disk files, if written, are deleted with the next step's drops)
+        and drop the copies not taken yet, and the pins."""
+        drop = self._moves.drop
+        for planned in (self._taken, self._planned):
+            for key, slot in planned.host:
+                if self.host.cached.get(key) == slot:  # else a later take() evicted it
+                    self.host.forget(key)
+            for key in planned.disk:
+                self.disk.forget(key)
+            drop += planned.disk
+            self.counters.offloaded_blocks -= len(planned.host)
+            self.counters.persisted_blocks -= len(planned.disk)
+        self._moves = TierMoves(drop=drop)
+        self._planned, self._taken = _Planned(), _Planned()
+        self.host.pinned.clear()
 
     def usage(self) -> TierUsage:
         disk = self.disk
