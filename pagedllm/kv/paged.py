@@ -28,7 +28,7 @@ the release).
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagedllm.kv.block_pool import Block, BlockPool, block_hash_chain, hash_block
 from pagedllm.kv.events import KVEventLog
@@ -41,6 +41,8 @@ from pagedllm.kv.interface import (
     duplicate,
     unknown,
 )
+from pagedllm.kv.managers import GroupManager, held_alone, make_manager
+from pagedllm.kv.sequence import SeqBlocks
 from pagedllm.kv.tiers import HostPool, Prefetch, PrefixTiers
 
 GROWTH_ROOM_TOKENS = 128  # free slots after a sequence's newest block set aside for it (BlockPool.room)
@@ -68,21 +70,6 @@ class BlockStates:
     num_tokens: list[int]  # tokens written in a held block (0 for a free one)
     cached: list[bool]  # findable in the prefix cache (a free cached block can be taken back)
     groups: list[int]  # KV group of a held or cached block (-1: a plain free block)
-
-
-@dataclass
-class _Seq:
-    """One sequence: its tokens, a block table per KV group, and the hash of each of its full blocks."""
-
-    token_ids: list[int]
-    tables: list[list[Block | None]]  # per group; None: given back (out of the window); [] while swapped
-    block_hashes: list[bytes] = field(default_factory=list)  # only with prefix caching
-    num_cached_blocks: int = 0  # leading blocks computed and findable in the prefix cache
-    host_blocks: list[list[int | None]] | None = None  # per group, set while swapped out
-    window_blocks: int = 0  # logical blocks the window groups cover (fewer while a prompt is prefilled)
-    released: list[int] = field(default_factory=list)  # per group: leading entries given back
-    promise: int = 0  # free blocks set aside for the window groups' growth until the prefill ends
-    num_lookahead: int = 0  # slots held past the last token (speculative decoding's draft tokens)
 
 
 class PagedAllocator:
@@ -131,15 +118,19 @@ class PagedAllocator:
         self.num_host_blocks = num_host_blocks
         self.windows = tuple(windows)
         self.prefill_chunk = prefill_chunk
-        self._window_groups = [g for g, window in enumerate(self.windows) if window is not None]
         # With window groups every group takes a prompt's blocks chunk by chunk and admission asks for the
         # first chunk only (vLLM v1's rule): a prompt that outgrows the free blocks waits or is preempted.
-        self._chunked_groups = list(range(self.num_groups)) if self._window_groups else []
+        self.chunked = any(window is not None for window in self.windows)
+        self.managers: list[GroupManager] = [
+            make_manager(g, window, block_size, prefill_chunk, self.chunked)
+            for g, window in enumerate(windows)
+        ]
+        self._windowed = [m for m in self.managers if m.promised]
         self.tiers = tiers
         self.pool = BlockPool(num_blocks, room=-(-GROWTH_ROOM_TOKENS // block_size), tiers=tiers)
         self.events: KVEventLog | None = None  # the prefix cache's changes, once enable_events is called
         self.host = tiers.host if tiers is not None else HostPool(num_host_blocks)
-        self._seqs: dict[Hashable, _Seq] = {}
+        self._seqs: dict[Hashable, SeqBlocks] = {}
         self._resident_slots = 0  # slots the tables of sequences on the device cover (shared: per table)
         self._promised = 0  # free blocks set aside for prefills in progress (the sum of their promises)
         self._hashed: tuple[tuple[int, ...], list[bytes]] = ((), [])  # the last prompt and its block hashes
@@ -187,30 +178,7 @@ class PagedAllocator:
     def num_blocks_needed(self, prompt_token_ids: Sequence[int]) -> int:
         """Blocks a prompt of this length takes from admission to the end of its prefill, prefix hits
         not counted (what a scheduler keeps a watermark above)."""
-        n = len(prompt_token_ids)
-        return sum(self._admission_blocks(window, n) for window in self.windows)
-
-    def _admission_blocks(self, window: int | None, num_tokens: int) -> int:
-        """Blocks a group needs free to admit a prompt: a window group its promise, a full group beside
-        window groups its first chunk's, a full group alone every block."""
-        if window is None and self._window_groups:
-            return -(-min(num_tokens, self.prefill_chunk or num_tokens) // self.block_size)
-        return self._peak(window, num_tokens)
-
-    def _peak(self, window: int | None, num_tokens: int) -> int:
-        """The most blocks a group's table holds while a prompt of `num_tokens` is prefilled: all of them,
-        or for a window group the blocks a step's keys and new tokens span (the window before its first
-        token, and a chunk of prefill_chunk tokens)."""
-        bs, blocks = self.block_size, -(-num_tokens // self.block_size)
-        if window is None or self.prefill_chunk is None:
-            return blocks
-        span = window - 1 + self.prefill_chunk  # consecutive positions: at most ceil((span-1)/bs) + 1
-        return min(blocks, -(-(span - 1) // bs) + 1)
-
-    def _first_needed(self, group: int, start: int) -> int:
-        """The first logical block group `group` reads for queries from position `start` on."""
-        window = self.windows[group]
-        return 0 if window is None else max(0, start + 1 - window) // self.block_size
+        return sum(m.admission_blocks(len(prompt_token_ids)) for m in self.managers)
 
     # -- allocate --------------------------------------------------------------------------------------
 
@@ -227,7 +195,7 @@ class PagedAllocator:
         check_request(prompt_token_ids, max_new_tokens)
         _, hits, num_new, _ = self._plan(prompt_token_ids, read_prefix_cache)
         n = len(prompt_token_ids)  # admitted by its first chunk, a prompt must still fit the whole pool
-        lasting = sum(self._peak(window, n) for window in self.windows)
+        lasting = sum(m.peak(n) for m in self.managers)
         return self._fits(hits, num_new) and lasting <= self.num_total_blocks
 
     def allocate(
@@ -262,21 +230,21 @@ class PagedAllocator:
         n, bs = len(prompt_token_ids), self.block_size
         num_hit = len(hits[0]) + len(loads)
         first_step = (n if num_computed is None else num_computed) - num_hit * bs
-        if self._window_groups and self.prefill_chunk is not None and first_step > self.prefill_chunk:
+        if self.chunked and self.prefill_chunk is not None and first_step > self.prefill_chunk:
             raise ValueError(
                 f"sequence {seq_id!r} computes {first_step} prompt tokens in one step, more than "
                 f"prefill_chunk={self.prefill_chunk}: pass num_computed"
             )
-        seq = _Seq(list(prompt_token_ids), [], hashes, released=[0] * self.num_groups)
+        seq = SeqBlocks(list(prompt_token_ids), [], hashes, released=[0] * self.num_groups)
         seq.num_cached_blocks = num_hit
         self._touch(hits)  # every group's hits first: taking a block must not evict another group's hit
         if loads:
             self.host.pinned.update(loads)  # an eviction the new blocks cause must not take them
         for g, group_hits in enumerate(hits):
             first = len(group_hits)
-            num_new = 0 if self._chunked_groups else -(-n // bs) - first  # hybrid: chunk by chunk
+            num_new = 0 if self.chunked else -(-n // bs) - first  # hybrid: chunk by chunk
             seq.tables.append(self._take_blocks(g, group_hits + [None] * num_new, first=first))
-            seq.released[g] = self._first_needed(g, num_hit * bs)
+            seq.released[g] = self.managers[g].first_needed(num_hit * bs)
             for i in range(first, len(seq.tables[g])):
                 self._fill(seq, g, i)
         for i, slot in enumerate(loads, len(hits[0])):
@@ -311,54 +279,48 @@ class PagedAllocator:
         `keep_free` free blocks for others (the running sequences' next tokens) where it can. Never less
         than the sequence's promise covers (at least one token)."""
         seq = self._resident(seq_id)
-        if not self._window_groups:
+        if not self.chunked:
             return num_tokens
         bs, given_back, owned = self.block_size, 0, []
-        for g in self._window_groups:
-            table = seq.tables[g]
-            first = max(seq.released[g], min(self._first_needed(g, start), len(table) - 1))
-            given_back += self._owned(table[seq.released[g] : first])
-            owned.append(self._owned(table[first:]))
+        for m in self._windowed:
+            table, released = seq.tables[m.group], seq.released[m.group]
+            first = max(released, min(m.first_needed(start), len(table) - 1))
+            given_back += held_alone(table[released:first])
+            owned.append(held_alone(table[first:]))
         promise = self._promise(seq, owned)
         free = self.pool.num_free + given_back - (self._promised - seq.promise) - promise
         spare = min(free, max(0, free - keep_free))  # free blocks beyond the promise it may take now
         # b more logical blocks take b from each full group's free blocks and b from each window group's
         # promise, then free blocks: the most b with b * full + max(0, b * windows - promise) <= spare.
-        num_full = self.num_groups - len(self._window_groups)
+        num_full = self.num_groups - len(self._windowed)
         more = (spare + promise) // self.num_groups
         if num_full:
             more = min(more, spare // num_full)
         end = (seq.window_blocks + more) * bs
         return max(0, min(num_tokens, end - start))
 
-    def _release_behind(self, seq: _Seq, start: int) -> None:
+    def _release_behind(self, seq: SeqBlocks, start: int) -> None:
         """Give back each window group's blocks that no query from position `start` on reads."""
-        for g in self._window_groups:
-            table, first = seq.tables[g], min(self._first_needed(g, start), len(seq.tables[g]) - 1)
-            behind = [table[i] for i in range(seq.released[g], first) if table[i] is not None]
-            self.pool.release(behind)  # oldest first: the older content is evicted first
-            self._resident_slots -= sum(block.num_tokens for block in behind)
-            table[seq.released[g] : max(first, seq.released[g])] = [None] * max(0, first - seq.released[g])
-            seq.released[g] = max(seq.released[g], first)
+        for m in self.managers:
+            self._resident_slots -= m.release_behind(self.pool, seq, start)
         self._set_promise(seq)
 
-    def _extend_windows(self, seq_id: Hashable, seq: _Seq, num_blocks: int) -> None:
+    def _extend_windows(self, seq_id: Hashable, seq: SeqBlocks, num_blocks: int) -> None:
         """The window groups' tables cover the first `num_blocks` logical blocks (taken from the promise)."""
-        if not self._window_groups:  # one full group: every token has its slots from admission on
+        if not self.chunked:  # one full group: every token has its slots from admission on
             seq.window_blocks = -(-len(seq.token_ids) // self.block_size)
             return
         if num_blocks <= seq.window_blocks:
             return
-        full = sum(num_blocks - len(seq.tables[g]) for g in self._chunked_groups if self.windows[g] is None)
-        windows = sum(num_blocks - len(seq.tables[g]) for g in self._window_groups)
+        full = sum(num_blocks - len(seq.tables[m.group]) for m in self.managers if not m.promised)
+        windows = sum(num_blocks - len(seq.tables[m.group]) for m in self._windowed)
         needed = full + max(0, windows - seq.promise)  # the window groups draw on their promise first
         if needed > self.num_free_blocks:
             raise NoFreeBlocks(
                 f"sequence {seq_id!r} needs {needed} free blocks beyond its promise for its chunk, "
                 f"{self.num_free_blocks} free"
             )
-        for g in self._chunked_groups:
-            table = seq.tables[g]
+        for g, table in enumerate(seq.tables):
             first = len(table)
             table[first:] = self._take_blocks(g, table + [None] * (num_blocks - first), first)[first:]
             for i in range(first, num_blocks):
@@ -367,39 +329,30 @@ class PagedAllocator:
         seq.window_blocks = num_blocks
         self._set_promise(seq)
 
-    def _set_promise(self, seq: _Seq) -> None:
+    def _set_promise(self, seq: SeqBlocks) -> None:
         """Set aside what the window groups of a prompt being prefilled may still take from the pool."""
         promise = 0
         if seq.host_blocks is None:
-            owned = [self._owned(seq.tables[g][seq.released[g] :]) for g in self._window_groups]
+            owned = [held_alone(seq.tables[m.group][seq.released[m.group] :]) for m in self._windowed]
             promise = self._promise(seq, owned)
         self._promised += promise - seq.promise
         seq.promise = promise
 
-    def _promise(self, seq: _Seq, owned: list[int]) -> int:
+    def _promise(self, seq: SeqBlocks, owned: list[int]) -> int:
         """The most a prompt's window groups may still draw from the pool while it is prefilled, given the
         blocks each holds alone (`owned`, in window-group order): each holds at most its peak at once, and
         a block it gives back returns to the pool only if no other table holds it."""
         if seq.window_blocks >= -(-len(seq.token_ids) // self.block_size):
             return 0
-        peaks = [self._peak(self.windows[g], len(seq.token_ids)) for g in self._window_groups]
-        return sum(max(0, peak - n) for peak, n in zip(peaks, owned, strict=True))
+        n = len(seq.token_ids)
+        return sum(m.promise(n, alone) for m, alone in zip(self._windowed, owned, strict=True))
 
     def _refresh_promises(self) -> None:
         """After blocks were shared: a prefill whose own block another table now holds may draw one more
         (the admission that shared it paid for that: `_plan`)."""
-        for seq in self._seqs.values() if self._window_groups else ():
+        for seq in self._seqs.values() if self.chunked else ():
             if seq.window_blocks < -(-len(seq.token_ids) // self.block_size):
                 self._set_promise(seq)
-
-    @staticmethod
-    def _owned(table: Sequence[Block | None]) -> int:
-        return sum(block is not None and block.ref_cnt == 1 for block in table)
-
-    @staticmethod
-    def _shared_by(hits: Sequence[Block | None]) -> int:
-        """Hits one table holds alone: reusing them may cost a prefill holding them one more block."""
-        return sum(block is not None and block.ref_cnt == 1 for block in hits)
 
     def _plan(
         self, prompt: Sequence[int], read_cache: bool = True
@@ -416,16 +369,8 @@ class PagedAllocator:
             num_hit = self._num_hit_blocks(readable)
             if self.tiers is not None:
                 loads = self.tiers.host_run(readable[num_hit:])
-        hits: list[list[Block | None]] = []
-        num_new = 0
-        for g, window in enumerate(self.windows):
-            first = self._first_needed(g, num_hit * bs)
-            hits.append([None] * first + [self.pool.cached[(g, h)] for h in hashes[first:num_hit]])
-            if window is None:
-                num_new += min(self._admission_blocks(None, n), -(-n // bs) - num_hit)
-            else:  # the prefill's blocks beyond the hit are promised
-                cold = sum(block.ref_cnt == 0 for block in hits[-1][first:])  # this table's alone
-                num_new += max(0, self._peak(window, n) - cold) + self._shared_by(hits[-1])
+        hits = [m.hits(self.pool, hashes, num_hit) for m in self.managers]
+        num_new = sum(m.new_blocks(group, n, num_hit) for m, group in zip(self.managers, hits, strict=True))
         return hashes, hits, num_new, loads
 
     def plan_prefetch(self, prompt_token_ids: Sequence[int]) -> Prefetch:
@@ -442,27 +387,14 @@ class PagedAllocator:
         return self.tiers.plan_prefetch(hashes[i:])
 
     def _num_hit_blocks(self, hashes: list[bytes]) -> int:
-        """The longest prefix of blocks every group can serve: a full group all of them, a window group
-        the last window's (vLLM's rule); found by shrinking the hit until every group agrees."""
-        cached = self.pool.cached
+        """The longest prefix of blocks every group can serve (a full group all of them, a window group the
+        last window's), found as vLLM's hybrid coordinator finds it: each group shrinks the hit in turn
+        until none does (the largest hit every group agrees to, whatever the order)."""
         num_hit = len(hashes)
-        for g, window in enumerate(self.windows):
-            if window is None:
-                num_hit = next((i for i, h in enumerate(hashes[:num_hit]) if (g, h) not in cached), num_hit)
         while True:
             agreed = num_hit
-            for g in self._window_groups:
-                run = [0]  # run[m]: cached blocks just before block m
-                for h in hashes[:agreed]:
-                    run.append(run[-1] + 1 if (g, h) in cached else 0)
-                agreed = next(
-                    (
-                        m
-                        for m in range(agreed, 0, -1)
-                        if run[m] >= m - self._first_needed(g, m * self.block_size)
-                    ),
-                    0,
-                )
+            for m in self.managers:
+                agreed = m.longest_hit(self.pool, hashes, agreed)
             if agreed == num_hit:
                 return num_hit
             num_hit = agreed
@@ -502,7 +434,7 @@ class PagedAllocator:
         unheld = sum(block is not None and block.ref_cnt == 0 for group in reused for block in group)
         return num_new + unheld <= self.num_free_blocks
 
-    def _fill(self, seq: _Seq, group: int, i: int) -> None:
+    def _fill(self, seq: SeqBlocks, group: int, i: int) -> None:
         """Count the tokens of a freshly taken block i of a group as written; cache it if its K/V was
         computed."""
         bs, block = self.block_size, seq.tables[group][i]
@@ -510,7 +442,7 @@ class PagedAllocator:
         if i < seq.num_cached_blocks:
             self._cache(seq, group, i)
 
-    def _cache(self, seq: _Seq, group: int, i: int) -> None:
+    def _cache(self, seq: SeqBlocks, group: int, i: int) -> None:
         """Make block i of a group's table findable by its hash; a first-group block newly cached is an
         event of the log, if one is set, once the step commits."""
         if (
@@ -521,7 +453,7 @@ class PagedAllocator:
             bs, parent = self.block_size, seq.block_hashes[i - 1] if i else None
             self.pool.journal.stored(seq.block_hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
 
-    def _slots_held(self, seq: _Seq) -> int:
+    def _slots_held(self, seq: SeqBlocks) -> int:
         return sum(block.num_tokens for table in seq.tables for block in table if block is not None)
 
     # -- decode ----------------------------------------------------------------------------------------
@@ -550,7 +482,7 @@ class PagedAllocator:
             seq.block_hashes.append(hash_block(parent, seq.token_ids[-bs:]))
         return copies
 
-    def _grow(self, seq_id: Hashable, seq: _Seq) -> list[tuple[int, int]]:
+    def _grow(self, seq_id: Hashable, seq: SeqBlocks) -> list[tuple[int, int]]:
         """A device slot for the next token in every group: in the last block, or a new one (a copy of a
         shared last one)."""
         pool, offset = self.pool, len(seq.token_ids) % self.block_size
@@ -578,10 +510,10 @@ class PagedAllocator:
         self._resident_slots += len(seq.tables)
         return copies
 
-    def _blocks_to_grow(self, seq: _Seq) -> int:
+    def _blocks_to_grow(self, seq: SeqBlocks) -> int:
         return sum(self._needs_block(seq, table) for table in seq.tables)
 
-    def _needs_block(self, seq: _Seq, table: list[Block | None]) -> bool:
+    def _needs_block(self, seq: SeqBlocks, table: list[Block | None]) -> bool:
         """No slot reserved, and the group's last block is full or shared (then the append must copy it
         first)."""
         return not seq.num_lookahead and (len(seq.token_ids) % self.block_size == 0 or table[-1].ref_cnt > 1)
@@ -621,7 +553,7 @@ class PagedAllocator:
             del table[keep:]
         seq.num_lookahead = 0
 
-    def _copy_last_block(self, seq: _Seq, group: int, table: list[Block | None]) -> tuple[int, int]:
+    def _copy_last_block(self, seq: SeqBlocks, group: int, table: list[Block | None]) -> tuple[int, int]:
         """Copy on write: replace the group's shared, partly filled last block by a copy of its own."""
         shared = table.pop()
         block = self.pool.allocate()
@@ -631,14 +563,14 @@ class PagedAllocator:
         table.append(block)
         return shared.block_id, block.block_id
 
-    def _held_slots(self, seq: _Seq) -> int:
+    def _held_slots(self, seq: SeqBlocks) -> int:
         return len(seq.token_ids) + seq.num_lookahead
 
-    def _last_block_shared(self, seq: _Seq, table: list[Block | None]) -> bool:
+    def _last_block_shared(self, seq: SeqBlocks, table: list[Block | None]) -> bool:
         """The last block is partly filled and shared: a write to its free slots must copy it first."""
         return self._held_slots(seq) % self.block_size != 0 and table[-1].ref_cnt > 1
 
-    def _lookahead_blocks(self, seq: _Seq, num_slots: int) -> int:
+    def _lookahead_blocks(self, seq: SeqBlocks, num_slots: int) -> int:
         """Free blocks reserve_lookahead(num_slots) takes: new ones, and copies of shared last blocks."""
         if num_slots < 0:
             raise ValueError(f"num_slots must be a non-negative integer, got {num_slots!r}")
@@ -658,7 +590,7 @@ class PagedAllocator:
         if parent.window_blocks < -(-len(parent.token_ids) // self.block_size):
             raise ValueError(f"sequence {parent_id!r} is still being prefilled: finish it before forking")
         self._touch(parent.tables)
-        self._seqs[child_id] = _Seq(
+        self._seqs[child_id] = SeqBlocks(
             list(parent.token_ids),
             [list(table) for table in parent.tables],
             list(parent.block_hashes),
@@ -682,7 +614,7 @@ class PagedAllocator:
             self._release_tables(seq)
         self._promised -= seq.promise
 
-    def _release_tables(self, seq: _Seq) -> None:
+    def _release_tables(self, seq: SeqBlocks) -> None:
         """Give back every held block of every group, each table tail first; the tables become empty."""
         for table in seq.tables:
             self.pool.release(block for block in reversed(table) if block is not None)
@@ -712,14 +644,14 @@ class PagedAllocator:
         hits = self._swap_in_hits(seq)
         return self._fits(hits, self._swap_in_blocks(seq, hits))
 
-    def _swap_in_blocks(self, seq: _Seq, hits: list[list[Block | None]]) -> int:
+    def _swap_in_blocks(self, seq: SeqBlocks, hits: list[list[Block | None]]) -> int:
         """Blocks swap_in takes (besides reused cached ones), a prefill's promise included."""
         total, owned = 0, []
         for g, group in enumerate(hits):
             new = sum(block is None for block in group[seq.released[g] :])
             total += new
-            if self.windows[g] is not None:
-                total += self._shared_by(group)
+            if self.managers[g].promised:
+                total += held_alone(group)
                 owned.append(new + sum(block is not None and block.ref_cnt == 0 for block in group))
         return total + self._promise(seq, owned)
 
@@ -751,13 +683,13 @@ class PagedAllocator:
         self._refresh_promises()
         return copies
 
-    def _swap_in_hits(self, seq: _Seq) -> list[list[Block | None]]:
+    def _swap_in_hits(self, seq: SeqBlocks) -> list[list[Block | None]]:
         """Per group, for each block the swapped sequence's tokens need, the device block still caching its
         content, if any (None also before a window group's window). Only blocks it computed count: one whose
         K/V is still to come is never shared (it is written)."""
         hits, bs = [], self.block_size
         for g in range(self.num_groups):
-            num_blocks = seq.window_blocks if self._chunked_groups else -(-len(seq.token_ids) // bs)
+            num_blocks = seq.window_blocks if self.chunked else -(-len(seq.token_ids) // bs)
             first = seq.released[g]
             computed = seq.block_hashes[first : seq.num_cached_blocks]
             group_hits = [None] * first + [self.pool.cached.get((g, h)) for h in computed]
@@ -834,26 +766,26 @@ class PagedAllocator:
                 states += [SlotState.LIVE] * block.num_tokens + [SlotState.TAIL] * (bs - block.num_tokens)
         return states
 
-    def _known(self, seq_id: Hashable) -> _Seq:
+    def _known(self, seq_id: Hashable) -> SeqBlocks:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise unknown(seq_id)
         return seq
 
-    def _settled(self, seq_id: Hashable) -> _Seq:
+    def _settled(self, seq_id: Hashable) -> SeqBlocks:
         """Resident and holding no lookahead slots (a fork or swap-out happens between verify passes)."""
         seq = self._resident(seq_id)
         if seq.num_lookahead:
             raise ValueError(f"sequence {seq_id!r} holds lookahead slots: release_lookahead first")
         return seq
 
-    def _resident(self, seq_id: Hashable) -> _Seq:
+    def _resident(self, seq_id: Hashable) -> SeqBlocks:
         seq = self._known(seq_id)
         if seq.host_blocks is not None:
             raise ValueError(f"sequence {seq_id!r} is swapped out")
         return seq
 
-    def _swapped(self, seq_id: Hashable) -> _Seq:
+    def _swapped(self, seq_id: Hashable) -> SeqBlocks:
         seq = self._known(seq_id)
         if seq.host_blocks is None:
             raise ValueError(f"sequence {seq_id!r} is not swapped out")
