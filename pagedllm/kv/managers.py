@@ -4,12 +4,8 @@ and sliding-window layers, behind one interface the PagedAllocator (kv/paged.py)
 A sliding-window group of window w gives a block back (to the pool, or to the prefix cache's least recently
 used end) once no query of the sequence reads it: when every token in it is at least w before the first
 token a step computes. Its table keeps the position (None; NO_BLOCK in the views), so the kernels, which
-clamp a sliding layer's reads to its window, never see it. With window groups every group takes a long
-prompt's blocks chunk by chunk as `cache_blocks` says each chunk is computed, and admission asks only for
-the first chunk (vLLM v1's rule): a full group's blocks for `prefill_chunk` tokens, and the window groups'
-promise (the window plus such a chunk: what they hold at once). Later chunks take free blocks, as many as
-`prefill_room` says fit; when none is free the prompt waits, and the scheduler preempts it when a decode
-needs a block.
+clamp a sliding layer's reads to its window, never see it. How a prompt's window groups take their blocks
+chunk by chunk is kv/prefill.py's.
 
 A new kind is one subclass of GroupManager, registered with `@register`: `handles` says which groups'
 specs (a window, or None) it serves.
