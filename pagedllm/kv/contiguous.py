@@ -26,6 +26,7 @@ from pagedllm.kv.interface import (
     duplicate,
     unknown,
 )
+from pagedllm.kv.tiers import TierMoves
 
 RESERVE_POLICIES = ("max", "pow2", "oracle")
 
@@ -223,6 +224,10 @@ class ContiguousAllocator:
             i -= 1
             start = self.gaps.pop(i)[0]
         self.gaps.insert(i, (start, end - start))
+
+    def take_tier_moves(self) -> TierMoves:
+        """No prefix cache, so no tiers: nothing to move."""
+        return TierMoves()
 
     def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
         raise _cannot_swap(seq_id)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
+from pagedllm.kv.tiers import TierMoves
+
 
 class NoFreeBlocks(RuntimeError):
     """Not enough free KV memory for the operation; the allocator was left unchanged."""
@@ -132,6 +134,10 @@ class KVAllocator(Protocol):
     def reserve_lookahead(self, seq_id: Hashable, num_slots: int) -> list[tuple[int, int]]: ...
 
     def release_lookahead(self, seq_id: Hashable) -> None: ...
+
+    def take_tier_moves(self) -> TierMoves:
+        """The prefix cache tiers' block copies planned since the last call (kv/tiers.py)."""
+        ...
 
     def free(self, seq_id: Hashable) -> None: ...
 

@@ -37,7 +37,7 @@ from pagedllm.kv.prefix import PrefixLookup
 from pagedllm.kv.sequence import SeqBlocks
 from pagedllm.kv.swap import HostSwap
 from pagedllm.kv.tables import BlockStates, BlockTables
-from pagedllm.kv.tiers import HostPool, Prefetch, PrefixTiers
+from pagedllm.kv.tiers import HostPool, Prefetch, PrefixTiers, TierMoves
 
 GROWTH_ROOM_TOKENS = 128  # free slots after a sequence's newest block set aside for it (BlockPool.room)
 NO_BLOCK = -1  # a block_tables entry a window group has given back: no query reads that position again
@@ -136,6 +136,10 @@ class PagedAllocator:
         self.lookahead = LookaheadSlots(self.tables)
         self.swap = HostSwap(self.tables, self.prefill, self.host, self._seqs)
         self.prefix = PrefixLookup(self.pool, self.managers, enable_prefix_caching, tiers, self.host)
+
+    def take_tier_moves(self) -> TierMoves:
+        """The prefix cache tiers' copies planned since the last call (none without tiers)."""
+        return self.tiers.take_moves() if self.tiers is not None else TierMoves()
 
     def enable_events(self) -> KVEventLog:
         """Log the prefix cache's changes from now on as vLLM's KV cache events (kv/events.py)."""
