@@ -236,12 +236,8 @@ class PagedAllocator:
             )
         n, bs = len(prompt_token_ids), self.block_size
         num_hit = len(hits[0]) + len(loads)
-        first_step = (n if num_computed is None else num_computed) - num_hit * bs
-        if self.chunked and self.prefill_chunk is not None and first_step > self.prefill_chunk:
-            raise ValueError(
-                f"sequence {seq_id!r} computes {first_step} prompt tokens in one step, more than "
-                f"prefill_chunk={self.prefill_chunk}: pass num_computed"
-            )
+        num_computed = n if num_computed is None else num_computed
+        self._check_first_step(seq_id, num_computed - num_hit * bs)
         seq = SeqBlocks(list(prompt_token_ids), [], hashes, released=[0] * self.num_groups)
         seq.num_cached_blocks = num_hit
         self.tables.touch(hits)  # every group's hits first: taking a block must not evict another group's hit
@@ -261,14 +257,24 @@ class PagedAllocator:
         self._seqs[seq_id] = seq
         self.prefill.set_promise(seq)
         self.prefill.refresh(self._seqs.values())
-        self.cache_blocks(seq_id, max(n if num_computed is None else num_computed, num_hit * bs))
+        self.cache_blocks(seq_id, max(num_computed, num_hit * bs))
         return num_hit * bs
+
+    def _check_first_step(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Beside window groups a prompt's first step computes at most prefill_chunk tokens (what the
+        window groups' promise covers)."""
+        if self.chunked and self.prefill_chunk is not None and num_tokens > self.prefill_chunk:
+            raise ValueError(
+                f"sequence {seq_id!r} computes {num_tokens} prompt tokens in one step, more than "
+                f"prefill_chunk={self.prefill_chunk}: pass num_computed"
+            )
 
     def cache_blocks(self, seq_id: Hashable, num_tokens: int, *, start: int | None = None) -> None:
         """The sequence's tokens before `num_tokens` are computed (or are by the end of this step), the
         step's first at `start` (if given): full blocks become findable by other prompts (with prefix
-        caching), the window groups take blocks up to `num_tokens` and give back those no query from
-        `start` on reads. A step of a prompt beyond `prefill_room` raises NoFreeBlocks."""
+        caching; for good once the step commits), the window groups take blocks up to `num_tokens` and
+        give back those no query from `start` on reads. A step of a prompt beyond `prefill_room` raises
+        NoFreeBlocks."""
         seq = self._resident(seq_id)
         if start is not None:
             self.prefill.release_behind(seq, start)
