@@ -326,6 +326,8 @@ class KVMachine(RuleBasedStateMachine):
     def teardown(self):
         for seq_id in list(self.tokens):
             self.kv.free(seq_id)
+        self.kv.take_tier_moves()  # the step ends: the host blocks its tier copies used are free again
+        self.kv.commit()
         assert self.kv.all_free()
         u = self.kv.usage()
         assert u.free_slots == u.total_slots and u.live_slots == 0
