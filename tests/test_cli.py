@@ -98,7 +98,7 @@ def no_model_loads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the input was checked")
 
-    monkeypatch.setattr("pagedllm.engine.build.load_shared_model", refuse)  # where the engine loads one
+    monkeypatch.setattr("pagedllm.engine.build.load_shared_model", refuse)
 
 
 def _error_line(capsys, argv: list[str]) -> str:

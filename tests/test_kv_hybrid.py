@@ -278,7 +278,7 @@ def test_a_prefix_hit_needs_the_whole_prefix_in_full_groups_and_the_last_window_
     full, window = kv.block_tables("b")
     assert window[:5] == [NO_BLOCK] * 5 and len(full) == len(window) == 8  # keys from 22 on: blocks 5, 6
     kv.free("b")
-    for h in kv._prompt_hashes(prompt)[5:7]:  # evict the window group's blocks 5 and 6
+    for h in kv.prefix.hashes(prompt)[5:7]:  # evict the window group's blocks 5 and 6
         kv.pool.cached.pop((1, h)).block_hash = None
     assert kv.allocate("c", prompt, 4) == 20  # blocks 3, 4 (keys 15..19) are still cached in both
     kv.free("c")

@@ -15,7 +15,7 @@ import pytest
 from pagedllm.kv import ContiguousAllocator, PagedAllocator
 from pagedllm.kv.block_pool import block_hash_chain
 from pagedllm.kv.events import BlockRemoved, BlockStored
-from pagedllm.kv.tiers import DiskTier, HostPool, PrefixTiers
+from pagedllm.kv.tiers import DiskTier, HostPool, PrefixTiers, TierMoves
 
 BS = 4
 BASE = list(range(100, 100 + 2 * BS))  # two full blocks a committed step caches
@@ -30,7 +30,7 @@ def make(num_blocks: int = 16, host: int = 8, disk: int | None = 32) -> PagedAll
 
 
 def step_ok(kv: PagedAllocator) -> None:
-    kv.tiers.take_moves()
+    kv.take_tier_moves()  # the engine takes the step's moves after scheduling it
     kv.commit()
 
 
@@ -215,5 +215,6 @@ def test_the_contiguous_layout_commits_and_rolls_back_nothing():
     kv.rollback()
     assert kv.num_tokens("a") == len(FAILED)
     kv.commit()
+    assert kv.take_tier_moves() == TierMoves()
     kv.free("a")
     assert kv.all_free()

@@ -23,6 +23,8 @@ from kv_helpers import free_order, slots
 
 from pagedllm.kv import ContiguousAllocator, NoFreeBlocks, PagedAllocator
 from pagedllm.kv.block_pool import hash_block
+from pagedllm.kv.events import BlockRemoved, BlockStored
+from pagedllm.kv.tiers import DiskTier, HostPool, PrefixTiers
 
 STEP_OPS = (
     "allocate",
@@ -258,7 +260,9 @@ class KVMachine(RuleBasedStateMachine):
 
     @rule()
     def commit(self):
-        """The step succeeded: its writes and what it cached stay."""
+        """The step succeeded (its tier moves were taken after it was scheduled): its writes and what it
+        cached stay."""
+        self.kv.take_tier_moves()
         self.kv.commit()
         self.device.commit()
         self.host.commit()
@@ -266,13 +270,16 @@ class KVMachine(RuleBasedStateMachine):
         if isinstance(self.kv, PagedAllocator):
             self.committed = {key: block.block_id for key, block in self.kv.pool.cached.items()}
 
-    @rule(free_first=st.booleans())
-    def rollback(self, free_first):
-        """The step failed: none of its writes happened, and its sequences are freed."""
+    @rule(free_first=st.booleans(), moves_taken=st.booleans())
+    def rollback(self, free_first, moves_taken):
+        """The step failed (in its forward, or before its tier moves were taken): none of its writes
+        happened, and its sequences are freed."""
         failed = sorted(self.touched & set(self.tokens))
         self.touched.clear()
         self.device.rollback()
         self.host.rollback()
+        if moves_taken:
+            self.kv.take_tier_moves()
         for seq_id in failed if free_first else ():
             self.drop(seq_id)
         self.kv.rollback()
@@ -319,6 +326,8 @@ class KVMachine(RuleBasedStateMachine):
     def teardown(self):
         for seq_id in list(self.tokens):
             self.kv.free(seq_id)
+        self.kv.take_tier_moves()  # the step ends: the host blocks its tier copies used are free again
+        self.kv.commit()
         assert self.kv.all_free()
         u = self.kv.usage()
         assert u.free_slots == u.total_slots and u.live_slots == 0
@@ -386,11 +395,68 @@ class PagedMachine(KVMachine):
         assert len(free) == len(set(free)) == self.kv.num_free_blocks
         assert set(free) == {i for i, n in enumerate(holders) if n == 0}
         assert all(b.block_hash == h for h, b in pool.cached.items())
-        assert self.kv.num_free_host_blocks + sum(self.host_blocks.values()) == self.kv.num_host_blocks
+        host = self.kv.host  # cached host blocks this step's tier copies use are not reclaimable yet
+        pinned = sum(slot in host.pinned for slot in host.cached.values())
+        assert (
+            self.kv.num_free_host_blocks + pinned + sum(self.host_blocks.values()) == self.kv.num_host_blocks
+        )
 
 
 class CachingPagedMachine(PagedMachine):
     caching = True
+
+
+class TieredMachine(CachingPagedMachine):
+    """With a host and a disk tier under the prefix cache and the KV event log on. The machine makes each
+    tier copy as it is planned (an evicted block's content into its host slot, a host hit's into its device
+    block), so a failed step's copies are undone with its other writes: a host entry the rollback left
+    would serve a later prompt content never copied. After each step's end the replayed events name
+    exactly the first group's cached blocks, and after a rollback the tiers hold only what committed steps
+    left there."""
+
+    def make_allocator(self):
+        self.tiers = PrefixTiers(HostPool(6), DiskTier(8), block_size=2)
+        kv = PagedAllocator(10, block_size=2, enable_prefix_caching=True, tiers=self.tiers)
+        self.log, self.held = kv.enable_events(), set()
+        self.committed_tiers: tuple[dict, set] = ({}, set())
+        evicted, load = self.tiers.evicted, self.tiers.load
+
+        def evicted_now(key, block_id):
+            offloaded = self.tiers.counters.offloaded_blocks
+            evicted(key, block_id)
+            if self.tiers.counters.offloaded_blocks > offloaded:
+                self.copy_blocks([(block_id, self.tiers.host.cached[key])], self.device, self.host)
+
+        def load_now(key, slot, block_id):
+            load(key, slot, block_id)
+            self.copy_blocks([(slot, block_id)], self.host, self.device)
+
+        self.tiers.evicted, self.tiers.load = evicted_now, load_now
+        return kv
+
+    def replay_events(self) -> None:
+        for event in self.log.drain():
+            if isinstance(event, BlockStored):
+                assert not self.held & set(event.block_hashes), "stored twice without a removal between"
+                self.held.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                assert self.held >= set(event.block_hashes), "removed a block never stored"
+                self.held.difference_update(event.block_hashes)
+        assert self.held == {h for g, h in self.kv.pool.cached if g == 0}
+
+    @rule()
+    def commit(self):
+        super().commit()
+        self.replay_events()
+        self.committed_tiers = (dict(self.tiers.host.cached), set(self.tiers.disk.keys))
+
+    @rule(free_first=st.booleans(), moves_taken=st.booleans())
+    def rollback(self, free_first, moves_taken):
+        super().rollback(free_first, moves_taken)
+        self.replay_events()
+        host, disk = self.committed_tiers
+        assert dict(self.tiers.host.cached).items() <= host.items() and set(self.tiers.disk.keys) <= disk
+        assert not self.tiers.host.pinned
 
 
 class ContiguousMachine(KVMachine):
@@ -425,9 +491,17 @@ class OracleMachine(ContiguousMachine):
 
 TestPaged = PagedMachine.TestCase
 TestCachingPaged = CachingPagedMachine.TestCase
+TestTiered = TieredMachine.TestCase
 TestContiguousMax = ContiguousMachine.TestCase
 TestContiguousPow2 = Pow2Machine.TestCase
 TestContiguousOracle = OracleMachine.TestCase
-for _case in (TestPaged, TestCachingPaged, TestContiguousMax, TestContiguousPow2, TestContiguousOracle):
+for _case in (
+    TestPaged,
+    TestCachingPaged,
+    TestTiered,
+    TestContiguousMax,
+    TestContiguousPow2,
+    TestContiguousOracle,
+):
     _case.settings = SETTINGS
 del _case

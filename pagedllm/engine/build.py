@@ -23,6 +23,7 @@ from pagedllm.engine.stop_checker import StopChecker
 from pagedllm.kv import ContiguousAllocator, KVAllocator, PagedAllocator
 from pagedllm.kv.groups import KVGroups
 from pagedllm.kv.tiers import HOST, DiskTier, HostPool, PrefixTiers
+from pagedllm.models.loader import ResolvedModel
 from pagedllm.models.parallel import SINGLE
 
 logger = logging.getLogger(__name__)
@@ -42,11 +43,11 @@ class KVCachePlan:
         return self.num_blocks * self.block_bytes
 
 
-def load_model(engine, config: EngineConfig, executor: Executor | None) -> None:
+def load_model(engine, config: EngineConfig, executor: Executor | None, model: ResolvedModel) -> None:
     """The model, its tokenizer and what they fix: EOS ids, the context length, sampling defaults,
     the guided-decoding grammar compiler."""
     loaded = load_shared_model(
-        config.model,
+        model,
         config.torch_dtype,
         config.device,
         config.quantization,
@@ -176,9 +177,9 @@ def make_scheduler(engine, config: EngineConfig, allocator: KVAllocator) -> Sche
     )
 
 
-def build(engine, config: EngineConfig) -> None:
+def build(engine, config: EngineConfig, model: ResolvedModel) -> None:
     """Give `engine` its parts, in start-up order (the parts read what was built before them)."""
-    load_model(engine, config, engine.executor)
+    load_model(engine, config, engine.executor, model)
     plan = plan_kv_cache(engine, config)
     engine.kv_groups, engine.num_kv_blocks, engine.kv_cache_bytes = (
         plan.groups,

@@ -10,14 +10,13 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
-from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.kv import ContiguousAllocator
 
 
 class KVSnapshots:
     """Takes snapshots of one engine's KV cache; call `take()` on the engine thread, between steps."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine):  # an LLMEngine (not imported: it makes snapshots through this module)
         self.engine = engine
         allocator, config = engine.allocator, engine.config
         self.contiguous = isinstance(allocator, ContiguousAllocator)

@@ -39,6 +39,7 @@ from pagedllm.engine.speculative import propose_drafts
 from pagedllm.engine.stats import STEP_PHASES, EngineStats, StepObserver, StepTrace
 from pagedllm.kv import PagedAllocator
 from pagedllm.kv.events import KVEventLog
+from pagedllm.models.loader import resolve_model
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -52,11 +53,12 @@ class LLMEngine:
         if torch.device(config.device).type == "cpu":
             keep_large_allocations()
         # Under tensor parallelism the other ranks start now and load their shards while this one does.
-        self.executor = Executor(config) if config.is_parallel else None
+        model = resolve_model(config.model)  # the one place the model's name is resolved
+        self.executor = Executor(config, model) if config.is_parallel else None
         self.transfers = None
         self._broken: str | None = None  # why the engine cannot step any more, if a rollback failed
         try:
-            build.build(self, config)
+            build.build(self, config, model)
         except BaseException:
             self.shutdown()
             raise

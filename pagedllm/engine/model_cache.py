@@ -9,14 +9,14 @@ import torch
 
 from pagedllm.models import LoadedModel, load_model
 from pagedllm.models.linear import few_rows
-from pagedllm.models.loader import read_config, resolve_checkpoint
+from pagedllm.models.loader import ResolvedModel, resolve_model
 from pagedllm.models.parallel import SINGLE, TensorParallel
 
 _loaded_models: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def load_shared_model(
-    model: str,
+    model: str | ResolvedModel,
     dtype: torch.dtype,
     device: str,
     quantization: str | None = "auto",
@@ -30,8 +30,9 @@ def load_shared_model(
     settings = dict(quantization=quantization, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
     if tp.size > 1:
         return load_model(model, dtype, device, tp=tp, **settings)
-    rope = read_config(resolve_checkpoint(model)).for_context(max_model_len).rope_scaling
-    key = (model, dtype, device, quantization, few_rows(max_num_seqs), json.dumps(rope, sort_keys=True))
+    model = resolve_model(model)
+    rope = model.config.for_context(max_model_len).rope_scaling
+    key = (model.name, dtype, device, quantization, few_rows(max_num_seqs), json.dumps(rope, sort_keys=True))
     loaded = _loaded_models.get(key)
     if loaded is None:
         loaded = load_model(model, dtype, device, **settings)

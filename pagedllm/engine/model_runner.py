@@ -192,12 +192,7 @@ class ModelRunner:
         query_start_loc = np.zeros(len(seqs) + 1, np.int32)
         np.cumsum(counts, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
-        width = max(len(table) for group_tables in block_tables for table in group_tables)
-        tables = np.zeros((self.groups.num_groups, len(seqs), width), np.int32)
-        for s, group_tables in enumerate(block_tables):
-            for g, table in enumerate(group_tables):
-                tables[g, s, : len(table)] = table
-        np.maximum(tables, 0, out=tables)  # the kernels never read below a sliding layer's window
+        tables = self._table_array(block_tables)
         if num_tokens == len(seqs) and all(
             seq.num_tokens == end for seq, end in zip(seqs, ends, strict=True)
         ):
@@ -238,6 +233,16 @@ class ModelRunner:
             copies=_pairs(out.copies),
             computes_prompt=computes_prompt,
         )
+
+    def _table_array(self, block_tables: list[list[list[int]]]) -> np.ndarray:
+        """[groups, sequences, widest table] block ids; a window group's NO_BLOCK entries become block 0."""
+        width = max(len(table) for group_tables in block_tables for table in group_tables)
+        tables = np.zeros((self.groups.num_groups, len(block_tables), width), np.int32)
+        for s, group_tables in enumerate(block_tables):
+            for g, table in enumerate(group_tables):
+                tables[g, s, : len(table)] = table
+        np.maximum(tables, 0, out=tables)  # the kernels never read below a sliding layer's window
+        return tables
 
     # -- prefix cache tiers: the bytes of blocks, for the disk tier's files ---------------------------
 

@@ -54,6 +54,26 @@ class LoadedModel:
         return getattr(self.tokenizer, "chat_template", None)
 
 
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model as named once at start-up: the name given, its GGUF file (None for a folder), the Hugging
+    Face style folder it loads from, and its config (read once)."""
+
+    name: str
+    gguf: Path | None
+    folder: Path
+    config: ModelConfig
+
+
+def resolve_model(model: str | ResolvedModel) -> ResolvedModel:
+    """A built-in name, a folder or a .gguf path, resolved (a GGUF converted once); a ResolvedModel as is."""
+    if isinstance(model, ResolvedModel):
+        return model
+    gguf = gguf_file(model)
+    folder = Path(model).expanduser() if gguf is None else converted_folder(gguf)
+    return ResolvedModel(model, gguf, folder, read_config(folder))
+
+
 def resolve_checkpoint(model: str, float_weights: bool = False) -> Path:
     """The Hugging Face style folder for a built-in name, a folder path or a .gguf path (converted once).
 
@@ -148,7 +168,7 @@ def _read_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    model: str = DEFAULT_MODEL,
+    model: str | ResolvedModel = DEFAULT_MODEL,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     linear_method: LinearMethod | None = None,
@@ -164,9 +184,9 @@ def load_model(
     receives every matmul weight and prepares its storage. The model is in eval mode with gradients off.
 
     With a tensor-parallel `tp`, the model holds rank tp.rank's part of every sharded weight."""
-    gguf = gguf_file(model)
-    folder = resolve_checkpoint(model)
-    config = read_config(folder).for_context(max_model_len)
+    resolved = resolve_model(model)
+    gguf, folder = resolved.gguf, resolved.folder
+    config = resolved.config.for_context(max_model_len)
     cls = model_class(config.architecture)
     with torch.device(device):
         module = cls(config, tp)  # parameters uninitialised (torch.empty): every one is loaded below
@@ -186,13 +206,13 @@ def load_model(
     process_linear_layers(module)
     module.finish_loading()
     loaded = LoadedModel(
-        module, load_tokenizer(folder), config, model, folder, method.name, weight_bytes(module)
+        module, load_tokenizer(folder), config, resolved.name, folder, method.name, weight_bytes(module)
     )
     if gguf is not None:
         in_file = gguf_tensor_bytes(gguf, folder)
         logger.info(
             "%s: weights %.1f MiB (%s) for the GGUF file's %.1f MiB of tensors (%.2fx)",
-            model,
+            resolved.name,
             loaded.weight_bytes / 2**20,
             method.name,
             in_file / 2**20,

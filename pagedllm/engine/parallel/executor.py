@@ -27,7 +27,7 @@ from pagedllm.engine.parallel.group import (
     spawn_worker,
 )
 from pagedllm.kv import KVGroups
-from pagedllm.models.loader import read_config, resolve_checkpoint
+from pagedllm.models.loader import ResolvedModel
 from pagedllm.models.parallel import CollectiveError, CommStats, TensorParallel, check_split
 
 logger = logging.getLogger(__name__)
@@ -90,10 +90,11 @@ def _stop(group: _Group) -> None:
 class Executor:
     """Rank 0 of a tensor-parallel group. `tp` is the handle its model's sharded layers collect through."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, model: ResolvedModel):
         self.topology = topo = Topology.of(config)
-        folder = resolve_checkpoint(config.model)  # a GGUF is converted once, here, not by every rank
-        check_split(read_config(folder), topo.world_size)
+        check_split(
+            model.config, topo.world_size
+        )  # a GGUF was converted once, at resolving: not by every rank
         self.device = torch.device(config.device)
         self.timeout = timedelta(seconds=config.distributed_timeout)
         self.failure: str | None = None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pagedllm._runtime import release_openmp_threads
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.stats import EngineStats
-from pagedllm.entrypoints.openai.errors import EngineDead, ShuttingDown
+from pagedllm.entrypoints.openai.errors import APIError, EngineDead, ShuttingDown
 from pagedllm.entrypoints.openai.metrics import EngineMetrics, RequestTimes
 from pagedllm.kv.events import KVEventLog
 from pagedllm.outputs import RequestOutput
@@ -53,9 +53,13 @@ class RequestStream:
         if self._finished:
             raise StopAsyncIteration
         item = await self._stream.queue.get()
-        if isinstance(item, BaseException):
+        if isinstance(item, APIError):
             self._finished = True
             raise item
+        if isinstance(item, BaseException):  # the engine failed it: a 500 (a 503 if no step can run now)
+            self._finished = True
+            status = 503 if self.engine.engine.failure is not None else 500
+            raise APIError(f"the engine failed the request: {type(item).__name__}: {item}", status) from item
         self._finished = item.finished
         return item
 
@@ -214,9 +218,8 @@ class AsyncEngine:
                     return
                 if self.engine.has_unfinished_requests():
                     self._step()
-        except BaseException as error:
+        except BaseException as error:  # logged by _die: the thread ends here, its callers told why
             self._die(error)
-            raise
 
     def _die(self, error: BaseException) -> None:
         """The engine thread cannot go on: say why (`failure`, /health), end every open stream and every
