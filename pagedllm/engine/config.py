@@ -10,6 +10,7 @@ import torch
 
 from pagedllm.engine.speculative import SpeculativeConfig
 from pagedllm.kv import default_block_size
+from pagedllm.models.loader import DEFAULT_MODEL
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPES.update({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16})
@@ -47,7 +48,7 @@ def parse_bytes(value: int | str, name: str = "kv_cache_memory") -> int:
 
 @dataclass
 class EngineConfig:
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "cpu"
     # Tokens per KV block; None: the KV cache dtype's default (kv.default_block_size: blocks of the same bytes

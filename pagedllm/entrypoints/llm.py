@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.models.loader import DEFAULT_MODEL
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -23,7 +24,7 @@ class LLM:
     max_num_seqs, enable_prefix_caching, ...), plus kv_cache_memory / num_kv_blocks and kv_layout.
     """
 
-    def __init__(self, model: str = "smollm2-135m", **kwargs):
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._ids = itertools.count()
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pagedllm.kv.block_pool import Block, CacheKey
+    from pagedllm.kv.block import Block, CacheKey
     from pagedllm.kv.events import KVEventLog
 
 

@@ -47,6 +47,7 @@ from pagedllm.entrypoints.openai.kv_routing import KVEventPublisher, PromptBlock
 from pagedllm.entrypoints.openai.limits import Admission, LimitsMiddleware, ServerLimits
 from pagedllm.entrypoints.openai.server import PROMETHEUS_TEXT, build_serving, openai_routes
 from pagedllm.entrypoints.openai.streams import until_disconnected
+from pagedllm.models.loader import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
 
@@ -404,7 +405,7 @@ class ReplicaSettings:
 
 
 def build_replicas(
-    model: str = "smollm2-135m",
+    model: str = DEFAULT_MODEL,
     settings: ReplicaSettings | None = None,
     served_model_name: str | None = None,
     limits: ServerLimits | None = None,
@@ -447,7 +448,7 @@ def build_replicas(
 
 
 def main(
-    model: str = "smollm2-135m",
+    model: str = DEFAULT_MODEL,
     host: str = "127.0.0.1",
     port: int = 8000,
     settings: ReplicaSettings | None = None,

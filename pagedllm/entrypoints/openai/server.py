@@ -29,6 +29,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.models.loader import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class Serving:
 
 
 def build_serving(
-    model: str = "smollm2-135m",
+    model: str = DEFAULT_MODEL,
     served_model_name: str | None = None,
     limits: ServerLimits | None = None,
     **engine_kwargs,
@@ -133,7 +134,7 @@ def openai_routes(serving: Serving) -> APIRouter:
 
 
 def build_app(
-    model: str = "smollm2-135m",
+    model: str = DEFAULT_MODEL,
     served_model_name: str | None = None,
     limits: ServerLimits | None = None,
     **engine_kwargs,
@@ -186,7 +187,7 @@ def _respond(result: BaseModel | AsyncIterator[str]) -> BaseModel | StreamingRes
 
 
 def main(
-    model: str = "smollm2-135m",
+    model: str = DEFAULT_MODEL,
     host: str = "127.0.0.1",
     port: int = 8000,
     served_model_name: str | None = None,
