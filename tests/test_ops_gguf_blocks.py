@@ -7,6 +7,10 @@ up to 16 rows in blocks of 32 for the other types (more rows multiply their dequ
 the reference rounds x the same way, written here independently. From group_size rows on (where set) x and
 W are rounded to bf16: through a whole-weight scratch and oneDNN's GEMM, or on a CPU with AMX through panels
 and brgemm.
+
+Then each block type on Qwen2.5-Coder-1.5B's projection shapes (the model of every llama.cpp comparison),
+against gguf's dequantize and a float64 matmul within a bound of each path's rounding, in CI on random
+blocks and, as a manual test, on the file's own tensors (its LM head among them).
 """
 
 import numpy as np
@@ -17,6 +21,7 @@ from gguf.quants import dequantize
 from models_helpers import GGUF_TYPES, random_blocks
 from ops_helpers import int16_blocks
 
+from pagedllm.models.gguf_quants import GGUFBlocks
 from pagedllm.ops import cpu
 
 ISAS = cpu.supported_isas()
@@ -289,3 +294,149 @@ def test_a_build_that_fails_falls_back_with_one_warning(monkeypatch):
         assert len(record) == 1
     finally:
         cpu.selected_isa.cache_clear()
+
+
+# Qwen2.5-Coder-1.5B's projections as (out_features, in_features): q and o, k and v, gate and up, down. On
+# them the kernels run many panels of weight rows, and at 8,960 columns a row's 35 chunks of 256 in spans
+# of linear.cpp's kSpanChunks (8), which the small shapes above never reach. The LM head (151,936 rows) is
+# left to the manual test on the file's own tensors, below.
+QWEN15B_SHAPES = {"q": (1536, 1536), "k": (256, 1536), "gate": (8960, 1536), "down": (1536, 8960)}
+# rows of x: one (decode), a streamed register tile and a part one, the float panels / K types' second
+# integer run (kIntegerChunkRows 128); 64 and 200 also take the bf16 path at BF16_FROM rows
+QWEN15B_ROWS = (1, 7, 64, 200)
+BF16_FROM = 17
+UNIT = 2.0**-24  # float32's unit roundoff
+WEIGHT_CHUNK = 16384  # weight rows a reference matmul takes at a time (an LM head's float64 is 1.9 GB)
+
+
+def int16_step(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Half an int16 step of each value's block of `block` columns (max |x| / 32767 / 2): the most that
+    rounding x to int16 blocks moves it."""
+    half = x.abs().reshape(len(x), -1, block).amax(dim=-1, keepdim=True) / 32767 / 2
+    return half.expand(-1, -1, block).reshape(x.shape)
+
+
+def kernel_path(name: str, isa: str, rows: int, group_size: int) -> str:
+    """Which path the kernels take (the reference test's `expected`, with bf16 from group_size rows)."""
+    if group_size and rows >= group_size:
+        return "bf16"
+    if name in INTEGER_SCALES:
+        return "float32" if k_panels(isa, rows) else "int16 x 256"
+    return "int16 x 32" if rows <= STREAMED_ROWS else "float32"
+
+
+class Reference:
+    """One weight in the kernels' storage, gguf's dequantization of it, and for each row count a seeded x
+    and the float64 products it is checked against, computed once for every instruction-set build."""
+
+    def __init__(self, blocks: GGUFBlocks, label: str):
+        self.name, self.label = blocks.qtype.name, f"{blocks.qtype.name} {label} {blocks.shape}"
+        self.data = torch.from_numpy(blocks.raw.reshape(-1))
+        self.layout = torch.tensor([[blocks.raw.shape[0], int(blocks.qtype)]])
+        self.w = torch.from_numpy(dequantize(blocks.raw, blocks.qtype))  # float32: the file's values exactly
+        self._cache: dict[tuple, torch.Tensor] = {}
+
+    def x(self, rows: int) -> torch.Tensor:
+        cols = self.w.shape[1]
+        gen = torch.Generator().manual_seed(rows)
+        scale = torch.logspace(-2, 2, cols)[torch.randperm(cols, generator=gen)]  # blocks of mixed size
+        return torch.randn(rows, cols, generator=gen) * scale
+
+    def _times_w(self, left: torch.Tensor, absolute: bool) -> torch.Tensor:
+        """left [rows, cols] float64 times W^T (or |W|^T) in float64, WEIGHT_CHUNK weight rows at a time."""
+        parts = [left @ (c.double().abs() if absolute else c.double()).T for c in self.w.split(WEIGHT_CHUNK)]
+        return torch.cat(parts, dim=1)
+
+    def exact(self, rows: int) -> torch.Tensor:
+        if (rows, "exact") not in self._cache:
+            self._cache[rows, "exact"] = self._times_w(self.x(rows).double(), absolute=False)
+        return self._cache[rows, "exact"]
+
+    def bound(self, rows: int, path: str) -> torch.Tensor:
+        """|kernel - x W^T| at most, elementwise, on `path` (no model of the kernels' own rounding):
+        bf16: x and W rounded to bf16 (bf16_tolerance);
+        int16 x B: x rounded to int16 blocks of B columns (int16_step) through |W|, then float32 sums of
+          one term per 16-value group (cols / 16 deep, + 32 for scales and lane sums), each within
+          8 |x||w| of its group (a group's split s sum(u q) + c sum(q) exceeds |x||w| where a min
+          cancels the codes: 15 |d| and |m| are each at most 2 max |w|);
+        float32 (the file's values times x): float32 sums cols deep (one accumulator a row through all
+          columns), each term |x||w|."""
+        if (rows, path) not in self._cache:
+            x, cols = self.x(rows).double(), self.w.shape[1]
+            if path == "bf16":
+                bound = 2**-7 * self._times_w(x.abs(), True) + 2**-8 * self.exact(rows).abs()
+            elif path == "float32":
+                bound = (cols + 32) * UNIT * self._times_w(x.abs(), True)
+            else:
+                step = int16_step(x, int(path.split(" x ")[1]))
+                bound = self._times_w(step + 8 * (cols // 16 + 32) * UNIT * x.abs(), True)
+            self._cache[rows, path] = bound
+        return self._cache[rows, path]
+
+
+def check_against_gguf(kernels, ref: Reference, group_size: int) -> None:
+    """The kernels' product at each of QWEN15B_ROWS rows of x within its path's bound of x W^T."""
+    isa = kernels.selected_isa()
+    for rows in QWEN15B_ROWS:
+        out = kernels.linear(ref.x(rows), ref.data, ref.layout, None, group_size, None, None)
+        assert out.shape == (rows, ref.w.shape[0]) and out.dtype == torch.float32
+        path = kernel_path(ref.name, isa, rows, group_size)
+        worst = ((out.double() - ref.exact(rows)).abs() / ref.bound(rows, path)).max().item()
+        assert worst <= 1, f"{ref.label}, {rows} rows ({path}): an error {worst:.2f}x its bound"
+
+
+@pytest.fixture(scope="module", params=GGUF_TYPES)
+def qwen15b_shaped(request) -> dict[str, Reference]:
+    """Random blocks of one type at each of QWEN15B_SHAPES; module-scoped, so that pytest runs each type's
+    tests together and builds its weights once."""
+    qtype = GGMLQuantizationType[request.param]
+    return {
+        shape: Reference(random_blocks(qtype, rows, cols, seed=i), shape)
+        for i, (shape, (rows, cols)) in enumerate(QWEN15B_SHAPES.items())
+    }
+
+
+@pytest.mark.parametrize("shape", QWEN15B_SHAPES)
+@pytest.mark.parametrize("group_size", [0, BF16_FROM])
+def test_each_block_type_on_the_15b_shapes(kernels, qwen15b_shaped, shape, group_size):
+    """Every block type at each projection shape of the 1.5B, 1 to 200 rows of x, against gguf's dequantize
+    and a float64 matmul: group_size 0, the integer and float32 paths; BF16_FROM, the bf16 one (oneDNN, or
+    AMX's panels) from that many rows, as GGUFLinear sets it where the CPU multiplies bf16."""
+    check_against_gguf(kernels, qwen15b_shaped[shape], group_size)
+
+
+# The 1.5B's own tensors, one of each (type, shape) the file holds; the LM head's float64 reference takes
+# seconds a row count and GBs: a manual test (PAGEDLLM_MANUAL_TESTS=1), with the model's part packages.
+QWEN15B_TENSORS = {
+    "blk.0.attn_q.weight": ("Q4_K", (1536, 1536)),
+    "blk.0.attn_k.weight": ("Q4_K", (256, 1536)),
+    "blk.0.attn_v.weight": ("Q6_K", (256, 1536)),
+    "blk.0.ffn_gate.weight": ("Q4_K", (8960, 1536)),
+    "blk.0.ffn_down.weight": ("Q6_K", (1536, 8960)),
+    "blk.2.ffn_down.weight": ("Q4_K", (1536, 8960)),
+    "output.weight": ("Q6_K", (151936, 1536)),
+}
+
+
+@pytest.fixture(scope="module")
+def qwen15b_reader():
+    from gguf import GGUFReader
+
+    from pagedllm.models.builtin import QWEN_CODER_15B
+
+    return GGUFReader(QWEN_CODER_15B.path())
+
+
+@pytest.fixture(scope="module", params=QWEN15B_TENSORS)
+def qwen15b_tensor(request, qwen15b_reader) -> Reference:
+    (tensor,) = [t for t in qwen15b_reader.tensors if t.name == request.param]
+    blocks = GGUFBlocks(np.array(tensor.data), tensor.tensor_type)  # a copy: the reader's map is read-only
+    assert (blocks.qtype.name, blocks.shape) == QWEN15B_TENSORS[request.param]
+    return Reference(blocks, request.param)
+
+
+@pytest.mark.manual
+@pytest.mark.parametrize("group_size", [0, BF16_FROM])
+def test_the_15b_files_own_tensors(kernels, qwen15b_tensor, group_size):
+    """The Q4_K and Q6_K tensors of the file the model runs, as the CI test's random blocks."""
+    check_against_gguf(kernels, qwen15b_tensor, group_size)
