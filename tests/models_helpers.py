@@ -140,6 +140,22 @@ def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int) -> list[l
     return out[:, width:].tolist()
 
 
+def assert_qwen2_config_matches_hf(cfg, hf_cfg, shape: tuple[int, ...], head_dim: int) -> None:
+    """A Qwen2.5 file's config as pagedllm reads it: the expected (layers, hidden, heads, KV heads, FFN)
+    and head size, the same as transformers' load of the file, q/k/v biases, untied output, RoPE 1e6."""
+    got = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size)
+    assert got == shape and cfg.head_dim == head_dim
+    assert got == (
+        hf_cfg.num_hidden_layers,
+        hf_cfg.hidden_size,
+        hf_cfg.num_attention_heads,
+        hf_cfg.num_key_value_heads,
+        hf_cfg.intermediate_size,
+    )
+    assert cfg.qkv_bias and not cfg.tie_word_embeddings and not hf_cfg.tie_word_embeddings
+    assert cfg.rope_theta == hf_cfg.rope_parameters["rope_theta"] == 1e6
+
+
 def hf_logits(hf_model, prompt: list[int], tail: int = 0) -> torch.Tensor:
     """Float32 logits of one prompt from a plain Hugging Face forward: every position, or the last `tail`."""
     with torch.inference_mode():

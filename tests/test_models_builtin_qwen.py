@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models_helpers import greedy_generate, hf_greedy, hf_logits
+from models_helpers import assert_qwen2_config_matches_hf, greedy_generate, hf_greedy, hf_logits
 
 from pagedllm.models import load_model
 from pagedllm.models.builtin import QWEN_CODER_05B
@@ -72,18 +72,7 @@ def hf_tokens(hf_qwen, prompt_ids):
 def test_config_and_chat_tokens_match_hf(qwen, hf_qwen, prompt_ids):
     from transformers import AutoTokenizer
 
-    cfg, hf_cfg = qwen.config, hf_qwen.config
-    shape = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size)
-    assert shape == (24, 896, 14, 2, 4864) and cfg.head_dim == 64
-    assert shape == (
-        hf_cfg.num_hidden_layers,
-        hf_cfg.hidden_size,
-        hf_cfg.num_attention_heads,
-        hf_cfg.num_key_value_heads,
-        hf_cfg.intermediate_size,
-    )
-    assert cfg.qkv_bias and not cfg.tie_word_embeddings and not hf_cfg.tie_word_embeddings
-    assert cfg.rope_theta == hf_cfg.rope_parameters["rope_theta"] == 1e6
+    assert_qwen2_config_matches_hf(qwen.config, hf_qwen.config, (24, 896, 14, 2, 4864), 64)
     path = QWEN_CODER_05B.path()
     hf_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     expected = [

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import assert_all_blocks_free
-from models_helpers import hf_greedy
+from models_helpers import assert_qwen2_config_matches_hf, hf_greedy
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.builtin import QWEN_CODER_15B
@@ -119,18 +119,9 @@ def hf_reference(hf_qwen, prompt_ids) -> dict[str, tuple[list[int], torch.Tensor
 
 
 def test_config_and_chat_tokens_match_hf(llm, hf_qwen, hf_tokenizer, prompt_ids):
-    cfg, hf_cfg = llm.engine.loaded_model.config, hf_qwen.config
-    shape = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size)
-    assert shape == (28, 1536, 12, 2, 8960) and cfg.head_dim == 128
-    assert shape == (
-        hf_cfg.num_hidden_layers,
-        hf_cfg.hidden_size,
-        hf_cfg.num_attention_heads,
-        hf_cfg.num_key_value_heads,
-        hf_cfg.intermediate_size,
+    assert_qwen2_config_matches_hf(
+        llm.engine.loaded_model.config, hf_qwen.config, (28, 1536, 12, 2, 8960), 128
     )
-    assert cfg.qkv_bias and not cfg.tie_word_embeddings and not hf_cfg.tie_word_embeddings
-    assert cfg.rope_theta == hf_cfg.rope_parameters["rope_theta"] == 1e6
     tok = llm.engine.tokenizer
     for name, prompt in PROMPTS.items():
         ours = (
