@@ -224,14 +224,19 @@ def run_hf(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
     }
     env = peer_env()
     result = run_script(HF_CHILD, job, env, "transformers")
-    tokens, seconds = result["tokens"], result["seconds"]
-    total = sum(len(t) for t in tokens)
-    row = Row(f"hf batch {args.hf_batch_size}", seconds, total, total / seconds, None, None, None, None, None)
-    row.ran = (
+    ran = (
         f"transformers {result['version']}, torch {result['torch']}, {job['threads']} threads, "
         f"{job['dtype']}; {env.describe()}"
     )
-    return row, tokens
+    return _peer_row(f"hf batch {args.hf_batch_size}", result, ran), result["tokens"]
+
+
+def _peer_row(name: str, result: dict, ran: str) -> Row:
+    """A peer's row from what its child process reported: its tokens and its timed seconds."""
+    total = sum(len(t) for t in result["tokens"])
+    row = Row(name, result["seconds"], total, total / result["seconds"], None, None, None, None, None)
+    row.ran = ran
+    return row
 
 
 HF_CHILD = Path(__file__).with_name("hf_peer.py")
@@ -259,13 +264,9 @@ def run_vllm(args, prompts: list[list[int]]) -> tuple[Row, list[list[int]]]:
     }
     env = peer_env()
     result = run_script(VLLM_CHILD, job, env, "vLLM")
-    tokens, seconds = result["tokens"], result["seconds"]
-    total = sum(len(t) for t in tokens)
     settings = ", ".join(f"{k}={v}" for k, v in result["settings"].items())
     ran = f"vLLM {result['version']} defaults but {settings}; {env.describe()}"
-    row = Row(f"vllm {result['version']}", seconds, total, total / seconds, None, None, None, None, None)
-    row.ran = ran
-    return row, tokens
+    return _peer_row(f"vllm {result['version']}", result, ran), result["tokens"]
 
 
 VLLM_CHILD = Path(__file__).with_name("vllm_peer.py")

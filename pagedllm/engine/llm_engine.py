@@ -150,7 +150,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, postprocess; report every request that changed (a beam search
-        only once it is done). Raises StepFailed (the step rolled back, its requests ended) if it fails."""
+        only once it is done). If it fails, it is rolled back, the requests holding KV are ended, and its
+        exception is raised."""
         if self._broken is not None:
             raise RuntimeError(self._broken)
         self.num_steps += 1

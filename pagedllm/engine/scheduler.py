@@ -199,6 +199,8 @@ class Scheduler:
             if not seq.is_finished:
                 seq.finish_reason = "error"
                 self.finish(seq)
+            if seq.seq_id in self.allocator:  # given blocks by a schedule that raised before admitting it
+                self.allocator.free(seq.seq_id)
         self._next = SchedulerOutput()
 
     def _has_work_waiting(self) -> bool:
