@@ -117,6 +117,12 @@ class TensorParallel:
         self._timed(dist.broadcast, x, group=self.cpu_group, group_src=0, counted=counted)
         return x
 
+    def close(self) -> None:
+        """Destroy the groups now: gloo's threads may still hold the last collective's tensors, and freeing
+        them in the interpreter's teardown aborts the process ("terminate called without an active
+        exception", pytorch/pytorch#190489). The destructor waits for them with the GIL released."""
+        self.group = self.cpu_group = None
+
 
 SINGLE = TensorParallel()
 

@@ -84,6 +84,8 @@ def _stop(group: _Group) -> None:
         except CollectiveError:
             graceful = False
     reap(list(group.procs.values()), grace=10 if graceful else 0)
+    if group.tp is not None:
+        group.tp.close()
     torch.set_num_threads(group.threads_before)
 
 

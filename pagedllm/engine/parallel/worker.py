@@ -60,7 +60,10 @@ def run_worker(init_method: str, rank: int, world_size: int, local_rank: int) ->
         store.set(f"ready/{rank}", f"{type(error).__name__}: {error}")
         raise
     store.set(f"ready/{rank}", "ok")
-    serve_steps(runner, tp)
+    try:
+        serve_steps(runner, tp)
+    finally:
+        tp.close()
 
 
 def serve_steps(runner: ModelRunner, tp: TensorParallel) -> None:
