@@ -27,10 +27,15 @@ class AttentionMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
     layer_groups: Sequence[int] | None = None  # per layer its KV group (None: one group)
 
+    def __post_init__(self) -> None:
+        # each group's views, made once a step rather than by every layer (a decode step's layers each
+        # paid two tensor indexings for them)
+        groups = range(self.slot_mapping.shape[0])
+        self._groups = [(self.slot_mapping[g], self.block_tables[g]) for g in groups]
+
     def group_of(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot mapping [T] and block tables [S, B] of the layer's KV group."""
-        group = 0 if self.layer_groups is None else self.layer_groups[layer_idx]
-        return self.slot_mapping[group], self.block_tables[group]
+        return self._groups[0 if self.layer_groups is None else self.layer_groups[layer_idx]]
 
 
 class PagedAttention(torch.nn.Module):

@@ -283,22 +283,23 @@ class CpuDecoderLayer:
         norms = [spec.input_norm, spec.post_attention_norm, pre, post, q_norm, k_norm]
         weights = [t for data, scales, mins, _, bias in spec.projections for t in (data, scales, mins, bias)]
         group_sizes = [group_size for *_, group_size, _ in spec.projections]
-        self.cos_sin = spec.cos_sin
-        self.weights = (norms, weights, group_sizes, spec.eps, spec.unit_offset)
-        self.shape = (spec.num_heads, spec.num_kv_heads)
-        self.activation = ACTIVATIONS[spec.activation]
+        self.operands = (spec.cos_sin, norms, weights, group_sizes, spec.eps, spec.unit_offset)
+        self.operands += (spec.num_heads, spec.num_kv_heads, ACTIVATIONS[spec.activation])
+        self.built: dict[str, object] = {}  # the operands as each build's DecoderLayerWeights, made once
 
     def __call__(
         self, h: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, args: AttentionArgs
     ) -> torch.Tensor:
         """The step's index tensors must already be what the runner builds (contiguous; int64 positions
-        and slots, int32 tables and lengths)."""
-        k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window, softcap = (
-            _attention_operands(args)
-        )
-        return kernels().decoder_layer(
-            h, positions, k_cache, v_cache, slot_mapping, block_tables, query_start_loc, context_lens,
-            self.cos_sin, *self.weights, *self.shape, scale, window, softcap, self.activation,
+        and slots, int32 tables and lengths): they are passed as they are (the C++ checks them)."""
+        ops, a = kernels(), args
+        layer = self.built.get(ops.name)
+        if layer is None:  # the selected build's first call (tests switch builds after loading)
+            layer = getattr(torch.classes, ops.name).DecoderLayerWeights(*self.operands)
+            self.built[ops.name] = layer
+        return ops.decoder_layer(
+            h, positions, a.k_cache, a.v_cache, slot_mapping, a.block_tables, a.query_start_loc,
+            a.context_lens, layer, a.scale, a.sliding_window or 0, a.softcap or 0.0,
         )  # fmt: skip
 
 

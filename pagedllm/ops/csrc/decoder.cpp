@@ -75,24 +75,45 @@ enum Norm : int64_t { kInput, kPostAttention, kPreFeedforward, kPostFeedforward,
 
 }  // namespace
 
+DecoderLayerWeights::DecoderLayerWeights(at::Tensor cos_sin, c10::List<c10::optional<at::Tensor>> norms,
+                                         c10::List<c10::optional<at::Tensor>> weights,
+                                         std::vector<int64_t> group_sizes, double eps, bool unit_offset,
+                                         int64_t num_heads, int64_t num_kv_heads, int64_t activation)
+    : cos_sin(std::move(cos_sin)),
+      norms(std::move(norms)),
+      weights(std::move(weights)),
+      group_sizes(std::move(group_sizes)),
+      eps(eps),
+      unit_offset(unit_offset),
+      num_heads(num_heads),
+      num_kv_heads(num_kv_heads),
+      activation(activation) {
+  TORCH_CHECK(this->weights.size() == 16 && this->group_sizes.size() == 4,
+              "expected 4 linear layers (qkv, o, gate_up, down) as 16 tensors and 4 group sizes, got ",
+              this->weights.size(), " and ", this->group_sizes.size());
+  const auto& n = this->norms;
+  TORCH_CHECK(n.size() == kNorms && n.get(kInput).has_value() && n.get(kPostAttention).has_value(),
+              "expected 6 norms (input, post_attention, pre_feedforward, post_feedforward, q, k), the first two "
+              "present, got ", n.size());
+  TORCH_CHECK(n.get(kPreFeedforward).has_value() == n.get(kPostFeedforward).has_value() &&
+                  n.get(kQuery).has_value() == n.get(kKey).has_value(),
+              "the feedforward norms and the QK-norms come in pairs");
+}
+
 at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                         const at::Tensor& query_start_loc, const at::Tensor& context_lens, const at::Tensor& cos_sin,
-                         const c10::List<c10::optional<at::Tensor>>& norms,
-                         const c10::List<c10::optional<at::Tensor>>& weights, at::IntArrayRef group_sizes,
-                         double eps, bool unit_offset, int64_t num_heads, int64_t num_kv_heads, double scale,
-                         int64_t window, double softcap, int64_t activation) {
+                         const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                         const c10::intrusive_ptr<DecoderLayerWeights>& layer, double scale, int64_t window,
+                         double softcap) {
   TORCH_CHECK(h.dim() == 2, "h must be [T, hidden], got ", h.sizes());
-  TORCH_CHECK(weights.size() == 16 && group_sizes.size() == 4,
-              "expected 4 linear layers (qkv, o, gate_up, down) as 16 tensors and 4 group sizes, got ",
-              weights.size(), " and ", group_sizes.size());
-  TORCH_CHECK(norms.size() == kNorms && norms.get(kInput).has_value() && norms.get(kPostAttention).has_value(),
-              "expected 6 norms (input, post_attention, pre_feedforward, post_feedforward, q, k), the first two "
-              "present, got ", norms.size());
+  const auto& norms = layer->norms;
+  const auto& weights = layer->weights;
+  const auto& group_sizes = layer->group_sizes;
+  const auto& cos_sin = layer->cos_sin;
+  const double eps = layer->eps;
+  const bool unit_offset = layer->unit_offset;
+  const int64_t num_heads = layer->num_heads, num_kv_heads = layer->num_kv_heads, activation = layer->activation;
   const bool sandwich = norms.get(kPreFeedforward).has_value();
-  TORCH_CHECK(sandwich == norms.get(kPostFeedforward).has_value() &&
-                  norms.get(kQuery).has_value() == norms.get(kKey).has_value(),
-              "the feedforward norms and the QK-norms come in pairs");
   const int64_t tokens = h.size(0), head_dim = k_cache.size(3);
   // out = rms_norm(x) with the layer's norm `which`
   const auto normalize = [&](const at::Tensor& out, const at::Tensor& x, Norm which) {

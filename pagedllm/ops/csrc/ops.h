@@ -4,6 +4,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/List.h>
 #include <c10/util/Optional.h>
+#include <torch/custom_class.h>
+
+#include <vector>
 
 namespace pagedllm {
 
@@ -25,12 +28,31 @@ bool set_blocks_bf16(bool enabled);
 bool blocks_amx();
 void dequantize_rows(at::Tensor out, const at::Tensor& weight, const c10::optional<at::Tensor>& scales,
                      const c10::optional<at::Tensor>& mins, int64_t group_size, const at::Tensor& ids);
+// A decoder layer's operands that stay the same from step to step (cpu.CpuDecoderLayer makes one after
+// loading): a step's call passes this one object, not the ~25 tensors and lists whose conversion from
+// Python cost more than the rest of the call's overhead.
+// Its C++ name differs by build (an inline namespace per instruction set): torch keys custom classes by
+// their C++ type, and builds for several instruction sets load into one process side by side.
+inline namespace PAGEDLLM_NAMESPACE {
+struct DecoderLayerWeights : torch::CustomClassHolder {
+  // norms: input, post_attention, pre_feedforward, post_feedforward, q, k (the last four may be absent);
+  // weights: per projection (qkv, o, gate_up, down) its data, scales, mins, bias as linear() takes them
+  DecoderLayerWeights(at::Tensor cos_sin, c10::List<c10::optional<at::Tensor>> norms,
+                      c10::List<c10::optional<at::Tensor>> weights, std::vector<int64_t> group_sizes, double eps,
+                      bool unit_offset, int64_t num_heads, int64_t num_kv_heads, int64_t activation);
+  at::Tensor cos_sin;
+  c10::List<c10::optional<at::Tensor>> norms, weights;
+  std::vector<int64_t> group_sizes;
+  double eps;
+  bool unit_offset;
+  int64_t num_heads, num_kv_heads, activation;
+};
+}  // namespace PAGEDLLM_NAMESPACE
+
 at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                         const at::Tensor& query_start_loc, const at::Tensor& context_lens, const at::Tensor& cos_sin,
-                         const c10::List<c10::optional<at::Tensor>>& norms,
-                         const c10::List<c10::optional<at::Tensor>>& weights, at::IntArrayRef group_sizes,
-                         double eps, bool unit_offset, int64_t num_heads, int64_t num_kv_heads, double scale,
-                         int64_t window, double softcap, int64_t activation);
+                         const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                         const c10::intrusive_ptr<DecoderLayerWeights>& layer, double scale, int64_t window,
+                         double softcap);
 
 }  // namespace pagedllm

@@ -8,6 +8,8 @@
 // One level of indirection, so that PAGEDLLM_NAMESPACE is expanded before TORCH_LIBRARY pastes it.
 #define PAGEDLLM_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
 #define PAGEDLLM_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+#define PAGEDLLM_STRINGIFY(x) #x
+#define PAGEDLLM_STRING(x) PAGEDLLM_STRINGIFY(x)
 
 PAGEDLLM_LIBRARY(PAGEDLLM_NAMESPACE, m) {
   m.def(
@@ -26,11 +28,14 @@ PAGEDLLM_LIBRARY(PAGEDLLM_NAMESPACE, m) {
   m.def(
       "dequantize_rows(Tensor(a!) out, Tensor weight, Tensor? scales, Tensor? mins, int group_size, "
       "Tensor ids) -> ()");
+  m.class_<pagedllm::DecoderLayerWeights>("DecoderLayerWeights")
+      .def(torch::init<at::Tensor, c10::List<c10::optional<at::Tensor>>, c10::List<c10::optional<at::Tensor>>,
+                       std::vector<int64_t>, double, bool, int64_t, int64_t, int64_t>());
   m.def(
       "decoder_layer(Tensor h, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, Tensor cos_sin, Tensor?[] norms, "
-      "Tensor?[] weights, int[] group_sizes, float eps, bool unit_offset, int num_heads, int num_kv_heads, "
-      "float scale, int window, float softcap, int activation) -> Tensor");
+      "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, "
+      "__torch__.torch.classes." PAGEDLLM_STRING(PAGEDLLM_NAMESPACE) ".DecoderLayerWeights layer, float scale, "
+      "int window, float softcap) -> Tensor");
 }
 
 PAGEDLLM_LIBRARY_IMPL(PAGEDLLM_NAMESPACE, CPU, m) {
@@ -45,6 +50,3 @@ PAGEDLLM_LIBRARY_IMPL(PAGEDLLM_NAMESPACE, CPU, m) {
   m.impl("decoder_layer", &pagedllm::decoder_layer);
 }
 
-// A layer whose weights are oneDNN-packed (MkldnnCPU tensors, models/linear.py OneDNNLinear) dispatches
-// on that key; the same function handles it.
-PAGEDLLM_LIBRARY_IMPL(PAGEDLLM_NAMESPACE, MkldnnCPU, m) { m.impl("decoder_layer", &pagedllm::decoder_layer); }
