@@ -139,6 +139,34 @@ def test_the_prefix_cache_never_shares_blocks_between_adapters(tiny_llama_dir, a
     assert_all_blocks_free(llm)
 
 
+def test_the_allocator_keys_blocks_by_adapter_through_decodes_and_forks():
+    """kv alone: a prompt's blocks, and the blocks its decodes fill, are found again under its own adapter
+    only (a fork's too); the base's keys are those of a cache without adapters."""
+    from pagedllm.kv import PagedAllocator
+    from pagedllm.kv.block_pool import block_hash_chain, hash_block
+
+    kv = PagedAllocator(num_blocks=32, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(9))  # two full blocks and one token
+    assert block_hash_chain(prompt, 4) == [
+        hash_block(None, prompt[:4]),
+        hash_block(block_hash_chain(prompt, 4)[0], prompt[4:8]),
+    ]
+    assert kv.allocate("a", prompt, 8, lora_int_id=1) == 0
+    assert kv.allocate("base", prompt, 8) == 0 and kv.allocate("b", prompt, 8, lora_int_id=2) == 0
+    assert kv.allocate("a2", prompt, 8, lora_int_id=1) == 8
+    kv.fork("a", "a-child")
+    for token in (9, 10, 11):  # fills block 3 of a (and, copied on write, of its child)
+        kv.append("a", token)
+        kv.append("a-child", token)
+    kv.cache_blocks("a", 12)
+    longer = prompt + [9, 10, 11, 12]
+    assert kv.can_allocate(longer, 4, lora_int_id=1) and kv.allocate("c", longer, 4, lora_int_id=1) == 12
+    assert kv.allocate("d", longer, 4, lora_int_id=3) == 0 and kv.allocate("e", longer, 4) == 8
+    for seq_id in ("a", "base", "b", "a2", "a-child", "c", "d", "e"):
+        kv.free(seq_id)
+    assert kv.all_free()
+
+
 def test_kv_events_name_the_adapter(tiny_llama_dir, adapters):
     llm = lora_llm(tiny_llama_dir)
     events = llm.engine.enable_kv_events()
