@@ -263,3 +263,74 @@ def test_the_lru_keeps_max_cpu_loras_and_never_drops_a_held_adapter(tiny_llama_d
     assert [done[f"held-{i}"] for i in range(3)] == alone and steps_adapters == {1, 2, 3}
     assert len(loras.loaded) == 2 and not loras.users
     assert_all_blocks_free(llm)
+
+
+def _post(url: str, body: dict, key: str | None) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(url, json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_the_server_serves_adapters_by_model_name_and_loads_them_at_run_time(tiny_chat_model, tmp_path):
+    import openai
+    from helpers import running_server, wait_until_idle
+
+    from pagedllm.entrypoints.openai.limits import ServerLimits
+    from pagedllm.entrypoints.openai.server import build_app
+
+    first = make_adapter(tiny_chat_model, tmp_path / "first", ATTENTION, seed=5)
+    second = make_adapter(tiny_chat_model, tmp_path / "second", ALL, seed=6)
+    prompt = [1, 50, 60, 70, 80]
+    offline = lora_llm(tiny_chat_model)
+    expected = {
+        name: offline.generate([prompt], GREEDY, lora_request=lora)[0].outputs[0].text
+        for name, lora in [("tiny", None), ("first", LoRARequest("first", 1, str(first)))]
+        + [("second", LoRARequest("second", 2, str(second)))]
+    }
+    assert len(set(expected.values())) == 3
+    key = "sk-lora"
+    app = build_app(
+        str(tiny_chat_model), served_model_name="tiny", limits=ServerLimits(api_key=key), max_model_len=256,
+        enable_lora=True, max_loras=2, max_lora_rank=8, lora_modules={"first": str(first)},
+    )  # fmt: skip
+    with running_server(app) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
+
+        def complete(model: str) -> str:
+            return (
+                client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+                .choices[0]
+                .text
+            )
+
+        cards = {card.id: card for card in client.models.list().data}
+        assert sorted(cards) == ["first", "tiny"] and cards["first"].parent == "tiny"
+        assert complete("first") == expected["first"] and complete("tiny") == expected["tiny"]
+        with pytest.raises(openai.NotFoundError):
+            complete("second")
+        load = {"lora_name": "second", "lora_path": str(second)}
+        assert _post(f"{base}/v1/load_lora_adapter", load, None)[0] == 401
+        assert _post(f"{base}/v1/load_lora_adapter", load, key) == (
+            200,
+            "Success: LoRA adapter 'second' added successfully.",
+        )
+        assert complete("second") == expected["second"]
+        status, body = _post(
+            f"{base}/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(tmp_path)}, key
+        )
+        assert status == 400 and "has no adapter_config.json" in body
+        assert sorted(card.id for card in client.models.list().data) == ["first", "second", "tiny"]
+        assert _post(f"{base}/v1/unload_lora_adapter", {"lora_name": "second"}, key)[0] == 200
+        assert _post(f"{base}/v1/unload_lora_adapter", {"lora_name": "second"}, key)[0] == 404
+        with pytest.raises(openai.NotFoundError):
+            complete("second")
+        wait_until_idle(app.state.engine.engine)
+        assert 2 not in app.state.engine.engine.loras.loaded
+    assert_all_blocks_free(offline)

@@ -56,11 +56,19 @@ class LoRAManager:
         return lora
 
     def release(self, lora_int_id: int) -> None:
-        """A request under the adapter finished or was aborted."""
+        """A request under the adapter finished or was aborted (a removed adapter's last one drops it)."""
         self.users[lora_int_id] -= 1
         if self.users[lora_int_id] <= 0:
             del self.users[lora_int_id]
+            if lora_int_id not in self.known:
+                self.loaded.pop(lora_int_id, None)
         self._evict()
+
+    def remove(self, lora_int_id: int) -> None:
+        """Forget an adapter (a server unloaded it): out of memory now, or when its last request ends."""
+        self.known.pop(lora_int_id, None)
+        if not self.users[lora_int_id]:
+            self.loaded.pop(lora_int_id, None)
 
     def _evict(self) -> None:
         """Beyond max_cpu_loras, drop the least recently used adapters no unfinished request holds."""
