@@ -5,7 +5,7 @@ from pagedllm._runtime import set_openmp_defaults
 set_openmp_defaults()  # before torch starts its OpenMP threads
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "BeamSearchParams", "GuidedDecodingParams", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "GuidedDecodingParams", "LoRARequest", "SamplingParams"]
 
 
 def __getattr__(name: str):
@@ -18,4 +18,8 @@ def __getattr__(name: str):
         from pagedllm import sampling_params
 
         return getattr(sampling_params, name)
+    if name == "LoRARequest":
+        from pagedllm.lora_request import LoRARequest
+
+        return LoRARequest
     raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

@@ -365,7 +365,7 @@ def test_can_allocate_then_allocate_hash_the_prompt_once(monkeypatch):
     calls = []
     for module in (paged, block_pool):  # a prompt's chain (block_pool) and a decode's next block (paged)
         monkeypatch.setattr(
-            module, "hash_block", lambda parent, tokens: calls.append(0) or bytes([len(calls)])
+            module, "hash_block", lambda parent, tokens, lora=None: calls.append(0) or bytes([len(calls)])
         )
     kv = PagedAllocator(num_blocks=8, block_size=4, enable_prefix_caching=True)
     prompt = list(range(10))  # two full blocks

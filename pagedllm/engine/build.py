@@ -1,6 +1,7 @@
 """Building an engine's parts from its EngineConfig, in start-up order: the model (loaded once, resolved
 once), the KV cache's size, the allocator (paged or contiguous) with its prefix cache tiers, the model
-runner holding the cache's memory, the speculative proposer and the scheduler over the allocator."""
+runner holding the cache's memory, the speculative proposer and the scheduler over the allocator; with
+enable_lora, the LoRA adapters' manager beside the model."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pagedllm.engine.generation_config import sampling_defaults
 from pagedllm.engine.guided import GrammarCompiler
 from pagedllm.engine.kv_sizing import check_max_model_len, kv_block_bytes, model_kv_groups, num_kv_blocks
 from pagedllm.engine.kv_transfer import TierTransfers, open_disk_store
+from pagedllm.engine.lora_manager import LoRAManager
 from pagedllm.engine.model_cache import load_shared_model
 from pagedllm.engine.model_runner import ModelRunner, calibration_ids
 from pagedllm.engine.parallel.executor import Executor
@@ -137,7 +139,7 @@ def make_runner(engine, config: EngineConfig, executor: Executor | None, plan: K
     if executor is not None:
         runner = ParallelModelRunner(executor, engine.model, *cache, *rest)
     else:
-        runner = ModelRunner(engine.model, *cache, *rest)
+        runner = ModelRunner(engine.model, *cache, *rest, loras=engine.loras)
     runner.calibrate_key_smoothing(calibration_ids(engine.model.config.vocab_size, engine.max_model_len))
     return runner
 
@@ -171,6 +173,7 @@ def make_scheduler(engine, config: EngineConfig, allocator: KVAllocator) -> Sche
         preemption_mode=config.preemption_mode,
         enable_chunked_prefill=config.enable_chunked_prefill,
         watermark=config.watermark,
+        max_loras=config.max_loras if config.enable_lora else None,
         stop_checker=StopChecker(engine.tokenizer, engine.eos_token_ids, engine.max_model_len),
         # A sequence that leaves the cache leaves the draft model's too.
         on_release=engine.proposer.release if engine.proposer is not None else None,
@@ -180,6 +183,11 @@ def make_scheduler(engine, config: EngineConfig, allocator: KVAllocator) -> Sche
 def build(engine, config: EngineConfig, model: ResolvedModel) -> None:
     """Give `engine` its parts, in start-up order (the parts read what was built before them)."""
     load_model(engine, config, engine.executor, model)
+    engine.loras = (
+        LoRAManager(engine.model, config.max_lora_rank, config.max_cpu_loras, config.torch_dtype)
+        if config.enable_lora
+        else None
+    )
     plan = plan_kv_cache(engine, config)
     engine.kv_groups, engine.num_kv_blocks, engine.kv_cache_bytes = (
         plan.groups,

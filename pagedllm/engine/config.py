@@ -99,6 +99,13 @@ class EngineConfig:
     distributed_init_method: str | None = None
     nnodes: int = 1
     distributed_timeout: float = 60.0
+    # LoRA adapters (vLLM's names): requests name one by LoRARequest; at most max_loras adapters run in one
+    # step (the others' requests wait), of rank at most max_lora_rank; max_cpu_loras stay loaded in memory
+    # (None: max_loras), the least recently used one no unfinished request holds dropped beyond that.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -154,10 +161,26 @@ class EngineConfig:
             raise ValueError(f"nnodes={self.nnodes} needs distributed_init_method='tcp://HOST:PORT'")
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout!r}")
+        self._check_lora()
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         elif not isinstance(self.speculative_config, SpeculativeConfig | None):
             raise ValueError(f"speculative_config must be a dict, got {self.speculative_config!r}")
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras must be an integer >= max_loras={self.max_loras}, got {self.max_cpu_loras!r}"
+            )
+        if self.enable_lora and self.is_parallel:
+            raise ValueError(
+                f"enable_lora with tensor_parallel_size={self.tensor_parallel_size}: LoRA runs on one rank"
+            )
 
     def _check_offload(self) -> None:
         if self.kv_offload_memory is not None:

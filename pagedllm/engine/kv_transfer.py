@@ -45,7 +45,7 @@ class TierTransfers:
             if i >= PREFETCH_SEQS or seq.awaiting or seq.needs_prompt_logprobs:
                 seq.loading_kv = False
                 continue
-            plan = allocator.plan_prefetch(seq.token_ids)
+            plan = allocator.plan_prefetch(seq.token_ids, seq.lora_int_id)
             if plan.reads:
                 self.reader.submit(plan.reads)
             seq.loading_kv = plan.pending

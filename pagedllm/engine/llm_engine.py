@@ -39,6 +39,7 @@ from pagedllm.engine.speculative import propose_drafts
 from pagedllm.engine.stats import STEP_PHASES, EngineStats, StepObserver, StepTrace
 from pagedllm.kv import PagedAllocator
 from pagedllm.kv.events import KVEventLog
+from pagedllm.lora_request import LoRARequest
 from pagedllm.models.loader import resolve_model
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -90,11 +91,15 @@ class LLMEngine:
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams | BeamSearchParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a prompt; BeamSearchParams make it a beam search (one output per beam when done)."""
+        """Queue a prompt; BeamSearchParams make it a beam search (one output per beam when done);
+        `lora_request`: the LoRA adapter it runs under (loaded now if it is not in memory)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if lora_request is not None and self.loras is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r} needs an engine with enable_lora=True")
         text, token_ids = check_prompt(
             request_id,
             prompt,
@@ -119,6 +124,9 @@ class LLMEngine:
             if params.seed is not None:
                 generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
             request = Request(request_id, text, token_ids, params, generator)
+        if lora_request is not None:
+            self.loras.acquire(lora_request)  # a bad adapter fails here, before the request is queued
+            request.lora_request = lora_request
         self.requests[request_id] = request
         self.scheduler.add(self._new_sequence(request))
 
@@ -135,9 +143,10 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its KV blocks return to the pool."""
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is None:
             return
+        self._forget(request)
         for seq in request.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
@@ -206,7 +215,7 @@ class LLMEngine:
             failed = [request for request in self.requests.values() if self._holds_kv(request)]
             self.scheduler.fail([seq for request in failed for seq in request.seqs])
             for request in failed:
-                del self.requests[request.request_id]
+                self._forget(request)
         except Exception as error:
             self._broken = f"a failed step could not be rolled back ({type(error).__name__}: {error})"
             raise
@@ -219,8 +228,14 @@ class LLMEngine:
     def _output(self, request: Request) -> RequestOutput:
         output = request.output(self.tokenizer)
         if output.finished:
-            del self.requests[request.request_id]
+            self._forget(request)
         return output
+
+    def _forget(self, request: Request) -> None:
+        """The request is done (finished, aborted, failed): it leaves the engine, lets go of its adapter."""
+        del self.requests[request.request_id]
+        if request.lora_request is not None:
+            self.loras.release(request.lora_request.lora_int_id)
 
     def _notify(self, out: SchedulerOutput, seconds: dict[str, float], context_tokens: int) -> None:
         prefill_tokens = sum(out.num_new_tokens[seq.seq_id] for seq in out.prefills)

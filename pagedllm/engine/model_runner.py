@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from pagedllm import ops
 from pagedllm.engine import prompt_logprobs
+from pagedllm.engine.lora_manager import LoRAManager
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.kv import KVGroups, kv_groups
 from pagedllm.models.attention import AttentionMetadata
@@ -49,6 +50,8 @@ class StepInputs:
     swap_in: np.ndarray  # [n, 2] int64 (host block, device block)
     copies: np.ndarray  # [n, 2] int64 copy-on-write (src, dst)
     computes_prompt: bool  # some sequence computes prompt tokens (not only its newest and its drafts)
+    lora_ids: list[int] = field(default_factory=list)  # the LoRA adapters the step runs (lora_int_id)
+    token_loras: np.ndarray | None = None  # [num_tokens] int64: each token's index in lora_ids, -1: base
 
 
 def logits_rows(query_start_loc: np.ndarray, num_logits: np.ndarray) -> np.ndarray:
@@ -57,6 +60,17 @@ def logits_rows(query_start_loc: np.ndarray, num_logits: np.ndarray) -> np.ndarr
     ends = query_start_loc[1:].astype(np.int64)
     firsts = np.repeat(ends - num_logits, num_logits)
     return firsts + np.arange(total) - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
+
+
+def _token_loras(seqs: list, owner: np.ndarray) -> tuple[list[int], np.ndarray | None]:
+    """The step's LoRA adapters (lora_int_id, ascending) and each token's index among them (-1: the base;
+    None when every sequence runs the base). `owner[t]`: the sequence of token t."""
+    lora_ids = sorted({seq.lora_int_id for seq in seqs if seq.lora_int_id is not None})
+    if not lora_ids:
+        return [], None
+    index = {lora_int_id: i for i, lora_int_id in enumerate(lora_ids)}
+    seq_loras = np.fromiter((index.get(seq.lora_int_id, -1) for seq in seqs), np.int64, len(seqs))
+    return lora_ids, seq_loras[owner]
 
 
 def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
@@ -84,8 +98,10 @@ class ModelRunner:
         prefault_kv_cache: bool = True,
         groups: KVGroups | None = None,
         lm_head: torch.nn.Module | None = None,
+        loras: LoRAManager | None = None,
     ):
         self.model = model
+        self.loras = loras  # the engine's LoRA adapters (enable_lora), None without
         # GGUF layers' bf16 path (with AVX2, their K types' float panels): per step (takes_bf16)
         self.gates_bf16 = gates_many_rows(model)
         self.lm_head = lm_head  # None: the model's own; a draft's may be over part of the vocabulary
@@ -170,11 +186,25 @@ class ModelRunner:
             if self.gates_bf16
             else contextlib.nullcontext()
         )
-        with gate:
+        with gate, self._step_adapters(step):
             hidden = self.model(self._tensor(step.input_ids), self._tensor(step.positions), meta)
             if int(step.num_logits.sum()) < len(hidden):  # some rows need no logits: keep the others
                 hidden = hidden[self._tensor(logits_rows(step.query_start_loc, step.num_logits))]
             return self.model.compute_logits(hidden, self.lm_head)
+
+    @contextlib.contextmanager
+    def _step_adapters(self, step: StepInputs):
+        """The step's LoRA adapters update their tokens' projections during the forward (none after). A
+        runner without adapters (a draft model's) runs every sequence on its base."""
+        if step.token_loras is None or self.loras is None:
+            yield
+            return
+        state = self.loras.state
+        state.set_step(self.loras.step_adapters(step.lora_ids), step.token_loras, self.device)
+        try:
+            yield
+        finally:
+            state.clear()
 
     def prepare_inputs(self, out: SchedulerOutput, block_tables: list[list[list[int]]]) -> StepInputs:
         """The step's arrays for the scheduled sequences, whose KV blocks are given by `block_tables` (per
@@ -219,6 +249,7 @@ class ModelRunner:
                     num_logits[s] = prompt_logprobs.num_logits(seq, int(starts[s]), int(ends[s]))
         bs = self.block_size
         slots = tables[:, owner, positions // bs].astype(np.int64) * bs + positions % bs
+        lora_ids, token_loras = _token_loras(seqs, owner)
         return StepInputs(
             input_ids=input_ids,
             positions=positions,
@@ -232,6 +263,8 @@ class ModelRunner:
             swap_in=_pairs(out.swap_in),
             copies=_pairs(out.copies),
             computes_prompt=computes_prompt,
+            lora_ids=lora_ids,
+            token_loras=token_loras,
         )
 
     def _table_array(self, block_tables: list[list[list[int]]]) -> np.ndarray:

@@ -11,6 +11,7 @@ import torch
 from pagedllm.engine import detokenizer
 from pagedllm.engine.beam_search import BeamSearchDriver
 from pagedllm.engine.sequence import Sequence
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -64,6 +65,7 @@ class Request:
     beam_search: BeamSearchDriver | None = None
     first_seq: Sequence | None = None  # the prompt's own sequence (it counts the prefix cache's hits)
     num_created: int = 0  # sequences created so far (each gets the next index)
+    lora_request: LoRARequest | None = None  # the adapter every sequence of it runs under (None: the base)
     prompt_logprobs: list[dict[int, float]] | None = field(init=False)  # its sequences' shared list
 
     def __post_init__(self) -> None:
@@ -79,6 +81,7 @@ class Request:
             self.params,
             guide=guide,
             prompt_logprobs=self.prompt_logprobs,
+            lora_int_id=self.lora_request.lora_int_id if self.lora_request is not None else None,
         )
         self.num_created += 1
         if parent is not None:

@@ -99,6 +99,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         stop_checker: StopChecker | None = None,
         on_release: Callable[[str], None] | None = None,
+        max_loras: int | None = None,
     ):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
@@ -111,6 +112,8 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.watermark = watermark  # share of blocks a new admission must leave free (vLLM's 1%)
         self.enable_chunked_prefill = enable_chunked_prefill
+        # LoRA adapters the running and swapped sequences may run under together (None: no adapters)
+        self.max_loras = max_loras
         self.stop_checker = stop_checker or StopChecker(None, (), max_model_len)
         # Told each seq_id that leaves the cache (finished, aborted, preempted): a draft model's KV follows.
         self.on_release = on_release or (lambda seq_id: None)
@@ -261,8 +264,13 @@ class Scheduler:
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences first come first served while they fit. A beam awaiting its search's
-        choice of its next token, or a prompt whose blocks are being read from disk, is passed over."""
+        choice of its next token, or a prompt whose blocks are being read from disk, is passed over, and so
+        is one whose LoRA adapter would be one more than max_loras beside the running ones' (it waits for
+        theirs to finish)."""
+        adapters = self._adapters_in_cache()
         for seq in [seq for seq in self.waiting if seq.admissible]:
+            if not self._adapter_fits(seq, adapters):
+                continue
             if (
                 len(self.running) >= self.max_num_seqs
                 or budget <= 0
@@ -296,10 +304,21 @@ class Scheduler:
                     self.prefix_cache_queries += seq.num_tokens
                     self.prefix_cache_hits += cached
             self.allocator.cache_blocks(seq.seq_id, cached + num_new, start=cached)
+            adapters.add(seq.lora_int_id)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.add(out.prefills, seq, num_new)
             budget -= num_new
+
+    def _adapters_in_cache(self) -> set[int | None]:
+        """The LoRA adapters (lora_int_id; None: the base) of the running and swapped sequences."""
+        return {seq.lora_int_id for queue in (self.running, self.swapped) for seq in queue}
+
+    def _adapter_fits(self, seq: Sequence, adapters: set[int | None]) -> bool:
+        """Whether admitting seq keeps the adapters in the cache within max_loras (the base is no adapter)."""
+        if seq.lora_int_id is None or seq.lora_int_id in adapters or self.max_loras is None:
+            return True
+        return len(adapters - {None}) < self.max_loras
 
     def _chunk(self, seq: Sequence, out: SchedulerOutput, num_tokens: int) -> int:
         """The prompt tokens of `seq` this step computes: up to `num_tokens`, as far as the KV blocks for them
@@ -314,11 +333,14 @@ class Scheduler:
         prompt log-probabilities reads no cached block: the cache keeps no logits (engine.prompt_logprobs)."""
         max_new, token_ids = seq.max_new_tokens(self.max_model_len), seq.token_ids
         read = not seq.needs_prompt_logprobs
-        if not self.allocator.can_allocate(token_ids, max_new, read_prefix_cache=read) or (
+        lora = seq.lora_int_id
+        if not self.allocator.can_allocate(token_ids, max_new, read_prefix_cache=read, lora_int_id=lora) or (
             self.running and not self._leaves_headroom(seq)
         ):
             return None
-        return self.allocator.allocate(seq.seq_id, token_ids, max_new, num_computed=0, read_prefix_cache=read)
+        return self.allocator.allocate(
+            seq.seq_id, token_ids, max_new, num_computed=0, read_prefix_cache=read, lora_int_id=lora
+        )
 
     def _leaves_headroom(self, seq: Sequence) -> bool:
         """Admitting seq keeps a watermark of blocks free for the running sequences to grow into."""

@@ -56,6 +56,7 @@ class Sequence:
     # SamplingParams.prompt_logprobs: the entries of prompt tokens 1, 2, ... gathered so far, one list
     # shared by the request's sequences (a forked one that is prefilled again gathers nothing twice).
     prompt_logprobs: list[dict[int, float]] | None = None
+    lora_int_id: int | None = None  # the LoRA adapter it runs under (None: the base); keys its cached blocks
 
     @property
     def token_ids(self) -> list[int]:

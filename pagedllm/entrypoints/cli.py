@@ -118,8 +118,11 @@ def _serve(args: argparse.Namespace) -> int:
         max_n=args.max_n,
         max_logprobs=args.max_logprobs,
     )
+    lora = _lora_kwargs(args)
     if args.data_parallel_size is None:
         from pagedllm.entrypoints.openai.server import main as serve
+    elif lora:
+        raise SystemExit("--enable-lora is not supported with --data-parallel-size")
     else:
         serve = _replicas_main(args)
     return serve(
@@ -132,6 +135,46 @@ def _serve(args: argparse.Namespace) -> int:
         generation_config=args.generation_config,
         **_engine_kwargs(args),
         **{name: getattr(args, name) for name in KV_ARGS},
+        **lora,
+    )
+
+
+def _lora_kwargs(args: argparse.Namespace) -> dict:
+    """--enable-lora and its settings as build_serving's keywords ({} without it); --lora-modules'
+    name=path pairs as a dict."""
+    if not args.enable_lora:
+        if args.lora_modules:
+            raise SystemExit("--lora-modules needs --enable-lora")
+        return {}
+    modules = {}
+    for item in args.lora_modules or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--lora-modules takes name=path pairs, got {item!r}")
+        modules[name] = path
+    settings = ("max_loras", "max_lora_rank", "max_cpu_loras")
+    return {"enable_lora": True, "lora_modules": modules, **{name: getattr(args, name) for name in settings}}
+
+
+def _add_lora_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
+    """LoRA adapters served beside the model, as vLLM's flags spell them."""
+    group = parser.add_argument_group("LoRA adapters")
+    group.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders)")
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="adapters a request's model names",
+    )
+    group.add_argument(
+        "--max-loras", type=int, default=defaults["max_loras"], help="adapters one step runs at most"
+    )
+    group.add_argument(
+        "--max-lora-rank", type=int, default=defaults["max_lora_rank"], help="largest adapter rank served"
+    )
+    group.add_argument(
+        "--max-cpu-loras", type=int, default=None, help="adapters kept in memory (default: --max-loras)"
     )
 
 
@@ -456,6 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve, {**defaults, "max_num_batched_tokens": None})  # the server's own default
     _add_kv_args(serve, defaults)
     _add_server_args(serve, _defaults(ServerLimits))
+    _add_lora_args(serve, defaults)
     _add_replica_args(serve)
     serve.set_defaults(func=_serve)
 

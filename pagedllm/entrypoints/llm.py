@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.lora_request import LoRARequest
 from pagedllm.models.loader import DEFAULT_MODEL
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -56,12 +57,16 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+        """Run every prompt to completion; outputs come back in prompt order. `lora_request`: the LoRA
+        adapter of every prompt, or a list with one per prompt (None: the base model); needs
+        enable_lora=True."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        return self._generate(prompts, _as_params_list(sampling_params, len(prompts)), use_tqdm)
+        params = _as_params_list(sampling_params, len(prompts))
+        return self._generate(prompts, params, use_tqdm, _as_lora_list(lora_request, len(prompts)))
 
     def beam_search(
         self,
@@ -95,13 +100,17 @@ class LLM:
         return results
 
     def _generate(
-        self, prompts: list[PromptType], params: list[SamplingParams | BeamSearchParams], use_tqdm: bool
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams | BeamSearchParams],
+        use_tqdm: bool,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         request_ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, lora in zip(prompts, params, loras or [None] * len(prompts), strict=True):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, _prompt_input(prompt), p)
+                self.engine.add_request(request_id, _prompt_input(prompt), p, lora_request=lora)
                 request_ids.append(request_id)
             return self._run(request_ids, use_tqdm)
         finally:  # an error (bad prompt, Ctrl-C) must not leave requests holding KV blocks
@@ -162,6 +171,18 @@ def _prompt_input(prompt: PromptType) -> str | list[int]:
     if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
         return prompt
     raise TypeError(f"a prompt must be a string, a list of token ids or a dict, got {prompt!r}")
+
+
+def _as_lora_list(lora_request, num_prompts: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"got {len(loras)} lora requests for {num_prompts} prompts")
+    bad = [lora for lora in loras if lora is not None and not isinstance(lora, LoRARequest)]
+    if bad:
+        raise TypeError(f"lora_request must hold LoRARequest or None, got {bad[0]!r}")
+    return loras
 
 
 def _as_params_list(params, num_prompts: int) -> list[SamplingParams]:

@@ -56,18 +56,22 @@ class FreeBlockQueue:
         self._len += 1
 
 
-def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """SHA-256 chain key of a full block: its parent's key and its tokens."""
-    return hashlib.sha256(repr((parent, tuple(token_ids))).encode()).digest()
+def hash_block(parent: bytes | None, token_ids: Sequence[int], lora_int_id: int | None = None) -> bytes:
+    """SHA-256 chain key of a full block: its parent's key, its tokens, and the LoRA adapter its K/V was
+    computed under (vLLM's extra key lora_int_id; None: the base, whose keys carry no extra)."""
+    key = (parent, tuple(token_ids)) if lora_int_id is None else (parent, tuple(token_ids), (lora_int_id,))
+    return hashlib.sha256(repr(key).encode()).digest()
 
 
-def block_hash_chain(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """The hash chain of the full blocks of `token_ids`: the prefix cache's keys (and KV events' names)."""
+def block_hash_chain(
+    token_ids: Sequence[int], block_size: int, lora_int_id: int | None = None
+) -> list[bytes]:
+    """The hash chain of the full blocks of `token_ids` under a LoRA adapter (None: the base): the prefix
+    cache's keys (and KV events' names)."""
     hashes: list[bytes] = []
     for i in range(len(token_ids) // block_size):
-        hashes.append(
-            hash_block(hashes[-1] if hashes else None, token_ids[i * block_size : (i + 1) * block_size])
-        )
+        block = token_ids[i * block_size : (i + 1) * block_size]
+        hashes.append(hash_block(hashes[-1] if hashes else None, block, lora_int_id))
     return hashes
 
 

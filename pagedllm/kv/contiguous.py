@@ -114,6 +114,7 @@ class ContiguousAllocator:
         *,
         true_output_len: int | None = None,
         read_prefix_cache: bool = True,
+        lora_int_id: int | None = None,
     ) -> bool:
         """Whether some single gap holds the request's slab (a refusal is remembered for usage()); there
         is no prefix cache to read."""
@@ -133,6 +134,7 @@ class ContiguousAllocator:
         true_output_len: int | None = None,
         num_computed: int | None = None,
         read_prefix_cache: bool = True,
+        lora_int_id: int | None = None,
     ) -> int:
         """Reserve the request's slab first fit and place the prompt at its start; returns 0 (no cache).
 

@@ -47,9 +47,11 @@ class KVEventLog:
         self.block_size, self.medium = block_size, medium
         self._events: deque[KVCacheEvent] = deque([AllBlocksCleared()])
 
-    def stored(self, block_hash: bytes, parent: bytes | None, token_ids: Sequence[int]) -> None:
+    def stored(
+        self, block_hash: bytes, parent: bytes | None, token_ids: Sequence[int], lora_id: int | None = None
+    ) -> None:
         self._events.append(
-            BlockStored([block_hash], parent, list(token_ids), self.block_size, None, self.medium)
+            BlockStored([block_hash], parent, list(token_ids), self.block_size, lora_id, self.medium)
         )
 
     def removed(self, block_hash: bytes) -> None:

@@ -85,7 +85,8 @@ class KVAllocator(Protocol):
     def __contains__(self, seq_id: Hashable) -> bool: ...
 
     # true_output_len: what `pagedllm bench memory` knows of a request's real length, for the contiguous
-    # layout's reserve='oracle'; the paged layout ignores it (its memory grows on demand).
+    # layout's reserve='oracle'; the paged layout ignores it (its memory grows on demand). lora_int_id: the
+    # LoRA adapter the prompt's K/V is computed under (None: the base), a part of its cached blocks' keys.
     def can_allocate(
         self,
         prompt_token_ids: Sequence[int],
@@ -93,6 +94,7 @@ class KVAllocator(Protocol):
         *,
         true_output_len: int | None = None,
         read_prefix_cache: bool = True,
+        lora_int_id: int | None = None,
     ) -> bool: ...
 
     def allocate(
@@ -104,6 +106,7 @@ class KVAllocator(Protocol):
         true_output_len: int | None = None,
         num_computed: int | None = None,
         read_prefix_cache: bool = True,
+        lora_int_id: int | None = None,
     ) -> int: ...
 
     def num_blocks_needed(self, prompt_token_ids: Sequence[int]) -> int: ...

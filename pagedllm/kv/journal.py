@@ -25,14 +25,17 @@ class StepJournal:
 
     def __init__(self) -> None:
         self.pending: dict[CacheKey, Block] = {}
-        self._stored: dict[bytes, tuple[bytes | None, list[int]]] = {}  # first group: (parent, tokens)
+        # first group: (parent, tokens, LoRA adapter)
+        self._stored: dict[bytes, tuple[bytes | None, list[int], int | None]] = {}
 
     def cached(self, key: CacheKey, block: Block) -> None:
         self.pending[key] = block
 
-    def stored(self, block_hash: bytes, parent: bytes | None, token_ids: Sequence[int]) -> None:
+    def stored(
+        self, block_hash: bytes, parent: bytes | None, token_ids: Sequence[int], lora_id: int | None = None
+    ) -> None:
         """The BlockStored event of a first-group key just cached, to emit at the commit."""
-        self._stored[block_hash] = (parent, list(token_ids))
+        self._stored[block_hash] = (parent, list(token_ids), lora_id)
 
     def evicted(self, key: CacheKey) -> bool:
         """The pool evicted `key`; whether it was cached this step (then it is forgotten here)."""
@@ -45,8 +48,8 @@ class StepJournal:
     def commit(self, events: KVEventLog | None) -> None:
         """Every pending key stays: report the first group's as stored (in caching order)."""
         if events is not None:
-            for block_hash, (parent, token_ids) in self._stored.items():
-                events.stored(block_hash, parent, token_ids)
+            for block_hash, (parent, token_ids, lora_id) in self._stored.items():
+                events.stored(block_hash, parent, token_ids, lora_id)
         self.pending.clear()
         self._stored.clear()
 

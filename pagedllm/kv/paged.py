@@ -195,11 +195,12 @@ class PagedAllocator:
         *,
         true_output_len: int | None = None,
         read_prefix_cache: bool = True,
+        lora_int_id: int | None = None,
     ) -> bool:
         """Whether the prompt's blocks fit now (decode blocks are taken later, on demand).
         `true_output_len` (what `pagedllm bench memory` passes every layout) changes nothing here."""
         check_request(prompt_token_ids, max_new_tokens)
-        plan = self.prefix.plan(prompt_token_ids, read_prefix_cache)
+        plan = self.prefix.plan(prompt_token_ids, read_prefix_cache, lora_int_id)
         n = len(prompt_token_ids)  # admitted by its first chunk, a prompt must still fit the whole pool
         lasting = sum(m.peak(n) for m in self.managers)
         return self.tables.fits(plan.hits, plan.num_new) and lasting <= self.num_total_blocks
@@ -213,6 +214,7 @@ class PagedAllocator:
         true_output_len: int | None = None,
         num_computed: int | None = None,
         read_prefix_cache: bool = True,
+        lora_int_id: int | None = None,
     ) -> int:
         """Give the prompt its blocks; returns how many leading prompt tokens were already cached.
 
@@ -222,12 +224,13 @@ class PagedAllocator:
         (default: all) are computed this step: their full blocks become findable at once, and the window
         groups take blocks up to there (the rest as `cache_blocks` says later chunks are computed).
         `read_prefix_cache=False` takes no cached block (every token is computed) but still caches the
-        prompt's own blocks.
+        prompt's own blocks. `lora_int_id`: the LoRA adapter its K/V is computed under (None: the base):
+        its blocks are cached under keys of that adapter alone.
         """
         if seq_id in self._seqs:
             raise duplicate(seq_id)
         check_request(prompt_token_ids, max_new_tokens)
-        plan = self.prefix.plan(prompt_token_ids, read_prefix_cache)
+        plan = self.prefix.plan(prompt_token_ids, read_prefix_cache, lora_int_id)
         hashes, hits, loads = plan.hashes, plan.hits, plan.loads
         if not self.tables.fits(hits, plan.num_new):
             raise NoFreeBlocks(
@@ -238,7 +241,9 @@ class PagedAllocator:
         num_hit = len(hits[0]) + len(loads)
         num_computed = n if num_computed is None else num_computed
         self._check_first_step(seq_id, num_computed - num_hit * bs)
-        seq = SeqBlocks(list(prompt_token_ids), [], hashes, released=[0] * self.num_groups)
+        seq = SeqBlocks(
+            list(prompt_token_ids), [], hashes, released=[0] * self.num_groups, lora_int_id=lora_int_id
+        )
         seq.num_cached_blocks = num_hit
         self.tables.touch(hits)  # every group's hits first: taking a block must not evict another group's hit
         if loads:
@@ -291,10 +296,10 @@ class PagedAllocator:
         ChunkedPrefill.room)."""
         return self.prefill.room(self._resident(seq_id), start, num_tokens, keep_free)
 
-    def plan_prefetch(self, prompt_token_ids: Sequence[int]) -> Prefetch:
+    def plan_prefetch(self, prompt_token_ids: Sequence[int], lora_int_id: int | None = None) -> Prefetch:
         """With a disk tier: the prompt's blocks on disk to read into host blocks before it is admitted, and
         whether it waits for reads in flight (kv/prefix.py)."""
-        return self.prefix.prefetch(prompt_token_ids)
+        return self.prefix.prefetch(prompt_token_ids, lora_int_id)
 
     # -- decode ----------------------------------------------------------------------------------------
 
@@ -319,7 +324,7 @@ class PagedAllocator:
         seq.window_blocks = seq.num_blocks(bs)
         if self.enable_prefix_caching and offset == bs - 1:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            seq.block_hashes.append(hash_block(parent, seq.token_ids[-bs:]))
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[-bs:], seq.lora_int_id))
         return copies
 
     def _grow(self, seq_id: Hashable, seq: SeqBlocks) -> list[tuple[int, int]]:
@@ -378,6 +383,7 @@ class PagedAllocator:
             num_cached_blocks=parent.num_cached_blocks,
             window_blocks=parent.window_blocks,
             released=list(parent.released),
+            lora_int_id=parent.lora_int_id,
         )
         self.tables.resident_slots += parent.slots_held()
         return []

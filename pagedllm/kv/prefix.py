@@ -36,14 +36,17 @@ class PrefixLookup:
     ):
         self.pool, self.managers, self.enabled, self.tiers, self.host = pool, managers, enabled, tiers, host
         self.block_size = managers[0].block_size
-        self._hashed: tuple[tuple[int, ...], list[bytes]] = ((), [])  # the last prompt and its block hashes
+        # the last prompt (with its LoRA adapter) and its block hashes
+        self._hashed: tuple[tuple, list[bytes]] = ((), [])
 
-    def plan(self, prompt: Sequence[int], read_cache: bool = True) -> Admission:
+    def plan(
+        self, prompt: Sequence[int], read_cache: bool = True, lora_int_id: int | None = None
+    ) -> Admission:
         bs, n = self.block_size, len(prompt)
         hashes: list[bytes] = []
         num_hit, loads = 0, []
         if self.enabled:
-            hashes = self.hashes(prompt)
+            hashes = self.hashes(prompt, lora_int_id)
             readable = hashes[: (n - 1) // bs if read_cache else 0]
             num_hit = self.num_hit_blocks(readable)
             if self.tiers is not None:
@@ -52,13 +55,13 @@ class PrefixLookup:
         num_new = sum(m.new_blocks(group, n, num_hit) for m, group in zip(self.managers, hits, strict=True))
         return Admission(hashes, hits, num_new, loads)
 
-    def prefetch(self, prompt: Sequence[int]) -> Prefetch:
+    def prefetch(self, prompt: Sequence[int], lora_int_id: int | None = None) -> Prefetch:
         """With a disk tier: the prompt's blocks after its device and host hits that are on disk, each
         with a host slot to read it into before the prompt is admitted (then `tiers.prefetched`), and
         whether the prompt waits for reads in flight."""
         if self.tiers is None or self.tiers.disk is None:
             return Prefetch()
-        hashes = self.hashes(prompt)[: (len(prompt) - 1) // self.block_size]
+        hashes = self.hashes(prompt, lora_int_id)[: (len(prompt) - 1) // self.block_size]
         i = self.num_hit_blocks(hashes)
         while i < len(hashes) and hashes[i] in self.host.cached:
             self.host.touch(hashes[i])  # most recently used: the prefetch must not evict it
@@ -78,10 +81,11 @@ class PrefixLookup:
                 return num_hit
             num_hit = agreed
 
-    def hashes(self, prompt: Sequence[int]) -> list[bytes]:
-        """The hash chain of the prompt's full blocks (a new list). The last prompt's is kept: a scheduler
-        asks can_allocate and then allocate of the same prompt, and a waiting one again each step."""
-        key = tuple(prompt)
+    def hashes(self, prompt: Sequence[int], lora_int_id: int | None = None) -> list[bytes]:
+        """The hash chain of the prompt's full blocks under its LoRA adapter (a new list). The last
+        prompt's is kept: a scheduler asks can_allocate and then allocate of the same prompt, and a
+        waiting one again each step."""
+        key = (lora_int_id, tuple(prompt))
         if self._hashed[0] != key:
-            self._hashed = (key, block_hash_chain(prompt, self.block_size))
+            self._hashed = (key, block_hash_chain(prompt, self.block_size, lora_int_id))
         return list(self._hashed[1])

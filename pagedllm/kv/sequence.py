@@ -20,6 +20,7 @@ class SeqBlocks:
     released: list[int] = field(default_factory=list)  # per group: leading entries given back
     promise: int = 0  # free blocks set aside for the window groups' growth until the prefill ends
     num_lookahead: int = 0  # slots held past the last token (speculative decoding's draft tokens)
+    lora_int_id: int | None = None  # the LoRA adapter its K/V is computed under: part of its blocks' hashes
 
     def num_blocks(self, block_size: int) -> int:
         """Logical blocks its tokens span."""

@@ -79,7 +79,8 @@ class BlockTables:
             and self.pool.events is not None
         ):
             bs, parent = self.block_size, seq.block_hashes[i - 1] if i else None
-            self.pool.journal.stored(seq.block_hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            self.pool.journal.stored(seq.block_hashes[i], parent, tokens, seq.lora_int_id)
 
     def copy_last_block(self, seq: SeqBlocks, group: int, table: list[Block | None]) -> tuple[int, int]:
         """Copy on write: replace the group's shared, partly filled last block by a copy of its own;

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,6 +27,9 @@ from pagedllm.models.parallel import (
     attention_heads,
     split,
 )
+
+if TYPE_CHECKING:
+    from pagedllm.models.lora import LoRAState
 
 
 class RMSNorm(nn.Module):
@@ -159,11 +162,13 @@ class DecoderLayer(nn.Module):
     ops one by one); else, or with `fused` None, the family's forward_ops.
 
     A family's layer has self_attn (Attention), mlp, input_layernorm and post_attention_layernorm, and
-    says in feedforward_norms whether norms wrap its MLP (Gemma's (pre, post))."""
+    says in feedforward_norms whether norms wrap its MLP (Gemma's (pre, post)). A step with LoRA adapters
+    runs the ops one by one: the adapters add their updates to the projections' outputs."""
 
     self_attn: Attention
     input_layernorm: RMSNorm
     post_attention_layernorm: RMSNorm
+    lora_state: LoRAState | None = None  # set where adapters may run (models/lora.py: attach_lora)
 
     def __init__(self) -> None:
         super().__init__()
@@ -172,8 +177,8 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata
     ) -> torch.Tensor:
-        if self.fused is None:
-            return self.forward_ops(h, positions, rotary, meta)
+        if self.fused is None or (self.lora_state is not None and self.lora_state.groups):
+            return self.forward_ops(h, positions, rotary, meta)  # adapters add to each projection's output
         slot_mapping, args = self.self_attn.attn.paged_args(meta)
         return self.fused(h, positions, slot_mapping, args)
 

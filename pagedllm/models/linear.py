@@ -21,12 +21,16 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.ops import KernelWeight, cpu
+
+if TYPE_CHECKING:
+    from pagedllm.models.lora import LoRATarget
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +48,17 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.method: LinearMethod = DenseLinear()
         self.serves_embedding = False  # a tied LM head: its weight is the token embedding table too
+        self.lora: LoRATarget | None = None  # set where LoRA adapters may update the output (models/lora.py)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self.method.apply(self, x, residual)
+        return self.matmul(x, residual)
+
+    def matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ b) (+ residual) by the method, then the step's LoRA updates of their rows (if any)."""
+        y = self.method.apply(self, x, residual)
+        if self.lora is not None:
+            self.lora.add(y, x)
+        return y
 
 
 class MergedLinear(Linear):

@@ -201,7 +201,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         first = self.tp.rank == 0
-        return self.tp.all_reduce(self.method.apply(self, x, residual if first else None))
+        return self.tp.all_reduce(self.matmul(x, residual if first else None))
 
     def checkpoint_part(self, pname: str, shard: str | None) -> Part | None:
         return self.in_part if pname == "weight" else None

@@ -21,6 +21,7 @@ from pagedllm.engine.stats import EngineStats
 from pagedllm.entrypoints.openai.errors import APIError, EngineDead, ShuttingDown
 from pagedllm.entrypoints.openai.metrics import EngineMetrics, RequestTimes
 from pagedllm.kv.events import KVEventLog
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -164,10 +165,12 @@ class AsyncEngine:
         self,
         request_ids: list[str],
         prepare: Callable[[LLMEngine], list[tuple[str | list[int], SamplingParams]]],
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestStream]:
-        """prepare(engine) -> one (prompt, params) per request id, then add them all: one call on the
-        engine thread, so tokenizing, checking and admission cost no extra step. An exception from
-        `prepare` or a refused prompt (ValueError) is raised here, and then no request was added."""
+        """prepare(engine) -> one (prompt, params) per request id, then add them all (under the LoRA
+        adapter `lora_request`, if given): one call on the engine thread, so tokenizing, checking and
+        admission cost no extra step. An exception from `prepare` or a refused prompt (ValueError) is
+        raised here, and then no request was added."""
         loop, arrival = asyncio.get_running_loop(), time.monotonic()
         streams = [_Stream(loop, asyncio.Queue(), RequestTimes(arrival)) for _ in request_ids]
 
@@ -176,7 +179,7 @@ class AsyncEngine:
             added = []
             try:
                 for request_id, (prompt, params), stream in zip(request_ids, items, streams, strict=True):
-                    engine.add_request(request_id, prompt, params)
+                    engine.add_request(request_id, prompt, params, lora_request=lora_request)
                     added.append(request_id)
                     self._streams[request_id] = stream
             except BaseException:

@@ -27,7 +27,7 @@ from pagedllm.entrypoints.openai.errors import ShuttingDown, error_response, ins
 from pagedllm.entrypoints.openai.limits import Admission, LimitsMiddleware, ServerLimits
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels, load_adapter, lora_routes
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.models.loader import DEFAULT_MODEL
 
@@ -80,18 +80,26 @@ def build_serving(
     model: str = DEFAULT_MODEL,
     served_model_name: str | None = None,
     limits: ServerLimits | None = None,
+    lora_modules: dict[str, str] | None = None,
     **engine_kwargs,
 ) -> Serving:
     """An engine serving `model` and its handlers (the engine thread not yet started); engine_kwargs are
     EngineConfig fields (kv_cache_memory, max_model_len, ...). max_num_batched_tokens None or absent:
-    server_cpu_batched_tokens() on the CPU with chunked prefill on, else EngineConfig's default."""
+    server_cpu_batched_tokens() on the CPU with chunked prefill on, else EngineConfig's default.
+    lora_modules: LoRA adapters served by name (name -> folder; needs enable_lora)."""
+    if lora_modules and not engine_kwargs.get("enable_lora"):
+        raise ValueError(f"lora_modules {sorted(lora_modules)} need enable_lora=True (--enable-lora)")
     if engine_kwargs.get("max_num_batched_tokens") is None:
         engine_kwargs.pop("max_num_batched_tokens", None)
         if engine_kwargs.get("device", "cpu") == "cpu" and engine_kwargs.get("enable_chunked_prefill", True):
             engine_kwargs["max_num_batched_tokens"] = server_cpu_batched_tokens()
     engine = AsyncEngine(LLMEngine(EngineConfig(model=model, **engine_kwargs)))
     limits = limits or ServerLimits()
-    serving_models = OpenAIServingModels(served_model_name or model, engine.max_model_len, model)
+    serving_models = OpenAIServingModels(
+        served_model_name or model, engine.max_model_len, model, lora_modules
+    )
+    for lora in serving_models.adapters.values():  # a bad adapter stops the start, as in vLLM
+        load_adapter(engine.engine, lora)
     return Serving(
         engine,
         serving_models,
@@ -157,6 +165,7 @@ def build_app(
     install_error_handlers(app)
     app.include_router(dashboard.router(engine))  # GET /dashboard and GET /v1/kv
     app.include_router(openai_routes(serving))
+    app.include_router(lora_routes(serving.models, engine))  # POST /v1/load_lora_adapter, unload
 
     @app.exception_handler(WorkerFailure)  # a tensor-parallel rank died or hung: no step can run
     async def engine_failed(request: Request, error: WorkerFailure) -> Response:

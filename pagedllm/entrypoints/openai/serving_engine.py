@@ -78,8 +78,8 @@ class OpenAIServing:
             return items
 
         request_ids = [f"{response_id}-{i}" for i in range(num_prompts)]
-        try:
-            return await self.engine.add(request_ids, prepare)
+        try:  # under the LoRA adapter the request's `model` names, if it names one
+            return await self.engine.add(request_ids, prepare, self.models.lora_request(request.model))
         except ValueError as error:  # the engine refused a prompt or a parameter
             raise APIError(str(error), param=_param_of(str(error))) from error
 
