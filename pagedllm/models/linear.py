@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +29,15 @@ from torch import nn
 
 from pagedllm.ops import KernelWeight, cpu
 
-if TYPE_CHECKING:
-    from pagedllm.models.lora import LoRATarget
-
 logger = logging.getLogger(__name__)
 
 LINEAR_METHOD_ENV_VAR = "PAGEDLLM_LINEAR_METHOD"
+
+
+class OutputUpdate(Protocol):
+    """What may add to a linear layer's output after its matmul (models/lora.py's LoRATarget)."""
+
+    def add(self, y: torch.Tensor, x: torch.Tensor) -> None: ...
 
 
 class Linear(nn.Module):
@@ -48,7 +51,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.method: LinearMethod = DenseLinear()
         self.serves_embedding = False  # a tied LM head: its weight is the token embedding table too
-        self.lora: LoRATarget | None = None  # set where LoRA adapters may update the output (models/lora.py)
+        self.lora: OutputUpdate | None = None  # where LoRA adapters may update the output (models/lora.py)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return self.matmul(x, residual)
