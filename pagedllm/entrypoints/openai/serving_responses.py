@@ -168,7 +168,7 @@ def chat_completion_request(request: r.ResponsesRequest, conversation: list[p.Ch
     )
     choice = request.tool_choice
     if isinstance(choice, r.FunctionToolChoice):
-        choice = p.NamedToolChoice(type="function", function=p.NamedFunction(name=choice.name))
+        choice = {"type": "function", "function": {"name": choice.name}}
     fmt = request.text.format if request.text else None
     response_format = None
     if fmt is not None:
