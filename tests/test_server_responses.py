@@ -9,9 +9,10 @@ import time
 
 import openai
 import pytest
-from helpers import openai_client, running_server
+from helpers import openai_client, running_server, wait_until_idle
 from test_server_tools_qwen import WEATHER, qwen_gguf  # noqa: F401 (a fixture)
 
+from pagedllm.bench import serve
 from pagedllm.entrypoints.openai.responses_protocol import ResponseObject
 from pagedllm.entrypoints.openai.server import build_app
 from pagedllm.entrypoints.openai.serving_responses import ResponseStore, StoredResponse
@@ -166,6 +167,19 @@ def test_text_format_json_schema_is_guided_as_response_format(client):
     if response.status == "completed":
         assert isinstance(json.loads(response.output_text)["city"], str)
     assert response.text.format.type == "json_schema"
+
+
+def test_bench_serve_drives_the_responses_route(server, capsys):
+    """`pagedllm bench serve --endpoint-type responses`: every request streamed back whole, its output
+    tokens counted from response.completed's usage (EOS ignored: exactly the length asked for)."""
+    base, engine = server
+    argv = ["--base-url", base, "--model", MODEL, "--endpoint-type", "responses", "--num-prompts", "4"]
+    argv += ["--input-len", "5-20", "--output-len", "5", "--ignore-eos", "--request-rate", "50", "--json"]
+    code = serve.main(argv)
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["summary"]["completed"] == 4
+    assert report["summary"]["output_tokens"] == 20
+    wait_until_idle(engine)
 
 
 @pytest.mark.parametrize(

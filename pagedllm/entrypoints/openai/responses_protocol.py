@@ -131,6 +131,13 @@ class ResponsesRequest(RequestModel):
     truncation: Literal["disabled"] | None = None  # "auto" (drop old turns) is not implemented
     reasoning: ReasoningConfig | None = None
     prompt_cache_key: str | None = None  # a hint: the prefix cache needs none
+    # vLLM's extras, passed to the chat request as they are
+    top_k: Annotated[Int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    seed: Int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
 
     @field_validator("input", mode="before")
     @classmethod

@@ -34,6 +34,7 @@ PARAMS = {
     "response_format": "text.format",
 }
 INPUT_ITEMS = TypeAdapter(list[r.InputItem])
+VLLM_EXTRAS = ("top_k", "min_p", "repetition_penalty", "seed", "stop", "ignore_eos")
 
 
 @dataclass
@@ -198,6 +199,7 @@ def chat_completion_request(request: r.ResponsesRequest, conversation: list[p.Ch
         response_format=response_format,
         stream=request.stream,
         stream_options=p.StreamOptions(include_usage=True) if request.stream else None,
+        **{name: getattr(request, name) for name in VLLM_EXTRAS},
     )
 
 
