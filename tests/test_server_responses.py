@@ -186,6 +186,7 @@ def test_bench_serve_drives_the_responses_route(server, capsys):
     ("extra", "param", "named"),
     [
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "item_reference"),
+        ({"input": []}, "input", "no message"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
             "input",

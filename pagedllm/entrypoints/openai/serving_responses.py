@@ -89,6 +89,8 @@ class OpenAIServingResponses:
             else request.input
         )
         conversation = history + chat_messages(items)
+        if not conversation:
+            raise APIError("input: no message to answer (only reasoning items, or none)", param="input")
         chat_request = chat_completion_request(request, conversation)
         try:
             result = await self.chat(chat_request, raw_request)
@@ -188,7 +190,7 @@ def chat_completion_request(request: r.ResponsesRequest, conversation: list[p.Ch
     ]
     return p.ChatCompletionRequest(
         model=request.model,
-        messages=system + conversation or [p.ChatMessage(role="user", content="")],
+        messages=system + conversation,
         tools=tools or None,
         tool_choice=choice if tools or choice != "auto" else None,
         parallel_tool_calls=request.parallel_tool_calls,
