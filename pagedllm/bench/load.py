@@ -40,6 +40,19 @@ def _text_of(chunk: dict) -> str:
     return text
 
 
+def responses_chunk(event: dict) -> dict:
+    """A Responses API stream event as the chat chunk that says the same (its text, usage or error)."""
+    response = event.get("response") or {}
+    if event["type"] == "response.failed":
+        return {"error": response.get("error") or {"message": str(event)}}
+    text = event["delta"] if event["type"] == "response.output_text.delta" else ""
+    chunk = {"choices": [{"delta": {"content": text}}] if text else []}
+    usage = response.get("usage")
+    if usage:
+        chunk["usage"] = {"completion_tokens": usage["output_tokens"]}
+    return chunk
+
+
 async def send_streaming(client, url: str, body: dict, prompt_len: int) -> Result:
     """POST one streamed request; time its chunks. Tokens come from the usage chunk (else one per chunk)."""
     result = Result(ok=False, prompt_len=prompt_len)
@@ -54,6 +67,8 @@ async def send_streaming(client, url: str, body: dict, prompt_len: int) -> Resul
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if str(chunk.get("type")).startswith("response."):
+                    chunk = responses_chunk(chunk)
                 if "error" in chunk:
                     result.error = chunk["error"].get("message", str(chunk))
                     return result

@@ -55,6 +55,9 @@ from pagedllm.bench.load import Request, Result, run_load, send_streaming
 from pagedllm.bench.trace import WORKLOADS, make_trace
 from pagedllm.workload import make_prompts, parse_range
 
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}
+TEXT_ENDPOINTS = ("chat", "responses")  # they take text, not token ids
+
 
 @dataclass
 class Stats:
@@ -134,12 +137,14 @@ def make_requests(args, vocab: int, max_model_len: int, tokenizer=None) -> list[
         trace = make_trace(WORKLOADS[args.dataset], args.num_prompts, 1.0, args.seed, max_model_len)
         prompts = make_prompts([r.prompt_len for r in trace], vocab, args.seed)
         lengths = [(r.prompt_len, r.output_len) for r in trace]
-    if args.endpoint == "chat":  # chat takes text: the random ids decoded (lengths then approximate)
+    if args.endpoint in TEXT_ENDPOINTS:  # text: the random ids decoded (lengths then approximate)
         prompts = [tokenizer.decode(p) for p in prompts]
     return [Request(p, n_in, n_out) for p, (n_in, n_out) in zip(prompts, lengths, strict=True)]
 
 
 def request_body(args, model: str, request: Request) -> dict:
+    if args.endpoint == "responses":
+        return responses_body(args, model, request)
     body = {
         "model": model,
         "max_tokens": request.output_len,
@@ -154,6 +159,18 @@ def request_body(args, model: str, request: Request) -> dict:
     else:
         body["prompt"] = request.prompt
     return body
+
+
+def responses_body(args, model: str, request: Request) -> dict:
+    """The request as POST /v1/responses takes it (its usage comes with response.completed)."""
+    return {
+        "model": model,
+        "input": request.prompt,
+        "max_output_tokens": request.output_len,
+        "temperature": args.temperature,
+        "ignore_eos": args.ignore_eos,
+        "stream": True,
+    }
 
 
 # -- the report ---------------------------------------------------------------------------------------
@@ -423,7 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument(
         "--api-key", default=os.environ.get("PAGEDLLM_API_KEY"), help="sent as a Bearer token"
     )
-    target.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    target.add_argument(
+        "--endpoint-type", "--endpoint", dest="endpoint", choices=sorted(PATHS), default="completions"
+    )
     target.add_argument(
         "--vocab-size", type=int, default=None, help="token ids to draw from (default: --model's)"
     )
@@ -524,7 +543,7 @@ async def _serve_load(args, base_url: str, model: str, requests: list[Request]):
     import httpx2  # checked in main()
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
+    path = PATHS[args.endpoint]
     limits = httpx2.Limits(max_connections=args.max_concurrency or len(requests) + 1)
     async with httpx2.AsyncClient(base_url=base_url, headers=headers, timeout=None, limits=limits) as client:
         if args.soak:
@@ -642,7 +661,7 @@ def _measure(args, parser, serve_args: list[str] | None = None):
             parser.exit(2, f"pagedllm bench serve: error: {answer}\n")
         model = args.served_model_name or served["id"]
         max_model_len = served.get("max_model_len") or args.max_model_len
-        tokenizer = _tokenizer(args) if args.endpoint == "chat" else None
+        tokenizer = _tokenizer(args) if args.endpoint in TEXT_ENDPOINTS else None
         requests = make_requests(args, _vocab_size(args), max_model_len, tokenizer)
         report = asyncio.run(_serve_load(args, base_url, model, requests))
     except BaseException:

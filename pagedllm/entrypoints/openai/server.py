@@ -25,9 +25,11 @@ from pagedllm.entrypoints.openai import protocol as p
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.errors import ShuttingDown, error_response, install_error_handlers
 from pagedllm.entrypoints.openai.limits import Admission, LimitsMiddleware, ServerLimits
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels, load_adapter, lora_routes
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, ResponseStore
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.models.loader import DEFAULT_MODEL
 
@@ -137,6 +139,19 @@ def openai_routes(serving: Serving) -> APIRouter:
     @routes.post("/v1/chat/completions")
     async def chat_completions(request: p.ChatCompletionRequest, raw_request: Request):
         return _respond(await serving.chat_completions(request, raw_request))
+
+    async def model_name() -> str:
+        return (await serving.show_models()).data[0].id
+
+    responses = OpenAIServingResponses(serving.chat_completions, model_name, ResponseStore())
+
+    @routes.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request):
+        return _respond(await responses.create_response(request, raw_request))
+
+    @routes.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return responses.retrieve(response_id)
 
     return routes
 
