@@ -25,6 +25,7 @@ from pagedllm.entrypoints.openai import protocol as p
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.errors import ShuttingDown, error_response, install_error_handlers
 from pagedllm.entrypoints.openai.limits import Admission, LimitsMiddleware, ServerLimits
+from pagedllm.entrypoints.openai.reasoning import check_parser_name
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
@@ -80,11 +81,14 @@ def build_serving(
     model: str = DEFAULT_MODEL,
     served_model_name: str | None = None,
     limits: ServerLimits | None = None,
+    reasoning_parser: str | None = None,
     **engine_kwargs,
 ) -> Serving:
-    """An engine serving `model` and its handlers (the engine thread not yet started); engine_kwargs are
-    EngineConfig fields (kv_cache_memory, max_model_len, ...). max_num_batched_tokens None or absent:
+    """An engine serving `model` and its handlers (the engine thread not yet started); reasoning_parser:
+    vLLM's --reasoning-parser (reasoning.py); engine_kwargs are EngineConfig fields (kv_cache_memory,
+    max_model_len, ...). max_num_batched_tokens None or absent:
     server_cpu_batched_tokens() on the CPU with chunked prefill on, else EngineConfig's default."""
+    check_parser_name(reasoning_parser)  # before the model loads
     if engine_kwargs.get("max_num_batched_tokens") is None:
         engine_kwargs.pop("max_num_batched_tokens", None)
         if engine_kwargs.get("device", "cpu") == "cpu" and engine_kwargs.get("enable_chunked_prefill", True):
@@ -96,7 +100,7 @@ def build_serving(
         engine,
         serving_models,
         OpenAIServingCompletion(engine, serving_models, limits),
-        OpenAIServingChat(engine, serving_models, limits),
+        OpenAIServingChat(engine, serving_models, limits, reasoning_parser=reasoning_parser),
         OpenAIServingTokenization(engine, serving_models, limits),
     )
 
