@@ -28,6 +28,7 @@ from pagedllm.entrypoints.openai.limits import Admission, LimitsMiddleware, Serv
 from pagedllm.entrypoints.openai.reasoning import check_parser_name
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_messages import messages_routes
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.models.loader import DEFAULT_MODEL
@@ -134,6 +135,7 @@ def openai_routes(serving: Serving) -> APIRouter:
     async def chat_completions(request: p.ChatCompletionRequest, raw_request: Request):
         return _respond(await serving.chat_completions(request, raw_request))
 
+    routes.include_router(messages_routes(serving))  # Anthropic's, through chat_completions and tokenize
     return routes
 
 
