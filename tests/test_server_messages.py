@@ -316,3 +316,34 @@ def test_a_tool_round_trip_with_the_official_client(qwen_server, qwen_gguf):  # 
         == expected
     )
     wait_until_idle(engine)
+
+
+def test_bench_serve_drives_the_messages_api(server, capsys):
+    """`pagedllm bench serve --endpoint-type messages`: the same greedy requests as over chat, so the same
+    tokens come back (the usage its stream reports); --ignore-eos, which the API lacks, is refused."""
+    from pagedllm.bench import serve
+
+    base, engine = server
+    argv = [
+        "--base-url",
+        base,
+        "--model",
+        MODEL,
+        "--api-key",
+        KEY,
+        "--num-prompts",
+        "3",
+        "--input-len",
+        "5-12",
+    ]
+    argv += ["--output-len", "6", "--json"]
+    reports = {}
+    for endpoint in ("messages", "chat"):
+        assert serve.main([*argv, "--endpoint-type", endpoint]) == 0
+        reports[endpoint] = json.loads(capsys.readouterr().out)["summary"]
+    assert reports["messages"]["completed"] == 3
+    assert reports["messages"]["output_tokens"] == reports["chat"]["output_tokens"] > 0
+    with pytest.raises(SystemExit):
+        serve.main([*argv, "--endpoint-type", "messages", "--ignore-eos"])
+    assert "--ignore-eos" in capsys.readouterr().err
+    wait_until_idle(engine)
