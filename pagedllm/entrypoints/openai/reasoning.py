@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.entrypoints.openai.tool_parser import _held_prefix  # the same hold-back as <tool_call>'s
+
 START, END = "<think>", "</think>"
 
 
@@ -31,14 +33,6 @@ class ReasoningDelta:
     def add(self, other: ReasoningDelta) -> None:
         self.reasoning += other.reasoning
         self.content += other.content
-
-
-def _held_prefix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that could be the start of `tag`."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
 
 
 class ReasoningParser:
