@@ -33,28 +33,42 @@ class Result:
     error: str = ""
 
 
-def _text_of(chunk: dict) -> str:
+def openai_event(chunk: dict) -> tuple[str, int | None]:
+    """A completions or chat chunk's new text, and the output tokens its usage reports (the last one)."""
     text = ""
     for choice in chunk.get("choices") or []:
-        text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-    return text
+        delta = choice.get("delta") or {}
+        text += choice.get("text") or delta.get("content") or delta.get("reasoning_content") or ""
+    usage = chunk.get("usage")
+    return text, usage["completion_tokens"] if usage else None
 
 
-def responses_chunk(event: dict) -> dict:
-    """A Responses API stream event as the chat chunk that says the same (its text, usage or error)."""
+def anthropic_event(event: dict) -> tuple[str, int | None]:
+    """A Messages stream event's new text (a text, thinking or tool input delta), and the output tokens
+    its usage reports (message_delta's, the last)."""
+    delta = event.get("delta") or {}
+    text = delta.get("text") or delta.get("thinking") or delta.get("partial_json") or ""
+    usage = event.get("usage") if event.get("type") == "message_delta" else None
+    return text, usage["output_tokens"] if usage else None
+
+
+class StreamError(Exception):
+    """A stream that reported a failure in its own event shape (a Responses API response.failed)."""
+
+
+def responses_event(event: dict) -> tuple[str, int | None]:
+    """A Responses API stream event's new text, and the output tokens response.completed's usage reports."""
     response = event.get("response") or {}
-    if event["type"] == "response.failed":
-        return {"error": response.get("error") or {"message": str(event)}}
-    text = event["delta"] if event["type"] == "response.output_text.delta" else ""
-    chunk = {"choices": [{"delta": {"content": text}}] if text else []}
+    if event.get("type") == "response.failed":
+        raise StreamError((response.get("error") or {}).get("message", str(event)))
+    text = event["delta"] if event.get("type") == "response.output_text.delta" else ""
     usage = response.get("usage")
-    if usage:
-        chunk["usage"] = {"completion_tokens": usage["output_tokens"]}
-    return chunk
+    return text, usage["output_tokens"] if usage else None
 
 
-async def send_streaming(client, url: str, body: dict, prompt_len: int) -> Result:
-    """POST one streamed request; time its chunks. Tokens come from the usage chunk (else one per chunk)."""
+async def send_streaming(client, url: str, body: dict, prompt_len: int, read=openai_event) -> Result:
+    """POST one streamed request; time its events, which `read` gives as (new text, output tokens or
+    None). Tokens come from the usage the stream reports (else one per event with text)."""
     result = Result(ok=False, prompt_len=prompt_len)
     start = last = time.perf_counter()
     chunks_with_text, usage = 0, None
@@ -67,13 +81,12 @@ async def send_streaming(client, url: str, body: dict, prompt_len: int) -> Resul
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if str(chunk.get("type")).startswith("response."):
-                    chunk = responses_chunk(chunk)
                 if "error" in chunk:
                     result.error = chunk["error"].get("message", str(chunk))
                     return result
-                usage = chunk.get("usage") or usage
-                if _text_of(chunk):
+                text, tokens = read(chunk)
+                usage = usage if tokens is None else tokens
+                if text:
                     now = time.perf_counter()
                     if chunks_with_text == 0:
                         result.ttft = now - start
@@ -81,11 +94,14 @@ async def send_streaming(client, url: str, body: dict, prompt_len: int) -> Resul
                         result.itl.append(now - last)
                     last = now
                     chunks_with_text += 1
+    except StreamError as error:
+        result.error = str(error)
+        return result
     except Exception as error:  # the client side of a failure: connection refused, reset, timeout
         result.error = f"{type(error).__name__}: {error}"
         return result
     result.e2e = time.perf_counter() - start
-    result.output_tokens = usage["completion_tokens"] if usage else chunks_with_text
+    result.output_tokens = chunks_with_text if usage is None else usage
     result.ok = True
     return result
 

@@ -47,16 +47,22 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pagedllm.bench import flags, soak
-from pagedllm.bench.load import Request, Result, run_load, send_streaming
+from pagedllm.bench.load import (
+    Request,
+    Result,
+    anthropic_event,
+    openai_event,
+    responses_event,
+    run_load,
+    send_streaming,
+)
 from pagedllm.bench.trace import WORKLOADS, make_trace
 from pagedllm.workload import make_prompts, parse_range
-
-PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}
-TEXT_ENDPOINTS = ("chat", "responses")  # they take text, not token ids
 
 
 @dataclass
@@ -137,40 +143,50 @@ def make_requests(args, vocab: int, max_model_len: int, tokenizer=None) -> list[
         trace = make_trace(WORKLOADS[args.dataset], args.num_prompts, 1.0, args.seed, max_model_len)
         prompts = make_prompts([r.prompt_len for r in trace], vocab, args.seed)
         lengths = [(r.prompt_len, r.output_len) for r in trace]
-    if args.endpoint in TEXT_ENDPOINTS:  # text: the random ids decoded (lengths then approximate)
+    if ENDPOINTS[args.endpoint].takes_text:  # the random ids decoded (lengths then approximate)
         prompts = [tokenizer.decode(p) for p in prompts]
     return [Request(p, n_in, n_out) for p, (n_in, n_out) in zip(prompts, lengths, strict=True)]
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """How the bench speaks one API: its route, whether it takes text (else token ids), the body's fields
+    of its own for a request, and how its stream's events read (openai_event's signature)."""
+
+    path: str
+    takes_text: bool
+    fields: Callable[[Request], dict]
+    read: Callable[[dict], tuple[str, int | None]] = openai_event
+    takes_ignore_eos: bool = True  # vLLM's extra; Anthropic's API has no such field
+    max_tokens: str = "max_tokens"  # the field that bounds the output (the Responses API's is its own)
+
+
+def _user_turn(request: Request) -> dict:
+    return {"messages": [{"role": "user", "content": request.prompt}]}
+
+
+def _responses_fields(request: Request) -> dict:
+    return {"input": request.prompt}
+
+
+OPENAI_USAGE = {"stream_options": {"include_usage": True}}
+ENDPOINTS = {
+    "completions": Endpoint("/v1/completions", False, lambda r: {"prompt": r.prompt} | OPENAI_USAGE),
+    "chat": Endpoint("/v1/chat/completions", True, lambda r: _user_turn(r) | OPENAI_USAGE),
+    "messages": Endpoint("/v1/messages", True, _user_turn, anthropic_event, takes_ignore_eos=False),
+    "responses": Endpoint(
+        "/v1/responses", True, _responses_fields, responses_event, max_tokens="max_output_tokens"
+    ),
+}
+
+
 def request_body(args, model: str, request: Request) -> dict:
-    if args.endpoint == "responses":
-        return responses_body(args, model, request)
-    body = {
-        "model": model,
-        "max_tokens": request.output_len,
-        "temperature": args.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    endpoint = ENDPOINTS[args.endpoint]
+    body = {"model": model, endpoint.max_tokens: request.output_len, "temperature": args.temperature}
+    body["stream"] = True
     if args.ignore_eos:
         body["ignore_eos"] = True
-    if args.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": request.prompt}]
-    else:
-        body["prompt"] = request.prompt
-    return body
-
-
-def responses_body(args, model: str, request: Request) -> dict:
-    """The request as POST /v1/responses takes it (its usage comes with response.completed)."""
-    return {
-        "model": model,
-        "input": request.prompt,
-        "max_output_tokens": request.output_len,
-        "temperature": args.temperature,
-        "ignore_eos": args.ignore_eos,
-        "stream": True,
-    }
+    return body | endpoint.fields(request)
 
 
 # -- the report ---------------------------------------------------------------------------------------
@@ -441,7 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key", default=os.environ.get("PAGEDLLM_API_KEY"), help="sent as a Bearer token"
     )
     target.add_argument(
-        "--endpoint-type", "--endpoint", dest="endpoint", choices=sorted(PATHS), default="completions"
+        "--endpoint-type",
+        "--endpoint",
+        dest="endpoint",
+        choices=list(ENDPOINTS),
+        default="completions",
+        help="the API the requests speak (messages: Anthropic's)",
     )
     target.add_argument(
         "--vocab-size", type=int, default=None, help="token ids to draw from (default: --model's)"
@@ -543,14 +564,15 @@ async def _serve_load(args, base_url: str, model: str, requests: list[Request]):
     import httpx2  # checked in main()
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    path = PATHS[args.endpoint]
+    endpoint = ENDPOINTS[args.endpoint]
     limits = httpx2.Limits(max_connections=args.max_concurrency or len(requests) + 1)
     async with httpx2.AsyncClient(base_url=base_url, headers=headers, timeout=None, limits=limits) as client:
         if args.soak:
             return await soak.run(client, args, base_url, model, requests)
 
         async def send(request: Request) -> Result:
-            return await send_streaming(client, path, request_body(args, model, request), request.prompt_len)
+            body = request_body(args, model, request)
+            return await send_streaming(client, endpoint.path, body, request.prompt_len, endpoint.read)
 
         # Warm-up, not counted: the first prompt reversed, so that it leaves nothing in the server's prefix
         # cache that the workload asks for.
@@ -568,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if importlib.util.find_spec("httpx2") is None:
         parser.error("the load generator needs httpx2: pip install 'pagedllm[bench]'")
+    if args.ignore_eos and not ENDPOINTS[args.endpoint].takes_ignore_eos:
+        parser.error(f"--ignore-eos: the {args.endpoint} API has no ignore_eos (greedy outputs match chat's)")
     if args.compare_offline and (args.base_url or args.endpoint != "completions"):
         parser.error("--compare-offline needs the server this bench starts and --endpoint completions")
     for name in ("kv_offload_memory", "setups"):
@@ -619,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(data, indent=2, default=str))
         return 0 if summary.failed == 0 else 1
     started = "started by this bench" if server else "given"
-    print(f"target: {base_url} ({started}), /v1/{args.endpoint}, model {model}")
+    print(f"target: {base_url} ({started}), {ENDPOINTS[args.endpoint].path}, model {model}")
     print(f"workload: {workload}")
     print(format_summary(summary))
     for error in [r.error for r in results if not r.ok][:5]:
@@ -661,7 +685,7 @@ def _measure(args, parser, serve_args: list[str] | None = None):
             parser.exit(2, f"pagedllm bench serve: error: {answer}\n")
         model = args.served_model_name or served["id"]
         max_model_len = served.get("max_model_len") or args.max_model_len
-        tokenizer = _tokenizer(args) if args.endpoint in TEXT_ENDPOINTS else None
+        tokenizer = _tokenizer(args) if ENDPOINTS[args.endpoint].takes_text else None
         requests = make_requests(args, _vocab_size(args), max_model_len, tokenizer)
         report = asyncio.run(_serve_load(args, base_url, model, requests))
     except BaseException:

@@ -133,6 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
         limits=limits,
         shutdown_timeout=args.shutdown_timeout,
         generation_config=args.generation_config,
+        reasoning_parser=args.reasoning_parser,
         **_engine_kwargs(args),
         **{name: getattr(args, name) for name in KV_ARGS},
         **lora,
@@ -347,11 +348,19 @@ def _add_kv_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
 
 def _add_server_args(parser: argparse.ArgumentParser, limits: dict) -> None:
     """What a server left running needs: sampling defaults, an API key, limits, a graceful shutdown."""
+    from pagedllm.entrypoints.openai.reasoning import PARSERS
+
     parser.add_argument(
         "--generation-config",
         default="auto",
         help="sampling fields a request leaves unset: auto (the model's generation_config.json), "
         "vllm (vLLM's own), or a folder holding one (default: auto)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=PARSERS,
+        help="split a reasoning model's <think> block off as reasoning_content (vLLM's; default: none)",
     )
     parser.add_argument(
         "--api-key",

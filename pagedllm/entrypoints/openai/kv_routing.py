@@ -193,7 +193,14 @@ class PromptBlocks:
         if isinstance(request, p.ChatCompletionRequest):
             plan = plan_tools(request, getattr(tokenizer, "chat_template", None))
             messages = template_messages(request.messages)
-            text = chat_text(tokenizer, self.model, messages, request.add_generation_prompt, plan.tools)
+            text = chat_text(
+                tokenizer,
+                self.model,
+                messages,
+                request.add_generation_prompt,
+                plan.tools,
+                request.chat_template_kwargs,
+            )
             return tokenizer.encode(text, add_special_tokens=False)
         if isinstance(request, p.CompletionRequest):
             prompt = prompts_of(request.prompt)[0]

@@ -13,6 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from pagedllm.entrypoints.openai.anthropic_protocol import error_body as anthropic_error
 from pagedllm.entrypoints.openai.errors import APIError, error_body
 
 GUARDED = ("/v1", "/tokenize", "/detokenize")  # the routes behind the door (path prefixes)
@@ -69,24 +70,24 @@ class LimitsMiddleware:
             return
         limits, admission = self.limits, self.admission
         if admission.draining:
-            await _refuse(send, 503, "the server is shutting down and admits no new requests")
+            await _refuse(send, 503, "the server is shutting down and admits no new requests", scope["path"])
             return
         if limits.api_key is not None and not _authorized(scope, limits.api_key):
             message = "missing or incorrect API key: send the header `Authorization: Bearer <key>`"
-            await _refuse(send, 401, message)
+            await _refuse(send, 401, message + " or `x-api-key: <key>`", scope["path"])
             return
         if admission.active >= limits.max_concurrent_requests:
             message = (
                 f"too many concurrent requests: this server serves at most "
                 f"{limits.max_concurrent_requests} at once (--max-concurrent-requests); retry later"
             )
-            await _refuse(send, 429, message)
+            await _refuse(send, 429, message, scope["path"])
             return
         admission.active += 1
         try:
             body = await _read_body(scope, receive, limits.max_request_body_bytes)
             if body is None:
-                await _refuse(send, 413, _too_large(limits.max_request_body_bytes))
+                await _refuse(send, 413, _too_large(limits.max_request_body_bytes), scope["path"])
                 return
             await self.app(scope, _replay(body, receive), send)
         finally:
@@ -94,9 +95,12 @@ class LimitsMiddleware:
 
 
 def _authorized(scope, api_key: str) -> bool:
+    """`Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's)."""
     headers = dict(scope["headers"])
-    given = headers.get(b"authorization", b"").decode("latin-1")
-    return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+    bearer = headers.get(b"authorization", b"")
+    return hmac.compare_digest(bearer, f"Bearer {api_key}".encode("latin-1")) or hmac.compare_digest(
+        headers.get(b"x-api-key", b""), api_key.encode("latin-1")
+    )
 
 
 def _too_large(limit: int) -> str:
@@ -136,8 +140,10 @@ def _replay(body: bytes, receive):
     return replayed
 
 
-async def _refuse(send, status: int, message: str) -> None:
-    body = json.dumps(error_body(message, status)).encode()
+async def _refuse(send, status: int, message: str, path: str = "") -> None:
+    """The refusal in the route's API's error shape: Anthropic's on /v1/messages, else OpenAI's."""
+    anthropic = path.startswith("/v1/messages")
+    body = json.dumps(anthropic_error(message, status) if anthropic else error_body(message, status)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))

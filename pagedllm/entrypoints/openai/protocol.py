@@ -6,7 +6,15 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 
 def random_id(prefix: str) -> str:
@@ -117,6 +125,18 @@ class NamedToolChoice(RequestModel):
 
 
 TOOL_CHOICES = ("none", "auto", "required")
+TEMPLATE_VARIABLES = {"messages", "tools", "add_generation_prompt", "tokenize", "chat_template"}
+
+
+def _own_template_variables(kwargs: dict | None) -> dict | None:
+    """The variables the server sets itself cannot be overridden (vLLM drops them; refused here)."""
+    taken = sorted(set(kwargs or {}) & TEMPLATE_VARIABLES)
+    if taken:
+        raise ValueError(f"{taken} are set by the server, not by chat_template_kwargs")
+    return kwargs
+
+
+TemplateKwargs = Annotated[dict | None, AfterValidator(_own_template_variables)]
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
@@ -165,6 +185,7 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # unset: "auto" with tools, "none" without (OpenAI's)
     parallel_tool_calls: bool = True
+    chat_template_kwargs: TemplateKwargs = None  # vLLM's: more variables for the template (enable_thinking)
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -189,6 +210,7 @@ class TokenizeRequest(RequestModel):
     add_special_tokens: bool | None = None  # unset: true for a prompt, false for messages (vLLM's)
     add_generation_prompt: bool = True
     tools: list[ChatTool] | None = None
+    chat_template_kwargs: TemplateKwargs = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -273,6 +295,7 @@ class CompletionResponse(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # None: the turn is tool calls only
+    reasoning_content: str | None = None  # with --reasoning-parser: the model's thinking (vLLM's field)
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -319,6 +342,7 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

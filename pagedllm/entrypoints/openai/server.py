@@ -25,9 +25,11 @@ from pagedllm.entrypoints.openai import protocol as p
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.errors import ShuttingDown, error_response, install_error_handlers
 from pagedllm.entrypoints.openai.limits import Admission, LimitsMiddleware, ServerLimits
+from pagedllm.entrypoints.openai.reasoning import check_parser_name
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_messages import messages_routes
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels, load_adapter, lora_routes
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, ResponseStore
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -83,14 +85,17 @@ def build_serving(
     served_model_name: str | None = None,
     limits: ServerLimits | None = None,
     lora_modules: dict[str, str] | None = None,
+    reasoning_parser: str | None = None,
     **engine_kwargs,
 ) -> Serving:
     """An engine serving `model` and its handlers (the engine thread not yet started); engine_kwargs are
     EngineConfig fields (kv_cache_memory, max_model_len, ...). max_num_batched_tokens None or absent:
     server_cpu_batched_tokens() on the CPU with chunked prefill on, else EngineConfig's default.
-    lora_modules: LoRA adapters served by name (name -> folder; needs enable_lora)."""
+    lora_modules: LoRA adapters served by name (name -> folder; needs enable_lora); reasoning_parser:
+    vLLM's --reasoning-parser (reasoning.py)."""
     if lora_modules and not engine_kwargs.get("enable_lora"):
         raise ValueError(f"lora_modules {sorted(lora_modules)} need enable_lora=True (--enable-lora)")
+    check_parser_name(reasoning_parser)  # before the model loads
     if engine_kwargs.get("max_num_batched_tokens") is None:
         engine_kwargs.pop("max_num_batched_tokens", None)
         if engine_kwargs.get("device", "cpu") == "cpu" and engine_kwargs.get("enable_chunked_prefill", True):
@@ -106,7 +111,7 @@ def build_serving(
         engine,
         serving_models,
         OpenAIServingCompletion(engine, serving_models, limits),
-        OpenAIServingChat(engine, serving_models, limits),
+        OpenAIServingChat(engine, serving_models, limits, reasoning_parser=reasoning_parser),
         OpenAIServingTokenization(engine, serving_models, limits),
     )
 
@@ -153,6 +158,7 @@ def openai_routes(serving: Serving) -> APIRouter:
     async def retrieve_response(response_id: str):
         return responses.retrieve(response_id)
 
+    routes.include_router(messages_routes(serving))  # Anthropic's, through chat_completions and tokenize
     return routes
 
 

@@ -4,6 +4,7 @@ the tools it may call (tools.py) and its calls parsed out of the output (tool_pa
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 
@@ -12,6 +13,12 @@ from pagedllm.entrypoints.openai import protocol as p
 from pagedllm.entrypoints.openai.async_engine import RequestStream
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.logprobs import chat_logprobs
+from pagedllm.entrypoints.openai.reasoning import (
+    ReasoningDelta,
+    ReasoningParser,
+    check_parser_name,
+    new_reasoning_parser,
+)
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, Outputs, close_all, remember, usage
 from pagedllm.entrypoints.openai.streams import deltas, merge, sse
 from pagedllm.entrypoints.openai.tool_parser import ParsedDelta, ToolParser
@@ -20,6 +27,10 @@ from pagedllm.outputs import CompletionOutput, RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args, reasoning_parser: str | None = None):
+        super().__init__(*args)
+        self.reasoning_parser = check_parser_name(reasoning_parser)  # vLLM's --reasoning-parser
+
     async def create_chat_completion(
         self, request: p.ChatCompletionRequest, raw_request: Request | None = None
     ) -> p.ChatCompletionResponse | AsyncIterator[str]:
@@ -36,31 +47,45 @@ class OpenAIServingChat(OpenAIServing):
             guided = await self.guided_params(request)
         messages = template_messages(request.messages)
         response_id = p.random_id("chatcmpl")
+        prompts: list[str] = []  # the rendered prompt, where the reasoning parser starts from
+
+        def tokenize(engine: LLMEngine) -> list[list[int]]:
+            model, prompt_end = engine.config.model, request.add_generation_prompt
+            kwargs = request.chat_template_kwargs
+            prompts.append(chat_text(engine.tokenizer, model, messages, prompt_end, plan.tools, kwargs))
+            return [engine.tokenizer.encode(prompts[0], add_special_tokens=False)]
+
         streams = await self.add_requests(
             response_id,
             1,
-            lambda engine: [chat_prompt(engine, messages, request.add_generation_prompt, plan.tools)],
+            tokenize,
             request,
             request.max_completion_tokens or request.max_tokens,
             num_top,
             guided,
         )
+        # A guided output is the grammar's from its first token: no reasoning to split off (vLLM guides
+        # only the text after the reasoning, which pagedllm's grammars cannot).
+        reasoning = None if guided is not None else self.reasoning_parser
+        parsers = OutputParsers(plan, reasoning, prompts[0])
         outputs = merge(streams)
         if request.stream:
-            return sse(self._chunks(request, response_id, outputs, streams, num_top, plan))
+            return sse(self._chunks(request, response_id, outputs, streams, num_top, parsers))
         (final,) = await self.finals(outputs, streams, 1, raw_request)
-        return self._response(response_id, final, num_top, plan)
+        return self._response(response_id, final, num_top, parsers)
 
     def _response(
-        self, response_id: str, final: RequestOutput, num_top: int | None, plan: ToolPlan
+        self, response_id: str, final: RequestOutput, num_top: int | None, parsers: OutputParsers
     ) -> p.ChatCompletionResponse:
         tokenizer = self.engine.tokenizer
         choices = []
         for o in final.outputs:
-            parser = plan.new_parser()
-            content, calls = (o.text, []) if parser is None else parser.parse(o.text)
+            reasoning, parser = parsers.new()
+            thought, text = (None, o.text) if reasoning is None else reasoning.parse(o.text)
+            content, calls = (text, []) if parser is None else parser.parse(text)
             message = p.AssistantMessage(
                 content=None if calls and not content else content,
+                reasoning_content=thought,
                 tool_calls=[
                     p.ToolCall(id=c.id, function=p.FunctionCall(name=c.name, arguments=c.arguments))
                     for c in calls
@@ -88,28 +113,27 @@ class OpenAIServingChat(OpenAIServing):
         outputs: Outputs,
         streams: list[RequestStream],
         num_top: int | None,
-        plan: ToolPlan,
+        parsers: OutputParsers,
     ) -> AsyncIterator[p.ChatCompletionChunk]:
-        """One chunk per choice that advanced. With tools, a delta that only fed the parser (text held
-        back at a possible `<tool_call>`, a call's name not yet complete) sends nothing; its tokens'
-        logprobs go with the next chunk."""
+        """One chunk per choice that advanced. With tools or a reasoning parser, a delta that only fed
+        the parsers (text held back at a possible `<tool_call>` or `</think>`, a call's name not yet
+        complete) sends nothing; its tokens' logprobs go with the next chunk."""
         tokenizer, model = self.engine.tokenizer, self.models.model_name
         last: dict[int, RequestOutput] = {}
-        parsers: dict[int, ToolParser | None] = {}
+        choice_parsers: dict[int, tuple[ReasoningParser | None, ToolParser | None]] = {}
         tokens_sent: dict[int, int] = {}
         try:
             async for d in deltas(remember(outputs, last), request.n, request.stop):
-                if d.index not in parsers:
-                    parsers[d.index] = plan.new_parser()
-                parser = parsers[d.index]
+                if d.index not in choice_parsers:
+                    choice_parsers[d.index] = parsers.new()
+                reasoning, parser = choice_parsers[d.index]
                 finish_reason = d.output.finish_reason
                 delta = p.DeltaMessage(role="assistant" if d.first else None, content=d.text)
-                if parser is not None:
-                    parsed = parser.feed(d.text)
-                    if finish_reason:
-                        parsed.add(parser.close())
+                if reasoning is not None or parser is not None:
+                    thought, parsed = _parsed_delta(reasoning, parser, d.text, bool(finish_reason))
                     delta.content, delta.tool_calls = _tool_delta(parsed)
-                    if not (d.first or finish_reason or parsed.content or parsed.calls):
+                    delta.reasoning_content = thought or None
+                    if not (d.first or finish_reason or thought or parsed.content or parsed.calls):
                         continue
                 logprobs = None
                 if num_top is not None:
@@ -131,6 +155,39 @@ class OpenAIServingChat(OpenAIServing):
                 yield p.ChatCompletionChunk(id=response_id, model=model, choices=[], usage=usage_info)
         finally:
             await close_all(outputs, streams)
+
+
+@dataclass
+class OutputParsers:
+    """How each choice's text is read: its reasoning split off first (a reasoning parser's name), then
+    its tool calls parsed out of the rest (the ToolPlan's parser)."""
+
+    plan: ToolPlan
+    reasoning: str | None
+    prompt: str  # the rendered prompt: whether it opened a `<think>` block
+
+    def new(self) -> tuple[ReasoningParser | None, ToolParser | None]:
+        """One choice's parsers (each choice has its own)."""
+        reasoning = None if self.reasoning is None else new_reasoning_parser(self.reasoning, self.prompt)
+        return reasoning, self.plan.new_parser()
+
+
+def _parsed_delta(
+    reasoning: ReasoningParser | None, parser: ToolParser | None, text: str, final: bool
+) -> tuple[str, ParsedDelta]:
+    """One delta of a choice's text through its parsers: the reasoning it added, and the content and
+    tool calls of the rest; `final`: the choice's last delta, which closes the parsers."""
+    thought = ReasoningDelta(content=text)
+    if reasoning is not None:
+        thought = reasoning.feed(text)
+        if final:
+            thought.add(reasoning.close())
+    if parser is None:
+        return thought.reasoning, ParsedDelta(content=thought.content)
+    parsed = parser.feed(thought.content)
+    if final:
+        parsed.add(parser.close())
+    return thought.reasoning, parsed
 
 
 def _tool_delta(parsed: ParsedDelta) -> tuple[str | None, list[p.DeltaToolCall] | None]:
@@ -165,13 +222,18 @@ def chat_prompt(
 
 
 def chat_text(
-    tokenizer, model: str, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None
+    tokenizer,
+    model: str,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    tools: list[dict] | None,
+    template_kwargs: dict | None = None,
 ) -> str:
     """The conversation rendered by `model`'s tokenizer's chat template, as text (`tools` passed as
-    transformers does)."""
+    transformers does; `template_kwargs`: a request's chat_template_kwargs, such as enable_thinking)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(f"model {model!r} has no chat template", param="messages")
-    extra = {} if tools is None else {"tools": tools}
+    extra = (template_kwargs or {}) | ({} if tools is None else {"tools": tools})
     try:
         return tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra

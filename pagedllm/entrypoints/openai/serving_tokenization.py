@@ -26,7 +26,7 @@ class OpenAIServingTokenization(OpenAIServing):
                 text, special = request.prompt, request.add_special_tokens is not False
             else:
                 model, prompt_end = engine.config.model, request.add_generation_prompt
-                text = chat_text(tokenizer, model, messages, prompt_end, tools)
+                text = chat_text(tokenizer, model, messages, prompt_end, tools, request.chat_template_kwargs)
                 special = bool(request.add_special_tokens)  # the template writes its own special tokens
             ids = tokenizer.encode(text, add_special_tokens=special)
             strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
