@@ -169,9 +169,10 @@ def test_extreme_values_sample_the_likeliest_token(kwargs):
 def test_extreme_repetition_penalties_still_sample(penalty):
     """Found by fuzzing the server: a tiny penalty overflowed a boosted logit to +inf (NaN probabilities),
     a huge one could not become a float32. Now a tiny one makes a seen positive-logit token certain and a
-    huge one forbids every seen token, greedy and sampled alike."""
+    huge one forbids every seen token, greedy and sampled alike. Two seen tokens both at the largest
+    float32 overflowed again under a temperature below 1 (the server's fuzzing, once more)."""
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
-    for temperature in (0.0, 1.0):
+    for temperature in (0.0, 0.5, 1.0):
         params = SamplingParams(temperature=temperature, repetition_penalty=penalty)
         row = SampleRow(params, torch.Generator().manual_seed(0), prompt_token_ids=[2], output_token_ids=[3])
         token = sample(logits.clone(), [row])[0].token_id

@@ -45,7 +45,10 @@ class Sample:
 def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Temperature, then min-p, top-k and top-p masks (vLLM's order), applied to every row at once."""
     temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device)
-    logits = logits / temps[:, None]
+    # a penalty can leave logits at the dtype's largest value, which a temperature below 1 overflows:
+    # +inf stays the largest finite value (two of them would make softmax's inf - inf a NaN)
+    finfo = torch.finfo(logits.dtype)
+    logits = (logits / temps[:, None]).nan_to_num_(nan=float("-inf"), posinf=finfo.max, neginf=float("-inf"))
     top_k = torch.tensor([r.params.top_k or logits.shape[1] for r in rows], device=logits.device)
     top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype, device=logits.device)
     min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype, device=logits.device)

@@ -163,6 +163,7 @@ class ChatMessage(RequestModel):
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool result: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's thinking, for templates that read it (Qwen3)
 
     @field_validator("content", mode="before")
     @classmethod

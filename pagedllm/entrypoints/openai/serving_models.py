@@ -7,7 +7,7 @@ import itertools
 
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel
+from pydantic import Field
 
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai import protocol as p
@@ -65,13 +65,13 @@ class OpenAIServingModels:
         return self.adapters.pop(name)
 
 
-class LoadLoRAAdapterRequest(BaseModel):
-    lora_name: str
-    lora_path: str
+class LoadLoRAAdapterRequest(p.RequestModel):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
-    lora_name: str
+class UnloadLoRAAdapterRequest(p.RequestModel):
+    lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None  # vLLM's field; the name decides
 
 
