@@ -17,6 +17,9 @@ quantizes the activations too. `pagedllm bench linear` measures them all side by
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -34,8 +37,25 @@ from pagedllm.models.linear import (
 from pagedllm.models.parallel import LMHead
 from pagedllm.ops import cpu
 
+logger = logging.getLogger(__name__)
+
 QUANTIZATIONS = ("int8", "int4", "gguf")
 INT4_GROUP = 32
+# How a GGUF layer multiplies many rows: "invariant" (the default), the blocks' integer path at every row
+# count, a row's output bits the same whatever else the step computes (alone, batched, after preemption);
+# "fast", the many-row paths measured fastest (bf16 / AMX panels, float32 panels), whose rounding depends on
+# the step's row count. docs/kernels.md, "The numeric contract of GGUF blocks".
+GGUF_PATHS_ENV_VAR = "PAGEDLLM_GGUF_PATHS"
+GGUF_PATHS = ("invariant", "fast")
+
+
+@functools.cache
+def gguf_paths() -> str:
+    """$PAGEDLLM_GGUF_PATHS (default "invariant"), read once a process."""
+    paths = os.environ.get(GGUF_PATHS_ENV_VAR, "").strip().lower() or "invariant"
+    if paths not in GGUF_PATHS:
+        raise ValueError(f"{GGUF_PATHS_ENV_VAR}={paths!r} is not one of {list(GGUF_PATHS)}")
+    return paths
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -91,12 +111,13 @@ class GGUFLinear(KernelLinear):
     not yet read), and when the layer is processed its shards' bytes are read once into one buffer, in
     row order, as the kernel reads them.
 
-    On a CPU that multiplies bf16 (AVX512_BF16, an AVX-512 build), a call of at least `bf16_rows` rows
-    (a prefill, a big batch) has its weight dequantized into a shared bf16 scratch and multiplied by
+    By default (gguf_paths() "invariant") every call takes the blocks' integer path at any number of rows
+    (the model runner sets it per step: bf16_gate), a row's bits independent of the rows beside it. With
+    "fast", on a CPU that multiplies bf16 (AVX512_BF16, an AVX-512 build), a call of at least `bf16_rows`
+    rows (a prefill, a big batch) has its weight dequantized into a shared bf16 scratch and multiplied by
     oneDNN's bf16 GEMM (csrc/linear.cpp bf16_blocks_linear): about twice the integer and float32 paths'
     speed there, at a bf16 model's rounding. Fewer rows keep the blocks' integer path, and so do the rows
-    of a step that computes no prompt tokens, however many (takes_bf16): decoding, and speculation's
-    verify passes, multiply the file's values whatever the batch beside them. On a CPU with AMX
+    of a step that computes no prompt tokens, however many (takes_bf16). On a CPU with AMX
     (cpu.blocks_amx) the bf16 path instead dequantizes the weight panel by panel in cache and multiplies
     with AMX tiles into float32 sums (vnni_blocks_linear): from fewer rows (AMX_ROWS), and for decode
     steps too (takes_bf16)."""
@@ -130,8 +151,8 @@ class GGUFLinear(KernelLinear):
 
     def bf16_rows(self, shards: list[GGUFBlocks]) -> int:
         """The rows from which the layer is multiplied in bf16 (the largest of its shards' types), or 0:
-        never, where the CPU does not multiply bf16."""
-        if not cpu.bf16_matmul_available():
+        never, where the CPU does not multiply bf16 or the paths are "invariant"."""
+        if gguf_paths() == "invariant" or not cpu.bf16_matmul_available():
             return 0
         if cpu.blocks_amx():
             return self.AMX_ROWS
@@ -140,32 +161,61 @@ class GGUFLinear(KernelLinear):
 
 def gates_many_rows(model: torch.nn.Module) -> bool:
     """Whether a GGUF layer of `model` has a many-row path whose sums for a row change with the rows beside
-    it, which the runner then allows per step (takes_bf16): the bf16 path (GGUFLinear.bf16_rows), or with
-    the AVX2 kernels the K types' float panels (csrc/linear.cpp kNarrowIntegerRows)."""
-    layers = (m for m in model.modules() if isinstance(getattr(m, "method", None), GGUFLinear))
+    it, which the runner then gates per step (bf16_gate, takes_bf16): with "invariant" paths every GGUF
+    layer (the 32-value types' float panels); with "fast" the bf16 path (GGUFLinear.bf16_rows), or with the
+    AVX2 kernels the K types' float panels (csrc/linear.cpp kNarrowIntegerRows)."""
+    layers = [m for m in model.modules() if isinstance(getattr(m, "method", None), GGUFLinear)]
+    blocks = [m for m in layers if m.stored.format == "gguf"]
+    if gguf_paths() == "invariant":
+        return bool(blocks)
     narrow = not cpu.avx512_selected()
-    return any(m.stored.format == "gguf" and (m.stored.group_size > 0 or narrow) for m in layers)
+    return any(m.stored.group_size > 0 or narrow for m in blocks)
 
 
 def takes_bf16(computes_prompt: bool, max_query_len: int) -> bool:
     """Whether a step's GGUF layers may take their bf16 path (with AVX2, their K types' float panels) at many
-    rows: a step that computes prompt tokens (a prefill, or a chunk of one beside decodes); on AMX
-    (cpu.blocks_amx) also a decode step of one row a sequence, where the panels cost a batch less than the
-    integer path from as many rows as a prompt's call (docs/JOURNAL.md, "GGUF blocks on AMX"). Never a step of
-    decode rows with drafts: speculation's verify passes keep the blocks' integer path, so that its greedy
-    tokens are those a sequence decoded alone (or in a batch below AMX_ROWS) gets."""
+    rows: never with "invariant" paths (gguf_paths); with "fast", a step that computes prompt tokens (a
+    prefill, or a chunk of one beside decodes); on AMX (cpu.blocks_amx) also a decode step of one row a
+    sequence, where the panels cost a batch less than the integer path from as many rows as a prompt's call
+    (docs/JOURNAL.md, "GGUF blocks on AMX"). Never a step of decode rows with drafts: speculation's verify
+    passes keep the blocks' integer path, so that its greedy tokens are those a sequence decoded alone (or
+    in a batch below AMX_ROWS) gets."""
+    if gguf_paths() == "invariant":
+        return False
     return computes_prompt or (max_query_len == 1 and cpu.blocks_amx())
 
 
 @contextlib.contextmanager
 def bf16_gate(enabled: bool) -> Iterator[None]:
     """Within it, this thread's GGUF layers take their bf16 path at many rows only if `enabled`
-    (takes_bf16)."""
+    (takes_bf16), and with "invariant" paths (gguf_paths) their integer path at every row count."""
     previous = cpu.set_blocks_bf16(enabled)
+    previous_invariant = cpu.set_blocks_invariant(gguf_paths() == "invariant")
     try:
         yield
     finally:
         cpu.set_blocks_bf16(previous)
+        cpu.set_blocks_invariant(previous_invariant)
+
+
+def gguf_kernels() -> str:
+    """The GGUF blocks' paths on this CPU, in words (for the log line of linear_method_for)."""
+    if gguf_paths() == "invariant":
+        return (
+            "GGUF blocks: integer path at every row count (x as int16 per block of a row: 256 values for "
+            "Q4_K / Q6_K, 32 for the others), batch invariant"
+        )
+    many = "float32 panels"
+    if cpu.bf16_matmul_available():
+        many = "AMX bf16 panels" if cpu.blocks_amx() else "bf16 oneDNN"
+    return f"GGUF blocks: integer path at few rows, {many} at many (fast: rounding depends on the batch)"
+
+
+@functools.cache
+def log_linear_kernels(method: str) -> None:
+    """Logs the linear kernels' choice once a process (per method chosen)."""
+    detail = gguf_kernels() if method == "gguf" else f"{method} weights"
+    logger.info("pagedllm: linear kernels: ISA %s; %s", cpu.selected_isa(), detail)
 
 
 def blocks_storage(shards: list[GGUFBlocks], bf16_rows: int = 0) -> StoredWeight:
@@ -209,7 +259,10 @@ def linear_method_for(
     if quantization == "auto":
         quantization = "gguf" if gguf and unusable() is None else None
     if quantization in (None, "none"):
-        return default_linear_method(device, dtype, max_num_seqs)
+        method = default_linear_method(device, dtype, max_num_seqs)
+        if torch.device(device).type == "cpu":
+            log_linear_kernels(method.name)
+        return method
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"quantization must be 'auto', None or one of {list(QUANTIZATIONS)}, got {quantization!r}"
@@ -218,4 +271,5 @@ def linear_method_for(
         raise ValueError(f"quantization={quantization!r} needs pagedllm's CPU kernels: {reason}")
     if quantization == "gguf" and not gguf:
         raise ValueError("quantization='gguf' keeps a GGUF file's blocks: the model must be a .gguf file")
+    log_linear_kernels(quantization)
     return _METHODS[quantization]()

@@ -254,6 +254,13 @@ def set_blocks_bf16(enabled: bool) -> bool:
     return kernels().set_blocks_bf16(enabled)
 
 
+def set_blocks_invariant(enabled: bool) -> bool:
+    """Whether this thread's matmuls on GGUF blocks take their integer path at every row count, a row's
+    output bits independent of the rows beside it (over group_size and set_blocks_bf16); returns the
+    previous setting (False at start)."""
+    return kernels().set_blocks_invariant(enabled)
+
+
 PANEL_COLS = 48  # csrc/linear.cpp kPanelCols
 
 

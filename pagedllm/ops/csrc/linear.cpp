@@ -716,14 +716,20 @@ inline void prefetch_chunk(const uint8_t* p) {
     _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
 }
 
+// A row's float sums over chunks [k0, k1) are reduced into its total at the end of each span of kSpanChunks
+// chunks and at k1, and its chains are as many whatever MR: a row's bits are the same in any register tile
+// and in a whole-row or a span walk (spans start at multiples of kSpanChunks), so in a call of any rows.
+inline bool span_ends(int64_t k, int64_t k1) { return (k + 1) % kSpanChunks == 0 || k + 1 == k1; }
+
 // sums[0 .. MR] += x rows m0 .. m0 + MR . chunks [k0, k1) of one weight row of type T, prefetching each
-// chunk's bytes `ahead` on. Each x row sums its units in kChains chains of multiply-adds (a unit's work is
-// shorter than one multiply-add's latency).
+// chunk's bytes `ahead` on. Each x row sums its units in kBlockChains chains of multiply-adds (a unit's work
+// is shorter than one multiply-add's latency), the same number at any MR (span_ends).
+constexpr int kBlockChains = 4;
 template <typename T, int MR>
 void blocks_row(const uint8_t* row, const ActivationBlocks& x, int64_t m0, int64_t k0, int64_t k1, float* sums,
                 int64_t ahead) {
   using namespace quants;
-  constexpr int kUnits = kChunkValues / kUnitValues, kChains = std::max(1, 4 / MR);
+  constexpr int kUnits = kChunkValues / kUnitValues, kChains = kBlockChains;
   VecF acc[MR][kChains], offsets[MR];
   for (int i = 0; i < MR; ++i) {
     offsets[i] = VecF::zero();
@@ -752,11 +758,15 @@ void blocks_row(const uint8_t* row, const ActivationBlocks& x, int64_t m0, int64
         acc[i][u % kChains] = fmadd(VecF::from_int(dots), unit_scales(scale[i], u), acc[i][u % kChains]);
       }
     }
-  }
-  for (int i = 0; i < MR; ++i) {
-    VecF sum = offsets[i];
-    for (int j = 0; j < kChains; ++j) sum = sum + acc[i][j];
-    sums[i] += reduce_add(sum);
+    if (span_ends(k, k1)) {
+      for (int i = 0; i < MR; ++i) {
+        VecF sum = offsets[i];
+        for (int j = 0; j < kChains; ++j) sum = sum + acc[i][j];
+        sums[i] += reduce_add(sum);
+        offsets[i] = VecF::zero();
+        for (int j = 0; j < kChains; ++j) acc[i][j] = VecF::zero();
+      }
+    }
   }
 }
 
@@ -797,8 +807,13 @@ void quad_row(const uint8_t* row, const ActivationBlocks& x, int64_t m0, int64_t
         acc[i][q] = fmadd(VecF::from_int(dots), quad_scales(scaled, q), acc[i][q]);
       }
     }
+    if (span_ends(k, k1)) {
+      for (int i = 0; i < MR; ++i) {
+        sums[i] += reduce_add(acc[i][0] + acc[i][1] + offsets[i]);
+        acc[i][0] = acc[i][1] = offsets[i] = VecF::zero();
+      }
+    }
   }
-  for (int i = 0; i < MR; ++i) sums[i] += reduce_add(acc[i][0] + acc[i][1] + offsets[i]);
 }
 #endif
 
@@ -890,7 +905,7 @@ void integer_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0
       }
       for (int i = 0; i < MR; ++i) acc[i] = fmadd(VecF::from_int(add_int(dots[i][0], dots[i][1])), dd[i], acc[i]);
     }
-    if ((k + 1) % kSpanChunks == 0 || k + 1 == k1) {  // summed per span, however the caller walks them
+    if (span_ends(k, k1)) {
       for (int i = 0; i < MR; ++i) {
         sums[i] += reduce_add(acc[i]);
         acc[i] = VecF::zero();
@@ -935,6 +950,11 @@ void dequantize_panel(const BlockShard& shard, const ShardPanel& p, int64_t cols
 // panels. The calling thread may switch it off (set_blocks_bf16: the model runner does, for a step that
 // computes no prompt tokens), so that decode rows keep the blocks' integer path however many there are.
 thread_local bool blocks_bf16 = true;
+// Whether this thread's GGUF calls take the blocks' integer path at every row count, whatever group_size
+// and blocks_bf16 say (set_blocks_invariant: the model runner's default, models/quantization.py): x rounded
+// per row, integer dot products, each row's float sums in an order no other row changes (span_ends), so that
+// a row's output bits do not depend on the rows beside it.
+thread_local bool blocks_invariant = false;
 
 void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const float* x, int64_t m_rows,
                    const Epilogue& out) {
@@ -958,7 +978,7 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
   // projections in 3.6-3.9 s against 5.7-6.3, and 64 rows about even: session 12); the other types up to
   // kBlockStreamRows
   const bool k_panels = VecF::kWidth == 8 && blocks_bf16 && !out.bf16 && m_rows >= kNarrowIntegerRows;
-  if (m_rows <= kBlockStreamRows || (!float_scales && !k_panels)) {
+  if (blocks_invariant || m_rows <= kBlockStreamRows || (!float_scales && !k_panels)) {
     // items: kIntegerChunkRows rows of x (all of them, if few) by a panel of weight rows, panel after panel
     // over one run of x
     const std::vector<ShardPanel> panels = shard_panels(shards, kPanelRows);
@@ -973,8 +993,8 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
     // whole row of x, 18 KB at 8,960 columns, was read from L2 from two rows of x on); the panel's rows
     // are then read a span at a time, too many runs for the hardware's prefetcher: each row prefetches
     // its span's bytes of the row kRowsAhead on (the panel's last rows: of its first rows' next span).
-    // The 32-value types keep whole rows up to kWholeRows rows of x: their sums are reduced per walk, and
-    // a span walk would change those rows' bits (the K types reduce per kSpanChunks, whatever the walk).
+    // The 32-value types keep whole rows up to kWholeRows rows of x (every type reduces its sums per
+    // kSpanChunks, whatever the walk: span_ends).
     // The K types walk whole rows at one row of x, whose codes fit in L1 at any width here: the panel is
     // then one sequential stream, which a span walk over its 32 rows read at two thirds of the rate on the
     // 8,960-column down projection; that stream prefetches a fixed kRowsAhead spans' bytes ahead (4 whole
@@ -1369,6 +1389,12 @@ bool set_blocks_bf16(bool enabled) {
   return previous;
 }
 
+bool set_blocks_invariant(bool enabled) {
+  const bool previous = blocks_invariant;
+  blocks_invariant = enabled;
+  return previous;
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scales,
                   const c10::optional<at::Tensor>& mins, int64_t group_size, const c10::optional<at::Tensor>& bias,
                   const c10::optional<at::Tensor>& residual) {
@@ -1400,7 +1426,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                 "residual must be a [", m_rows, ", ", n_rows, "] tensor of x's dtype with contiguous rows");
   }
   // GGUF blocks: group_size, where set, is the number of rows from which they are multiplied in bf16
-  if (blocks && blocks_bf16 && group_size > 0 && m_rows >= group_size && n_rows > 0) {
+  if (blocks && blocks_bf16 && !blocks_invariant && group_size > 0 && m_rows >= group_size && n_rows > 0) {
 #if defined(PAGEDLLM_AVX512)
     if (blocks_amx()) return vnni_blocks_linear(x, shards, n_rows, cols, bias, residual);
 #endif

@@ -25,6 +25,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 // Whether the calling thread's GGUF matmuls may take the bf16 path at many rows (linear.cpp); returns the
 // previous setting.
 bool set_blocks_bf16(bool enabled);
+bool set_blocks_invariant(bool enabled);
 bool blocks_amx();
 void dequantize_rows(at::Tensor out, const at::Tensor& weight, const c10::optional<at::Tensor>& scales,
                      const c10::optional<at::Tensor>& mins, int64_t group_size, const at::Tensor& ids);

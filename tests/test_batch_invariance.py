@@ -1,0 +1,190 @@
+"""Batch invariance of GGUF blocks' default arithmetic (models/quantization.py gguf_paths "invariant"): a
+row's output bits do not depend on the rows beside it.
+
+Kernel level: with the invariant gate on (what the model runner sets for every step), each block type's
+row is the same, bit for bit, in a call of 1, 7, 64 or 200 rows, on every instruction-set build this CPU
+runs, and within int16 rounding of the gguf package's dequantized weight (the many-row integer path of
+the 32-value types is new). Without it (PAGEDLLM_GGUF_PATHS=fast: bf16 / AMX panels, float32 panels) the
+same rows differ, which the gate exists for.
+
+Engine level: SmolLM2 (Q4_1 blocks, a Q8_0 LM head) with its default storage, greedy: a request alone, in a
+batch of many, and after swap and recompute preemption gets the same tokens, a difference allowed only
+where the reference's top two log-probabilities are within NEAR_TIE (the attention's prefill and decode
+kernels may still sum a context in another order).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from helpers import assert_all_blocks_free
+from models_helpers import GGUF_TYPES, random_blocks
+from ops_helpers import int16_blocks
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.models import quantization
+from pagedllm.ops import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.supported_isas(), reason="the CPU kernels need AVX2")
+
+ROWS = (1, 7, 64, 200)
+# columns: K types three super-blocks; the 32-value types Qwen2.5-0.5B's width (a last chunk of 4 blocks)
+# and 9,216 (36 chunks: several kSpanChunks spans, walked whole at 1 row and in spans at more)
+COLS = {"K": (768, 9216), "small": (896, 9216)}
+# group_size 10 asks for the bf16 path from 10 rows (AMX's), which the gate must override
+GROUP_SIZES = (0, 10)
+
+
+def blocks(name: str, cols: int, rows: int = 40) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(bytes, layout, float64 W) of random blocks of one type."""
+    part = random_blocks(GGMLQuantizationType[name], rows, cols, seed=cols)
+    data = torch.from_numpy(part.raw.reshape(-1))
+    layout = torch.tensor([[part.raw.shape[0], int(part.qtype)]])
+    return data, layout, torch.from_numpy(dequantize(part.raw, part.qtype)).double()
+
+
+def activations(rows: int, cols: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(cols)
+    scale = torch.logspace(-2, 2, cols)[torch.randperm(cols, generator=gen)]  # blocks of mixed size
+    return torch.randn(rows, cols, generator=gen) * scale
+
+
+@pytest.fixture
+def invariant(kernels):
+    """The kernels with this thread's invariant gate on, restored after."""
+    previous = kernels.set_blocks_invariant(True)
+    yield kernels
+    assert kernels.set_blocks_invariant(previous) is True
+
+
+def _cases():
+    for name in GGUF_TYPES:
+        for cols in COLS["K" if name.endswith("_K") else "small"]:
+            yield name, cols
+
+
+@pytest.mark.parametrize("name,cols", list(_cases()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_bits_are_the_same_in_a_call_of_any_rows(invariant, name, cols, dtype):
+    data, layout, w = blocks(name, cols)
+    x = activations(max(ROWS), cols).to(dtype)
+    for group_size in GROUP_SIZES:
+        first, last = {}, {}
+        for rows in ROWS:
+            first[rows] = invariant.linear(x[:rows], data, layout, None, group_size, None, None)[0]
+            last[rows] = invariant.linear(x[-rows:], data, layout, None, group_size, None, None)[-1]
+        for rows in ROWS[1:]:
+            assert torch.equal(first[rows], first[1]), (name, cols, group_size, rows, "first row")
+            assert torch.equal(last[rows], last[1]), (name, cols, group_size, rows, "last row")
+    # and the integer path's product: x rounded per row in int16 blocks, times the file's values
+    block = 256 if name in {"Q4_K", "Q6_K"} else 32
+    out = invariant.linear(x, data, layout, None, 0, None, None)
+    want = int16_blocks(x.float(), block).double() @ w.T
+    atol = 2e-6 * (x.double().abs() @ w.abs().T).max().item() + 1e-6
+    if dtype == torch.bfloat16:  # the output rounded to bf16
+        atol += 2**-8 * want.abs().max().item()
+    torch.testing.assert_close(out.double(), want, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("types", [("Q5_0", "Q5_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K")], ids="-".join)
+def test_mixed_shards_with_bias_and_residual_in_a_call_of_any_rows(invariant, types):
+    """Qwen2.5-Coder's fused q/k/v (0.5B and 1.5B's types), bias and residual added in the epilogue."""
+    cols = 896 if types[0] == "Q5_0" else 512
+    rows_each = (40, 8, 8)
+    parts = [random_blocks(GGMLQuantizationType[t], rows_each[i], cols, seed=i) for i, t in enumerate(types)]
+    data = torch.from_numpy(np.concatenate([p.raw.reshape(-1) for p in parts]))
+    layout = torch.tensor([[p.raw.shape[0], int(p.qtype)] for p in parts])
+    x, bias, residual = activations(max(ROWS), cols), torch.randn(56), torch.randn(max(ROWS), 56)
+    alone = invariant.linear(x[:1], data, layout, None, 10, bias, residual[:1])
+    for rows in ROWS[1:]:
+        out = invariant.linear(x[:rows], data, layout, None, 10, bias, residual[:rows])
+        assert torch.equal(out[:1], alone), (types, rows)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K"])
+def test_the_fast_paths_round_a_row_by_the_batch(kernels, name):
+    """Without the gate (PAGEDLLM_GGUF_PATHS=fast), 200 rows take a many-row path (bf16 from group_size
+    rows; the 32-value types' float32 panels), whose sums for row 0 differ from its sums alone: the
+    variance the invariant default removes."""
+    data, layout, _ = blocks(name, 768)
+    x = activations(200, 768)
+    assert kernels.set_blocks_invariant(False) is False
+    alone = kernels.linear(x[:1], data, layout, None, 10, None, None)
+    assert not torch.equal(kernels.linear(x, data, layout, None, 10, None, None)[:1], alone)
+
+
+def test_the_paths_setting_is_checked(monkeypatch):
+    monkeypatch.setenv(quantization.GGUF_PATHS_ENV_VAR, "fastest")
+    quantization.gguf_paths.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="PAGEDLLM_GGUF_PATHS='fastest' is not one of"):
+            quantization.gguf_paths()
+    finally:
+        monkeypatch.delenv(quantization.GGUF_PATHS_ENV_VAR)
+        quantization.gguf_paths.cache_clear()
+    assert quantization.gguf_paths() == "invariant"
+    assert not quantization.takes_bf16(computes_prompt=True, max_query_len=200)
+
+
+# Engine level. Prompts of 6 to ~60 tokens, so that steps mix prefill rows (several sequences' chunks) with
+# decode rows, and their row counts pass every threshold of the fast paths (10, 17, 64).
+PROMPTS = [
+    f"Question {i}: " + " ".join(["Explain why the sky looks blue at noon and red at dusk."] * (1 + i % 5))
+    for i in range(32)
+]
+MAX_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+NEAR_TIE = 1e-3
+ALONE = (0, 9, 18, 31)  # prompts also generated alone
+
+
+def assert_same_tokens(reference, outputs, label: str) -> int:
+    """Each output's greedy tokens equal the reference's, up to a first difference where the reference's
+    top two log-probabilities were within NEAR_TIE (then the rest of that sequence is not compared);
+    returns the number of such near-tie differences."""
+    near_ties = 0
+    for want_out, got_out in zip(reference, outputs, strict=True):
+        want, got = want_out.outputs[0], got_out.outputs[0]
+        assert len(got.token_ids) == len(want.token_ids) == MAX_TOKENS
+        for i, (a, b) in enumerate(zip(want.token_ids, got.token_ids, strict=True)):
+            if a != b:
+                top = want.logprobs[i]
+                gap = top[a] - top[b] if b in top else float("inf")
+                assert gap < NEAR_TIE, f"{label}: {want_out.prompt!r} token {i}: {a} -> {b}, {gap:.4f} apart"
+                near_ties += 1
+                break
+    return near_ties
+
+
+@pytest.fixture(scope="module")
+def batch_outputs():
+    """Every prompt in one batch, the default storage (GGUF blocks), a cache with room for all of them."""
+    llm = LLM("smollm2-135m", max_model_len=512)
+    assert llm.engine.runner.gates_bf16  # the runner sets the invariant gate every step
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert llm.engine.stats().num_preemptions == 0
+    alone = [llm.generate([PROMPTS[i]], GREEDY)[0] for i in ALONE]
+    assert_all_blocks_free(llm)
+    return outputs, alone
+
+
+def test_a_request_alone_gets_its_tokens_in_a_batch(batch_outputs):
+    outputs, alone = batch_outputs
+    assert_same_tokens(alone, [outputs[i] for i in ALONE], "batch against alone")
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_requests_get_their_tokens(batch_outputs, mode):
+    """24 blocks of 16 tokens hold a few of the 32 sequences (~40-80 tokens each): most are preempted,
+    then recomputed by a prefill, or swapped out and back in."""
+    llm = LLM("smollm2-135m", num_kv_blocks=24, max_model_len=512, preemption_mode=mode)
+    outputs = llm.generate(PROMPTS, GREEDY)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0
+    if mode == "swap":
+        assert stats.num_blocks_swapped_out > 0
+    assert_same_tokens(batch_outputs[0], outputs, f"{mode} preemption against the batch")
+    assert_all_blocks_free(llm)
