@@ -121,9 +121,7 @@ def _serve(args: argparse.Namespace) -> int:
     lora = _lora_kwargs(args)
     if args.data_parallel_size is None:
         from pagedllm.entrypoints.openai.server import main as serve
-    elif lora:
-        raise SystemExit("--enable-lora is not supported with --data-parallel-size")
-    else:
+    else:  # every replica serves --lora-modules; adapters are not loaded at run time through the ingress
         serve = _replicas_main(args)
     return serve(
         args.model,
