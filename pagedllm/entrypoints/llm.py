@@ -72,14 +72,17 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = False,
     ) -> list[BeamSearchOutput]:
         """Beam search for every prompt, the beams of all prompts batched with one another in the engine
-        (see pagedllm.engine.beam_search for the search's definition); outputs in prompt order."""
+        (see pagedllm.engine.beam_search for the search's definition); outputs in prompt order.
+        `lora_request` as generate's (vLLM's order: before use_tqdm)."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         prompts = _as_prompt_list(prompts)
-        outputs = self._generate(prompts, [params] * len(prompts), use_tqdm)
+        loras = _as_lora_list(lora_request, len(prompts))
+        outputs = self._generate(prompts, [params] * len(prompts), use_tqdm, loras)
         tokenizer = self.engine.tokenizer
         results = []
         for output in outputs:
