@@ -125,9 +125,11 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        """Apply the model's chat template to one conversation (or a list of them) and generate
+        (`lora_request` as generate's, in vLLM's place)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
@@ -142,7 +144,7 @@ class LLM:
             }
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
