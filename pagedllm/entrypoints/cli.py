@@ -28,6 +28,7 @@ BENCHMARKS = {  # name: (module, what it measures)
     "tiers": ("pagedllm.bench.tiers", "TTFT of a prompt asked again: host / disk prefix tiers vs recompute"),
     "quality": ("pagedllm.bench.quality", "perplexity and greedy agreement per weight storage"),
     "linear": ("pagedllm.bench.linear", "the matmul kernels and libraries on the model's shapes"),
+    "lora": ("pagedllm.bench.lora", "requests over several LoRA adapters vs the base alone, vs llama-server"),
 }
 
 
