@@ -92,3 +92,35 @@ def test_a_request_the_replica_will_refuse_gets_no_hashes(llm):
     )
     assert blocks.key("text", bad).block_hashes == ()
     assert blocks.key("models", None).prompt == "models"
+
+
+def test_a_request_under_an_adapter_is_hashed_as_the_engine_keys_its_blocks(tiny_chat_model, tmp_path):
+    """The same prompt under an adapter and under the base: the ingress's two chains are the engine's two
+    (the replica that ran the adapter holds all of its chain and none of the base's, and the reverse)."""
+    pytest.importorskip("peft")
+    from test_lora import ATTENTION, make_adapter
+
+    from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+
+    adapter = make_adapter(tiny_chat_model, tmp_path / "first", ATTENTION, seed=5)
+    # the ingress's names and ids, and a replica's: each numbers the same lora_modules alike
+    models = OpenAIServingModels("tiny", 0, lora_modules={"other": str(adapter), "first": str(adapter)})
+    settings = dict(max_model_len=256, num_kv_blocks=32, enable_lora=True, max_lora_rank=8)
+    replicas = {name: LLM(str(tiny_chat_model), **settings) for name in ("r1", "r2")}
+    engine = replicas["r1"].engine
+    blocks = PromptBlocks(engine.tokenizer, "tiny", engine.config.block_size, models)
+    prompt = "alpha bravo charlie " * 12
+    under = {name: p.CompletionRequest(model=name, prompt=prompt, max_tokens=2) for name in ("first", "tiny")}
+    keys = {name: blocks.key("text", request).block_hashes for name, request in under.items()}
+    assert len(keys["first"]) >= 2 and not set(keys["first"]) & set(keys["tiny"])
+    params = SamplingParams(max_tokens=2, temperature=0)
+    index = KVCacheIndex()
+    for (replica, llm), name in zip(replicas.items(), ("first", "tiny"), strict=True):
+        log = llm.engine.enable_kv_events()
+        llm.generate([prompt], params, lora_request=models.lora_request(name))
+        index.publish(replica, 0, encode_batch(log.drain(), 0.0))
+    n = len(keys["first"])
+    assert [found for found, _ in index.match(list(keys["first"]), ["r1", "r2"])] == [n, 0]
+    assert [found for found, _ in index.match(list(keys["tiny"]), ["r1", "r2"])] == [0, n]
+    for llm in replicas.values():
+        assert_all_blocks_free(llm)

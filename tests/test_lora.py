@@ -16,6 +16,7 @@ from helpers import assert_all_blocks_free
 from models_helpers import hf_greedy
 
 from pagedllm import LLM, LoRARequest, SamplingParams
+from pagedllm.bench.lora import make_random_adapter as make_adapter
 
 pytest.importorskip("peft")
 
@@ -23,23 +24,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 17, 99, 3, 250], list(range(30, 63)), [7] * 3 + list(range(100, 140)), [300, 1, 2]]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
-
-
-def make_adapter(base: Path, folder: Path, targets: list[str], r: int = 8, seed: int = 0, **config) -> Path:
-    """A PEFT LoRA adapter of `base` with random A and B (scaled to move the tokens, not to swamp them)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    config = {"lora_alpha": 16, **config}
-    peft_model = get_peft_model(model, LoraConfig(r=r, target_modules=targets, **config))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
-    peft_model.save_pretrained(folder)
-    return folder
 
 
 def peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]], gguf_file: str | None = None):

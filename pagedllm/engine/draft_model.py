@@ -54,6 +54,7 @@ class _DraftSeq:
     num_cached_tokens: int = 0  # leading tokens whose draft K/V is computed (or is by this pass's end)
     draft_token_ids: list[int] = field(default_factory=list)  # always empty: the draft verifies nothing
     prompt_logprobs: None = None
+    lora_int_id: None = None  # the draft runs on its own base, whatever the target's adapter
 
     @property
     def num_tokens(self) -> int:

@@ -28,6 +28,7 @@ BENCHMARKS = {  # name: (module, what it measures)
     "tiers": ("pagedllm.bench.tiers", "TTFT of a prompt asked again: host / disk prefix tiers vs recompute"),
     "quality": ("pagedllm.bench.quality", "perplexity and greedy agreement per weight storage"),
     "linear": ("pagedllm.bench.linear", "the matmul kernels and libraries on the model's shapes"),
+    "lora": ("pagedllm.bench.lora", "requests over several LoRA adapters vs the base alone, vs llama-server"),
 }
 
 
@@ -121,9 +122,7 @@ def _serve(args: argparse.Namespace) -> int:
     lora = _lora_kwargs(args)
     if args.data_parallel_size is None:
         from pagedllm.entrypoints.openai.server import main as serve
-    elif lora:
-        raise SystemExit("--enable-lora is not supported with --data-parallel-size")
-    else:
+    else:  # every replica serves --lora-modules; adapters are not loaded at run time through the ingress
         serve = _replicas_main(args)
     return serve(
         args.model,

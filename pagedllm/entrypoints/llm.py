@@ -72,14 +72,17 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = False,
     ) -> list[BeamSearchOutput]:
         """Beam search for every prompt, the beams of all prompts batched with one another in the engine
-        (see pagedllm.engine.beam_search for the search's definition); outputs in prompt order."""
+        (see pagedllm.engine.beam_search for the search's definition); outputs in prompt order.
+        `lora_request` as generate's (vLLM's order: before use_tqdm)."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         prompts = _as_prompt_list(prompts)
-        outputs = self._generate(prompts, [params] * len(prompts), use_tqdm)
+        loras = _as_lora_list(lora_request, len(prompts))
+        outputs = self._generate(prompts, [params] * len(prompts), use_tqdm, loras)
         tokenizer = self.engine.tokenizer
         results = []
         for output in outputs:
@@ -122,9 +125,11 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        """Apply the model's chat template to one conversation (or a list of them) and generate
+        (`lora_request` as generate's, in vLLM's place)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
@@ -139,7 +144,7 @@ class LLM:
             }
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

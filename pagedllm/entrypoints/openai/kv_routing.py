@@ -10,7 +10,8 @@ from then on. Here the replicas say what they *hold*:
   what `msgspec.msgpack.Decoder(vllm.distributed.kv_events.KVEventBatch)` reads) to `KVCacheIndex`, one
   Ray actor per application holding each replica's set of block hashes;
 - the ingress computes each request's prompt block hashes (`PromptBlocks`: the engine's tokenizer, chat
-  template and hash chain) and passes them in the call's `RoutingKey`;
+  template and hash chain, under the LoRA adapter the request's `model` names, as the engine keys its
+  blocks) and passes them in the call's `RoutingKey`;
 - `KVCacheAwareRouter`, a Ray Serve `RequestRouter`, asks the index how many leading blocks each replica
   holds and sends the request where `uncached prompt tokens + load_tokens x requests in flight` is least.
   Requests it routed that have not finished count as held on their replica (their blocks are computed,
@@ -34,6 +35,7 @@ from pagedllm.entrypoints.openai import protocol as p
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.serving_chat import chat_text
 from pagedllm.entrypoints.openai.serving_completion import prompts_of
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.tools import plan_tools, template_messages
 from pagedllm.kv.block_pool import block_hash_chain
 from pagedllm.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVEventLog
@@ -172,10 +174,13 @@ class KVEventPublisher:
 
 
 class PromptBlocks:
-    """The block hash chain of a request's prompt as its replica's engine will compute it."""
+    """The block hash chain of a request's prompt as its replica's engine will compute it. `models`: the
+    replicas' adapters by name (each replica numbers the same --lora-modules alike): a request naming one
+    is hashed under its lora_int_id, so it goes where that adapter's blocks are, never the base's."""
 
-    def __init__(self, tokenizer, model: str, block_size: int):
+    def __init__(self, tokenizer, model: str, block_size: int, models: OpenAIServingModels | None = None):
         self.tokenizer, self.model, self.block_size = tokenizer, model, block_size
+        self.models = models
 
     def key(self, prompt: str, request: BaseModel | None) -> RoutingKey:
         """`prompt` with the hash chain (a completion request of several prompts: its first's); none for
@@ -186,7 +191,9 @@ class PromptBlocks:
             ids = None
         if not ids:
             return RoutingKey(prompt)
-        return RoutingKey(prompt, tuple(block_hash_chain(ids, self.block_size)), len(ids), self.block_size)
+        lora = self.models.lora_request(request.model) if self.models is not None else None
+        hashes = block_hash_chain(ids, self.block_size, lora.lora_int_id if lora is not None else None)
+        return RoutingKey(prompt, tuple(hashes), len(ids), self.block_size)
 
     def _token_ids(self, request: BaseModel | None) -> list[int] | None:
         tokenizer = self.tokenizer

@@ -46,6 +46,7 @@ from pagedllm.entrypoints.openai.errors import APIError, error_body, error_respo
 from pagedllm.entrypoints.openai.kv_routing import KVEventPublisher, PromptBlocks, RoutingKey
 from pagedllm.entrypoints.openai.limits import Admission, LimitsMiddleware, ServerLimits
 from pagedllm.entrypoints.openai.server import PROMETHEUS_TEXT, build_serving, openai_routes
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.streams import until_disconnected
 from pagedllm.models.loader import DEFAULT_MODEL
 
@@ -351,22 +352,35 @@ def _merge_families(texts: list[str]) -> str:
     return "".join("\n".join(heads[f] + samples[f]) + "\n" for f in order)
 
 
+@dataclass(frozen=True)
+class HashedPrompts:
+    """What the ingress needs to hash prompts as the replicas' engines do: the model, the block size the
+    engines resolve, and the LoRA adapters they serve by name (--lora-modules)."""
+
+    model: str
+    served_model_name: str
+    block_size: int
+    lora_modules: dict[str, str] | None = None
+
+
 @serve.ingress()
 class Ingress:
     """The HTTP endpoint (one replica unless told otherwise); the app is built in the replica."""
 
     def __init__(
-        self, engines: DeploymentHandle, limits: ServerLimits, app_name: str, hashed: tuple[str, int] | None
+        self, engines: DeploymentHandle, limits: ServerLimits, app_name: str, hashed: HashedPrompts | None
     ):
-        """`hashed`: (model, block size) when the router reads the prompts' block hashes."""
+        """`hashed`: what the prompts' block hashes need, when the router reads them."""
         self.engines, self.limits, self.app_name = engines, limits, app_name
         self.blocks = None
         if hashed is not None:
             from pagedllm.models.loader import resolve_checkpoint
             from pagedllm.models.tokenizer import load_tokenizer
 
-            model, block_size = hashed
-            self.blocks = PromptBlocks(load_tokenizer(resolve_checkpoint(model)), model, block_size)
+            tokenizer = load_tokenizer(resolve_checkpoint(hashed.model))
+            # the replicas' adapter names and ids, numbered as each replica's build_serving numbers them
+            models = OpenAIServingModels(hashed.served_model_name, 0, lora_modules=hashed.lora_modules)
+            self.blocks = PromptBlocks(tokenizer, hashed.model, hashed.block_size, models)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_ingress_app(self.engines, self.limits, self.app_name, self.blocks)
@@ -442,8 +456,12 @@ def build_replicas(
         graceful_shutdown_timeout_s=shutdown_timeout,
     )
     # the block size the replicas' engines resolve (the server fills a None max_num_batched_tokens later)
-    settled = {name: value for name, value in engine_kwargs.items() if value is not None}
-    hashed = (model, EngineConfig(model, **settled).block_size) if kv_events else None
+    lora_modules = engine_kwargs.get("lora_modules")
+    settled = {k: v for k, v in engine_kwargs.items() if v is not None and k != "lora_modules"}
+    hashed = None
+    if kv_events:
+        block_size = EngineConfig(model, **settled).block_size
+        hashed = HashedPrompts(model, served_model_name or model, block_size, lora_modules)
     return ingress.bind(engines, limits, settings.app_name, hashed)
 
 
