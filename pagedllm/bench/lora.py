@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"no convert_lora_to_gguf.py in {str(args.llama_cpp_tree)!r} (--llama-cpp-tree)")
     flags.apply_threads(args)
     from pagedllm import LLM, LoRARequest, SamplingParams
-    from pagedllm.models.loader import resolve_checkpoint
+    from pagedllm.models.loader import read_config, resolve_checkpoint
     from pagedllm.workload import make_prompts
 
     work = Path(tempfile.mkdtemp(prefix="pagedllm-bench-lora-"))
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         max_lora_rank=rank, **common,
     )  # fmt: skip
     base_llm = LLM(args.model, **common)
-    vocab = lora_llm.engine.model.config.vocab_size
+    vocab = read_config(resolve_checkpoint(args.model)).vocab_size
     prompts = make_prompts([args.input_len] * args.num_requests, vocab, args.seed)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     warm = [p[:16] for p in prompts[: args.num_adapters + 1]]  # first-call costs, the adapters' loads
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         run_pagedllm(lora_llm, f"pagedllm, {args.num_adapters} adapters + base", prompts, params, loras),
         run_pagedllm(base_llm, "pagedllm, base", prompts, params, [None] * len(prompts)),
     ]
-    memory = {lora.name: lora.nbytes for lora in lora_llm.engine.loras.loaded.values()}
+    memory = lora_llm.engine.stats().lora_bytes
     if args.llama_server is not None:
         env = peer_env()
         files = convert_adapters(args.llama_cpp_tree, base_folder, folders, work, env)

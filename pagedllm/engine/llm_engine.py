@@ -284,6 +284,7 @@ class LLMEngine:
             spec_draft_tokens=self.postprocessor.spec.draft_tokens,
             spec_accepted_tokens=self.postprocessor.spec.accepted_tokens,
             kv_tiers=self.tiers.usage() if self.tiers is not None else None,
+            lora_bytes=None if self.loras is None else {m.name: m.nbytes for m in self.loras.loaded.values()},
         )
 
     def kv_snapshot(self) -> dict:

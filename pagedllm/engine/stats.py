@@ -36,6 +36,7 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     kv_tiers: TierUsage | None = None  # the prefix cache's host and disk tiers (None: off)
+    lora_bytes: dict[str, int] | None = None  # the LoRA adapters in memory by name, their bytes (enable_lora)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
