@@ -1,4 +1,4 @@
-"""Batch invariance of GGUF blocks' default arithmetic (models/quantization.py gguf_paths "invariant"): a
+"""Batch invariance of GGUF blocks with PAGEDLLM_GGUF_PATHS=invariant (models/quantization.py gguf_paths): a
 row's output bits do not depend on the rows beside it.
 
 Kernel level: with the invariant gate on (what the model runner sets for every step), each block type's
@@ -7,10 +7,10 @@ runs, and within int16 rounding of the gguf package's dequantized weight (the ma
 the 32-value types is new). Without it (PAGEDLLM_GGUF_PATHS=fast: bf16 / AMX panels, float32 panels) the
 same rows differ, which the gate exists for.
 
-Engine level: SmolLM2 (Q4_1 blocks, a Q8_0 LM head) with its default storage, greedy: a request alone, in a
-batch of many, and after swap and recompute preemption gets the same tokens, a difference allowed only
-where the reference's top two log-probabilities are within NEAR_TIE (the attention's prefill and decode
-kernels may still sum a context in another order).
+Engine level: SmolLM2 (Q4_1 blocks, a Q8_0 LM head) with its default storage, invariant paths, greedy: a
+request alone, in a batch of many, and after swap and recompute preemption gets the same tokens, a
+difference allowed only where the reference's top two log-probabilities are within NEAR_TIE (the
+attention's prefill and decode kernels may still sum a context in another order).
 """
 
 from __future__ import annotations
@@ -119,14 +119,25 @@ def test_the_fast_paths_round_a_row_by_the_batch(kernels, name):
 def test_the_paths_setting_is_checked(monkeypatch):
     monkeypatch.setenv(quantization.GGUF_PATHS_ENV_VAR, "fastest")
     quantization.gguf_paths.cache_clear()
-    try:
-        with pytest.raises(ValueError, match="PAGEDLLM_GGUF_PATHS='fastest' is not one of"):
-            quantization.gguf_paths()
-    finally:
-        monkeypatch.delenv(quantization.GGUF_PATHS_ENV_VAR)
-        quantization.gguf_paths.cache_clear()
-    assert quantization.gguf_paths() == "invariant"
+    with pytest.raises(ValueError, match="PAGEDLLM_GGUF_PATHS='fastest' is not one of"):
+        quantization.gguf_paths()
+    monkeypatch.delenv(quantization.GGUF_PATHS_ENV_VAR)
+    quantization.gguf_paths.cache_clear()
+    assert quantization.gguf_paths() == "fast"  # the default
+    monkeypatch.setenv(quantization.GGUF_PATHS_ENV_VAR, "invariant")  # as the module's fixture left it
+    quantization.gguf_paths.cache_clear()
     assert not quantization.takes_bf16(computes_prompt=True, max_query_len=200)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def invariant_paths():
+    """This module's engines run PAGEDLLM_GGUF_PATHS=invariant (the default is "fast"); the rest of the
+    suite gets the default back."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(quantization.GGUF_PATHS_ENV_VAR, "invariant")
+        quantization.gguf_paths.cache_clear()
+        yield
+    quantization.gguf_paths.cache_clear()
 
 
 # Engine level. Prompts of 6 to ~60 tokens, so that steps mix prefill rows (several sequences' chunks) with
@@ -161,7 +172,8 @@ def assert_same_tokens(reference, outputs, label: str) -> int:
 
 @pytest.fixture(scope="module")
 def batch_outputs():
-    """Every prompt in one batch, the default storage (GGUF blocks), a cache with room for all of them."""
+    """Every prompt in one batch, the default storage (GGUF blocks) with invariant paths, a cache with room
+    for all of them."""
     llm = LLM("smollm2-135m", max_model_len=512)
     assert llm.engine.runner.gates_bf16  # the runner sets the invariant gate every step
     outputs = llm.generate(PROMPTS, GREEDY)

@@ -41,18 +41,19 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("int8", "int4", "gguf")
 INT4_GROUP = 32
-# How a GGUF layer multiplies many rows: "invariant" (the default), the blocks' integer path at every row
-# count, a row's output bits the same whatever else the step computes (alone, batched, after preemption);
-# "fast", the many-row paths measured fastest (bf16 / AMX panels, float32 panels), whose rounding depends on
-# the step's row count. docs/kernels.md, "The numeric contract of GGUF blocks".
+# How a GGUF layer multiplies many rows: "fast" (the default), the many-row paths measured fastest (bf16 /
+# AMX panels, float32 panels), whose rounding depends on the step's row count; "invariant", the blocks'
+# integer path at every row count, a row's output bits the same whatever else the step computes (alone,
+# batched, after preemption), as vLLM's VLLM_BATCH_INVARIANT opts in: its prefill is ~4x slower until the
+# integer path has a many-row kernel (docs/kernels.md, "The numeric contract of GGUF blocks").
 GGUF_PATHS_ENV_VAR = "PAGEDLLM_GGUF_PATHS"
 GGUF_PATHS = ("invariant", "fast")
 
 
 @functools.cache
 def gguf_paths() -> str:
-    """$PAGEDLLM_GGUF_PATHS (default "invariant"), read once a process."""
-    paths = os.environ.get(GGUF_PATHS_ENV_VAR, "").strip().lower() or "invariant"
+    """$PAGEDLLM_GGUF_PATHS (default "fast"), read once a process."""
+    paths = os.environ.get(GGUF_PATHS_ENV_VAR, "").strip().lower() or "fast"
     if paths not in GGUF_PATHS:
         raise ValueError(f"{GGUF_PATHS_ENV_VAR}={paths!r} is not one of {list(GGUF_PATHS)}")
     return paths
@@ -111,9 +112,9 @@ class GGUFLinear(KernelLinear):
     not yet read), and when the layer is processed its shards' bytes are read once into one buffer, in
     row order, as the kernel reads them.
 
-    By default (gguf_paths() "invariant") every call takes the blocks' integer path at any number of rows
-    (the model runner sets it per step: bf16_gate), a row's bits independent of the rows beside it. With
-    "fast", on a CPU that multiplies bf16 (AVX512_BF16, an AVX-512 build), a call of at least `bf16_rows`
+    With gguf_paths() "invariant" every call takes the blocks' integer path at any number of rows (the
+    model runner sets it per step: bf16_gate), a row's bits independent of the rows beside it. By default
+    ("fast"), on a CPU that multiplies bf16 (AVX512_BF16, an AVX-512 build), a call of at least `bf16_rows`
     rows (a prefill, a big batch) has its weight dequantized into a shared bf16 scratch and multiplied by
     oneDNN's bf16 GEMM (csrc/linear.cpp bf16_blocks_linear): about twice the integer and float32 paths'
     speed there, at a bf16 model's rounding. Fewer rows keep the blocks' integer path, and so do the rows
