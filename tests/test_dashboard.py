@@ -405,6 +405,7 @@ def test_serve_flags_shape_the_kv_cache_the_dashboard_shows(monkeypatch):
     argv = ["serve", "--kv-layout", "contiguous", "--contiguous-reserve", "pow2", "--block-size", "32"]
     assert cli.main([*argv, "--max-num-seqs", "8", "--enable-prefix-caching"]) == 0
     server_only = ("model", "host", "port", "served_model_name", "limits", "shutdown_timeout")
+    server_only += ("reasoning_parser",)
     engine_kwargs = {k: v for k, v in seen.items() if k not in server_only}
     assert engine_kwargs.pop("max_num_batched_tokens") is None  # the server's own default (build_app)
     config = EngineConfig(model=seen["model"], **engine_kwargs)
