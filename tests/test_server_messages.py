@@ -91,6 +91,28 @@ def test_count_tokens_is_the_prompt_the_chat_template_renders(client):
     assert counted.input_tokens == expected
 
 
+def test_what_claude_code_sends_is_accepted(client):
+    """Found by running Claude Code (2.1) against the server: a turn of role "system" inside `messages`
+    (its reminders) reaches the template as a system message, and the beta `context_management` is
+    accepted and ignored. transformers' apply_chat_template of the same conversation is the oracle."""
+    from transformers import AutoTokenizer
+
+    from pagedllm.models.loader import resolve_checkpoint
+
+    conversation = [*QUESTION, {"role": "system", "content": "Answer in French."}]
+    oracle = AutoTokenizer.from_pretrained(resolve_checkpoint(MODEL))
+    ids = oracle.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, *conversation], add_generation_prompt=True
+    )
+    counted = client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=conversation)
+    assert counted.input_tokens == len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    editing = {"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}
+    message = client.messages.create(
+        model=MODEL, max_tokens=4, system=SYSTEM, messages=conversation, extra_body=GREEDY | editing
+    )
+    assert message.usage.input_tokens == counted.input_tokens and message.usage.output_tokens == 4
+
+
 def test_stream_events_add_up_to_the_whole_message(client):
     request = dict(model=MODEL, max_tokens=24, system=SYSTEM, messages=QUESTION, extra_body=GREEDY)
     whole = client.messages.create(**request)

@@ -86,7 +86,8 @@ def _checked_blocks(content, allowed: tuple[str, ...]):
 
 
 class Message(RequestModel):
-    role: Literal["user", "assistant"]
+    # "system": Claude Code sends its reminders as turns of their own; the template gets system messages
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
     @field_validator("content", mode="before")
@@ -159,6 +160,8 @@ class MessagesRequest(CountTokensRequest):
     top_k: Annotated[Int, Field(ge=-1)] | None = None
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None  # one tier here: accepted, ignored
+    # the beta context editing (Claude Code sends it): accepted, ignored; the prompt is run as sent
+    context_management: dict | None = None
 
 
 class TextOut(BaseModel):
