@@ -10,7 +10,7 @@ import time
 import openai
 import pytest
 from helpers import openai_client, running_server, wait_until_idle
-from test_server_tools_qwen import WEATHER, qwen_gguf  # noqa: F401 (a fixture)
+from test_server_tools_qwen import WEATHER, qwen_gguf, run_weather_agent  # noqa: F401 (a fixture)
 
 from pagedllm.bench import serve
 from pagedllm.entrypoints.openai.responses_protocol import ResponseObject
@@ -303,32 +303,6 @@ def test_a_function_tool_round_trip(qwen_server):
 
 @pytest.mark.slow
 def test_the_openai_agents_sdk_over_the_responses_api(qwen_server):
-    """The Agents SDK's OpenAIResponsesModel (offline: tracing off): it calls the tool with the model's
-    arguments, sends the result back and ends with the model's answer."""
+    """The Agents SDK's OpenAIResponsesModel runs the same tool loop as over chat completions."""
     agents = pytest.importorskip("agents")
-    agents.set_tracing_disabled(True)
-    cities = []
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """Get the current weather in a city."""
-        cities.append(city)
-        return f"22 degrees celsius and sunny in {city}"
-
-    base, engine = qwen_server
-    model = agents.OpenAIResponsesModel(
-        model="qwen", openai_client=openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-    )
-    agent = agents.Agent(
-        name="weather",
-        instructions="You answer questions about the weather.",
-        tools=[get_weather],
-        model=model,
-        model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=48),
-    )
-    with openai_client(base, engine):
-        result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
-    assert cities == ["Paris"]
-    kinds = [type(item).__name__ for item in result.new_items]
-    assert kinds == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
-    assert isinstance(result.final_output, str) and result.final_output
+    run_weather_agent(qwen_server, agents.OpenAIResponsesModel)

@@ -128,9 +128,16 @@ def test_a_tool_loop_with_the_official_client(server, oracle):
 
 
 def test_the_openai_agents_sdk_runs_a_tool(server):
-    """The OpenAI Agents SDK (offline: tracing off, the local server as its model) calls the tool with
-    the arguments the model chose, sends the result back and ends with the model's answer."""
+    """The OpenAI Agents SDK over chat completions."""
     agents = pytest.importorskip("agents")
+    run_weather_agent(server, agents.OpenAIChatCompletionsModel)
+
+
+def run_weather_agent(server, model_class) -> None:
+    """The OpenAI Agents SDK (offline: tracing off, the local server as its `model_class`: chat completions
+    or Responses) calls the tool with the arguments the model chose, sends the result back and ends with
+    the model's answer."""
+    import agents
     import openai
 
     agents.set_tracing_disabled(True)
@@ -143,7 +150,7 @@ def test_the_openai_agents_sdk_runs_a_tool(server):
         return f"22 degrees celsius and sunny in {city}"
 
     base, engine = server
-    model = agents.OpenAIChatCompletionsModel(
+    model = model_class(
         model="qwen", openai_client=openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
     )
     agent = agents.Agent(
