@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import assert_all_blocks_free
 from models_helpers import hf_greedy
+from test_models_families import randomize
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.bench.lora import make_random_adapter as make_adapter
@@ -52,11 +53,7 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
     )  # fmt: skip
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            param.add_(noise * 0.1) if "norm" in name else param.copy_(noise * 0.15)
+    randomize(model, seed=1)
     folder = tmp_path_factory.mktemp("tiny-qwen2")
     model.save_pretrained(folder)
     return folder

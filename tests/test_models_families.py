@@ -96,9 +96,9 @@ FAMILIES = {
 PROMPT_LENS = [1, 5, 16, 17, 40]
 
 
-def randomize(model: torch.nn.Module) -> None:
+def randomize(model: torch.nn.Module, seed: int = 0) -> None:
     """Weights large enough for peaked logits; norms and biases away from their trivial init."""
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=gen)
