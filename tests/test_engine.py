@@ -62,6 +62,19 @@ def test_a_sequence_outgrowing_the_whole_cache_ends_with_length(mode):
     assert_all_blocks_free(llm)
 
 
+def test_a_prompt_larger_than_the_whole_cache_is_refused_naming_both_sizes():
+    """4 blocks hold 64 tokens: an 80-token prompt could never be prefilled, so add_request says so (it
+    used to wait, then end "length" with no token); a 64-token one still runs."""
+    llm = LLM("smollm2-135m", num_kv_blocks=4, max_model_len=512)
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    too_big = r"prompt has 80 tokens, whose KV needs 5 blocks; the KV cache holds 4 blocks in all"
+    with pytest.raises(ValueError, match=too_big + r" \(num_kv_blocks=4\)"):
+        llm.generate([list(range(100, 180))], greedy)
+    assert llm.engine.requests == {}
+    assert len(llm.generate([list(range(100, 164))], greedy)[0].outputs[0].token_ids) == 1
+    assert_all_blocks_free(llm)
+
+
 def test_prefix_caching_is_on_by_default_and_keeps_outputs():
     system = "You are a helpful assistant who writes vivid, concise stories for children of all ages. "
     prompts = [system + p for p in PROMPTS]  # a shared prefix of several full blocks

@@ -227,7 +227,7 @@ def test_bad_input_is_refused_in_anthropics_shape_naming_the_field(server):
         (ok | {"tool_choice": {"type": "tool"}}, "tool_choice"),
         (ok | {"max_tokens": 100_000}, "max_tokens"),
         (ok | {"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools"),  # no tool template
-        (ok | {"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+        (ok | {"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
         (ok | {"temperature": -1}, "temperature"),
     ]
     for body, named in cases:
@@ -247,6 +247,22 @@ def test_bad_input_is_refused_in_anthropics_shape_naming_the_field(server):
     chat = post(base, "/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "bad": 1})
     assert chat.status_code == 400 and chat.body["error"]["param"] == "bad"
     wait_until_idle(engine)
+
+
+def test_a_prompt_larger_than_the_kv_cache_is_a_400_naming_both_sizes():
+    """Found by Claude Code: its 18,758-token prompt beside a cache of 18,720 tokens ended "max_tokens" with
+    no text after it waited. 8 blocks hold 128 tokens, under max_model_len=512: a ~200-token prompt is
+    refused at once, naming the prompt's size and the cache's; a short one is still served."""
+    app = build_app(MODEL, num_kv_blocks=8, max_model_len=512)
+    with running_server(app) as base:
+        long = [{"role": "user", "content": "Count with me: " + " ".join(map(str, range(100)))}]
+        refused = post(base, "/v1/messages", {"model": MODEL, "max_tokens": 8, "messages": long})
+        assert_anthropic_error(refused, 400, "invalid_request_error", "tokens", "8 blocks", "num_kv_blocks=8")
+        chat = post(base, "/v1/chat/completions", {"model": MODEL, "max_tokens": 8, "messages": long})
+        assert chat.status_code == 400 and chat.body["error"]["param"] == "prompt", chat.body
+        served = post(base, "/v1/messages", {"model": MODEL, "max_tokens": 8, "messages": QUESTION})
+        assert served.status_code == 200 and served.body["usage"]["output_tokens"] >= 1, served.body
+        wait_until_idle(app.state.engine.engine)
 
 
 def test_the_api_key_as_x_api_key_or_bearer(server):

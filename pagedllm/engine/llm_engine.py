@@ -109,6 +109,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             model=self.config.model,
         )
+        self._check_fits_cache(token_ids)
         if isinstance(params, BeamSearchParams):
             request = Request(request_id, text, token_ids, beam_sampling_params(params))
             max_new_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
@@ -129,6 +130,27 @@ class LLMEngine:
             request.lora_request = lora_request
         self.requests[request_id] = request
         self.scheduler.add(self._new_sequence(request))
+
+    def _check_fits_cache(self, token_ids: list[int]) -> None:
+        """Refuse a prompt whose prefill alone needs more KV blocks than the whole cache holds: it could
+        never run (llama-server's "exceeds the available context size"), so the caller hears it now
+        rather than getting an empty "length" finish after it waited."""
+        needed, total = self.allocator.num_blocks_needed(token_ids), self.allocator.num_total_blocks
+        if needed > total:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, whose KV needs {needed} blocks; the KV cache holds "
+                f"{total} blocks in all ({self._kv_size_setting()}): give the cache more memory or shorten "
+                "the prompt"
+            )
+
+    def _kv_size_setting(self) -> str:
+        """The setting that sized the KV cache, as the user wrote it."""
+        config = self.config
+        if config.num_kv_blocks is not None:
+            return f"num_kv_blocks={config.num_kv_blocks}"
+        if config.memory_budget is not None:
+            return f"memory_budget={config.memory_budget!r}"
+        return f"kv_cache_memory={config.kv_cache_memory!r}"
 
     def fork(self, parent: Sequence) -> Sequence:
         """A new sequence of parent's request continuing from parent's tokens, sharing its KV blocks
