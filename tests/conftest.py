@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedllm.ops import cpu
+from pagedllm.ops import cpu, native
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -90,8 +90,8 @@ def tiny_chat_model(tmp_path_factory) -> Path:
     return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
 
 
-@pytest.fixture(params=cpu.supported_isas())
+@pytest.fixture(params=native.supported_isas())
 def kernels(request, monkeypatch):
     """The CPU kernels with each instruction-set build this CPU runs selected in turn."""
-    monkeypatch.setattr(cpu, "selected_isa", lambda: request.param)
+    monkeypatch.setattr(native, "selected_isa", lambda: request.param)
     return cpu

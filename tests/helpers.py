@@ -27,9 +27,9 @@ def skip_unless_onednn_packs(dtype) -> None:
     import pytest
     import torch
 
-    from pagedllm.ops import cpu
+    from pagedllm.ops import native
 
-    if dtype == torch.bfloat16 and not cpu.onednn_packs_bf16():
+    if dtype == torch.bfloat16 and not native.onednn_packs_bf16():
         pytest.skip("oneDNN packs bf16 only on AVX-512 or AVX-NE-CONVERT CPUs")
 
 
@@ -41,10 +41,10 @@ def batch_invariant_llm(*args, **kwargs):
     import pytest
 
     from pagedllm import LLM
-    from pagedllm.ops import cpu
+    from pagedllm.ops import native
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu, "bf16_matmul_available", lambda: False)
+        patch.setattr(native, "bf16_matmul_available", lambda: False)
         return LLM(*args, **kwargs)
 
 

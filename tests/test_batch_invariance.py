@@ -26,9 +26,9 @@ from ops_helpers import int16_blocks
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models import quantization
-from pagedllm.ops import cpu
+from pagedllm.ops import native
 
-pytestmark = pytest.mark.skipif(not cpu.supported_isas(), reason="the CPU kernels need AVX2")
+pytestmark = pytest.mark.skipif(not native.supported_isas(), reason="the CPU kernels need AVX2")
 
 ROWS = (1, 7, 64, 200)
 # columns: K types three super-blocks; the 32-value types Qwen2.5-0.5B's width (a last chunk of 4 blocks)

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from pagedllm.bench import latency, linear, quality
-from pagedllm.ops import cpu
+from pagedllm.ops import native
 
 
 def test_latency_reports_ttft_decode_rate_and_itl_per_system(capsys):
@@ -32,7 +32,7 @@ def test_latency_reports_ttft_decode_rate_and_itl_per_system(capsys):
     # The same weights: the same greedy tokens where both sum float32 products of the same values. Where
     # the CPU multiplies bf16, the blocks take their bf16 path from 10 rows on (the 40-token prompt: a bf16
     # model's rounding, and these random prompts have near-ties): only the 9-token prompt is compared there.
-    compared = 1 if cpu.bf16_matmul_available() else 2
+    compared = 1 if native.bf16_matmul_available() else 2
     assert [r["tokens"] for r in systems["pagedllm gguf"]["runs"][:compared]] == [
         r["tokens"] for r in systems["pagedllm kernel"]["runs"][:compared]
     ]
@@ -81,7 +81,7 @@ def test_quality_int8_stays_within_two_percent_of_float32():
     within 2% of fp32; the GGUF's own blocks are fp32's weights exactly (only sums are ordered
     differently), multiplied in bf16 at a prefill's many rows where the CPU has AVX512_BF16."""
     text = quality.TEXT.read_text()
-    bf16_path = cpu.bf16_matmul_available()
+    bf16_path = native.bf16_matmul_available()
     configs = ["dequantized-f32", "int8", "gguf"] + (["dequantized-bf16"] if bf16_path else [])
     results = {r.config: r for r in quality.run("smollm2-135m", configs, text, 512, 8)}
     fp32 = results["dequantized-f32"].perplexity

@@ -13,7 +13,7 @@ from helpers import assert_all_blocks_free
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench import flags, kernel, latency, linear, llama_bench, throughput
 from pagedllm.bench.peers import DEFAULTED_THREADS, peer_env, run_script
-from pagedllm.ops import cpu
+from pagedllm.ops import native
 
 
 def test_a_chunked_prompts_first_token_comes_after_its_last_chunk(tiny_llama_dir):
@@ -44,7 +44,7 @@ def test_run_info_says_what_the_engine_runs(tiny_llama_dir):
     assert sum(info.weight_kinds.values()) >= 2 * 4 + 1
     assert info.kv_token_bytes == 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, float32
     assert info.vocab_size == 384 and info.attention_backend in ("cpu", "sdpa")
-    assert info.cpu_isa == (cpu.selected_isa() if cpu.unavailable_reason() is None else None)
+    assert info.cpu_isa == (native.selected_isa() if native.unavailable_reason() is None else None)
     line = info.describe()
     assert line.startswith(f"attention {info.attention_backend}") and line.endswith(f"{info.threads} threads")
     assert f"linear {info.linear_method}: " in line
@@ -184,7 +184,7 @@ def test_throughput_vllm_needs_vllm():
 
 def _unbuildable(monkeypatch):
     """The cpu kernels as on a machine where they cannot be built (the real check, made to say why)."""
-    monkeypatch.setattr(cpu, "unavailable_reason", lambda: "building the avx2 kernels failed: no compiler")
+    monkeypatch.setattr(native, "unavailable_reason", lambda: "building the avx2 kernels failed: no compiler")
 
 
 def test_kernel_bench_stops_naming_why_a_kernel_cannot_be_built(monkeypatch, capsys):

@@ -72,12 +72,12 @@ def test_a_tiny_q8_0_qwen2_loads_in_place_and_matches_hf(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from pagedllm.models import load_model
-    from pagedllm.ops import cpu
+    from pagedllm.ops import native
 
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     # float32 tolerances: the blocks' integer and float32 paths (not the bf16 one a prefill takes on
     # AVX512_BF16 CPUs, tested in test_ops_gguf_blocks.py and test_models_smollm2.py)
-    monkeypatch.setattr(cpu, "bf16_matmul_available", lambda: False)
+    monkeypatch.setattr(native, "bf16_matmul_available", lambda: False)
     config = Qwen2Config(**TINY, tie_word_embeddings=False)
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

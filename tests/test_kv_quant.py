@@ -18,7 +18,7 @@ from test_llm import PROMPTS
 from pagedllm import LLM, SamplingParams, ops
 from pagedllm.engine.config import EngineConfig
 from pagedllm.models import load_model
-from pagedllm.ops import AttentionArgs, cpu, reference
+from pagedllm.ops import AttentionArgs, native, reference
 from pagedllm.ops.kv_cache import allocate_kv_caches, key_smoothing, kv_block_bytes, kv_blocks, kv_scales
 from pagedllm.ops.synthetic import random_paged_batch
 
@@ -112,9 +112,9 @@ def test_a_cache_without_room_for_its_scales_is_refused():
         kv_scales(plain)
     q = torch.randn(1, 2, 16)
     tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
-    for isa in cpu.supported_isas():
+    for isa in native.supported_isas():
         with pytest.raises(RuntimeError, match="allocate_kv_caches"):
-            cpu.kernels(isa).paged_attention(
+            native.kernels(isa).paged_attention(
                 torch.empty_like(q),
                 q,
                 plain,
@@ -127,7 +127,7 @@ def test_a_cache_without_room_for_its_scales_is_refused():
                 0.0,
             )
         with pytest.raises(RuntimeError, match="allocate_kv_caches"):
-            cpu.kernels(isa).write_kv(q, q, plain, plain, torch.zeros(1, dtype=torch.int64))
+            native.kernels(isa).write_kv(q, q, plain, plain, torch.zeros(1, dtype=torch.int64))
 
 
 def _filled(num_blocks: int, head_major: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,15 +264,15 @@ def _steps(model, kv_dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("kv_dtype", [INT8, FP8], ids=["int8", "fp8"])
-@pytest.mark.parametrize("isa", cpu.supported_isas() or [None])
+@pytest.mark.parametrize("isa", native.supported_isas() or [None])
 def test_a_layer_in_one_call_equals_its_ops_one_by_one_on_a_quantized_cache(
     tiny_llama_dir, kv_dtype, isa, monkeypatch
 ):
     """csrc/decoder.cpp calls the same write_kv and attention kernels on the quantized cache: its logits
     are bit-identical to the layer's ops called from Python, on every C++ build."""
     if isa is None:
-        pytest.skip(cpu.unavailable_reason() or "no C++ build for this CPU")
-    monkeypatch.setattr(cpu, "selected_isa", lambda: isa)
+        pytest.skip(native.unavailable_reason() or "no C++ build for this CPU")
+    monkeypatch.setattr(native, "selected_isa", lambda: isa)
     model = load_model(str(tiny_llama_dir), quantization="none", max_num_seqs=4).model
     assert all(layer.fused is not None for layer in model.layers)
     fused = _steps(model, kv_dtype)

@@ -112,6 +112,28 @@ def test_each_floor_imports_only_downwards(floor):
     assert not bad, "\n".join(["imports up or across the floors:", *bad])
 
 
+# The attention backends: ops/__init__'s registry is their one door (models call ops.X, whichever runs).
+BACKEND_MODULES = (
+    "pagedllm.ops.cpu",
+    "pagedllm.ops.sdpa",
+    "pagedllm.ops.reference",
+    "pagedllm.ops.triton_ops",
+)
+
+
+def test_models_import_no_attention_backend():
+    """A model reaches attention and its layer ops through `ops` only; the weight kernels it calls are the
+    C++ library's (ops/native.py), which every backend on the CPU shares."""
+    bad = sorted(
+        f"{name} imports {module}"
+        for name, modules in GRAPH.items()
+        if within(name, "models")
+        for module in modules
+        if module in BACKEND_MODULES
+    )
+    assert not bad, "\n".join(["a backend imported by a model:", *bad])
+
+
 def test_nothing_below_bench_viz_and_entrypoints_imports_them():
     """bench/, viz/ and entrypoints/ are the top: no floor below imports them (the package's own
     __init__ re-exports the entrypoints' LLM, its face); within them, viz never imports bench, and of
@@ -155,7 +177,7 @@ COMPONENTS = {
     ("pagedllm.bench.gpu_check", "pagedllm.ops"): "checks the Triton kernels against the reference on a GPU",
     ("pagedllm.bench.linear", "pagedllm.models.linear"): "times the matmul kernels on the model's shapes",
     ("pagedllm.bench.linear", "pagedllm.models.quantization"): "times the int8 / int4 matmul kernels",
-    ("pagedllm.bench.linear", "pagedllm.ops.cpu"): "names the kernels' build, or why it cannot be built",
+    ("pagedllm.bench.linear", "pagedllm.ops.native"): "names the kernels' build, or why it cannot be built",
     ("pagedllm.bench.memory", "pagedllm.kv"): "replays a trace through the allocators themselves (no model)",
     ("pagedllm.bench.sharing", "pagedllm.kv"): "replays parallel sampling's block sharing in the allocator",
     ("pagedllm.bench.sharing", "pagedllm.engine.beam_search"): "replays beam search's forks in the allocator",

@@ -27,7 +27,7 @@ from transformers import (
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models import load_model
-from pagedllm.ops import cpu
+from pagedllm.ops import native
 
 COMMON = dict(
     vocab_size=384,
@@ -128,12 +128,12 @@ def prompts(lens: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(n)] for n in lens]
 
 
-@pytest.mark.parametrize("isa", cpu.supported_isas() or [None])
+@pytest.mark.parametrize("isa", native.supported_isas() or [None])
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_prefill_logits_match_hf(pair, block_size, isa, monkeypatch):
     """On every C++ build this CPU runs (AVX-512 and AVX2 where both run): the whole model equals HF."""
     if isa is not None:
-        monkeypatch.setattr(cpu, "selected_isa", lambda: isa)
+        monkeypatch.setattr(native, "selected_isa", lambda: isa)
     hf, model = pair
     batch = prompts(PROMPT_LENS, model.config.vocab_size)
     cache = PagedCache.create(model.config, 64, block_size, seed=block_size)
@@ -300,7 +300,7 @@ def check_gguf_against_hf(config, arch: str, tmp_path, monkeypatch, prompt_lens:
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     # float32 tolerances: the blocks' integer and float32 paths, not the bf16 one a prefill takes on
     # AVX512_BF16 CPUs (held to HF's own bf16 forward in test_models_smollm2.py)
-    monkeypatch.setattr(cpu, "bf16_matmul_available", lambda: False)
+    monkeypatch.setattr(native, "bf16_matmul_available", lambda: False)
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     randomize(hf)
@@ -354,7 +354,7 @@ def _mixed_steps(model, kv_dtype: torch.dtype) -> list[torch.Tensor]:
         ("none", torch.bfloat16, torch.bfloat16, "onednn"),  # and bfloat16's above a few rows
     ],
 )
-@pytest.mark.parametrize("isa", cpu.supported_isas() or [None])
+@pytest.mark.parametrize("isa", native.supported_isas() or [None])
 def test_a_layer_in_one_call_equals_its_ops_one_by_one(
     checkpoint, quantization, dtype, kv_dtype, method, isa, monkeypatch
 ):
@@ -362,8 +362,8 @@ def test_a_layer_in_one_call_equals_its_ops_one_by_one(
     call of the same kernels (the cpu backend's fused_decoder_layer): its logits must be bit-identical to
     the layer's ops called from Python, on every C++ build this CPU runs."""
     if isa is None:
-        pytest.skip(cpu.unavailable_reason() or "no C++ build for this CPU")
-    monkeypatch.setattr(cpu, "selected_isa", lambda: isa)
+        pytest.skip(native.unavailable_reason() or "no C++ build for this CPU")
+    monkeypatch.setattr(native, "selected_isa", lambda: isa)
     if method is not None:
         monkeypatch.setenv("PAGEDLLM_LINEAR_METHOD", method)
     if method == "onednn":

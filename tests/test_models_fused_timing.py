@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
 from pagedllm.bench import kernel
 from pagedllm.models import load_model
 from pagedllm.models.fused_timing import time_fused_decode
-from pagedllm.ops import cpu
+from pagedllm.ops import native
 
-pytestmark = pytest.mark.skipif(cpu.unavailable_reason() is not None, reason="needs the C++ kernels")
+pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None, reason="needs the C++ kernels")
 
 SHAPE = {**TINY, "max_position_embeddings": 512}  # room for the command's 200 + 128 positions
 CONFIGS = {

@@ -12,7 +12,7 @@ from models_helpers import PagedCache, forward_chunks, greedy_generate, hf_greed
 
 from pagedllm.models import load_model
 from pagedllm.models.loader import BUILTIN_MODELS
-from pagedllm.ops import cpu
+from pagedllm.ops import native
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def gemma3(request):
     its float32-exact paths: the blocks' bf16 path for a prefill's many rows (AVX512_BF16 CPUs) is held to
     HF's bf16 forward in test_models_smollm2.py, and the engine's default load to HF's greedy tokens below."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu, "bf16_matmul_available", lambda: False)
+        patch.setattr(native, "bf16_matmul_available", lambda: False)
         return load_model("gemma3-270m", quantization=request.param)
 
 

@@ -13,7 +13,7 @@ from pagedllm.models.linear import (
     default_linear_method,
     process_linear_layers,
 )
-from pagedllm.ops import cpu
+from pagedllm.ops import native
 
 ONEDNN = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without mkldnn")
 
@@ -76,7 +76,7 @@ def test_onednn_keeps_the_plain_weight_of_a_tied_lm_head():
     torch.testing.assert_close(layer(hidden), hidden @ table.T, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(cpu.unavailable_reason() is not None, reason="the CPU kernels are unavailable")
+@pytest.mark.skipif(native.unavailable_reason() is not None, reason="the CPU kernels are unavailable")
 @pytest.mark.parametrize("tied", [False, True])
 def test_kernel_packs_float32_in_panels_that_serve_the_lookups_too(tied):
     """float32 storage is the panels, nothing else: a tied LM head's lookups gather from them."""
@@ -96,21 +96,21 @@ def test_kernel_packs_float32_in_panels_that_serve_the_lookups_too(tied):
 def test_default_method_per_device_and_dtype(monkeypatch):
     monkeypatch.delenv(LINEAR_METHOD_ENV_VAR, raising=False)
     # float32 goes to the kernel's panels where the AVX-512 build runs, else to oneDNN
-    fp32 = "kernel" if cpu.unavailable_reason() is None and cpu.avx512_selected() else "onednn"
+    fp32 = "kernel" if native.unavailable_reason() is None and native.avx512_selected() else "onednn"
     assert default_linear_method("cpu", torch.float32).name == fp32
     assert default_linear_method("cpu", torch.float32, max_num_seqs=256).name == fp32
     # bfloat16 to oneDNN where it packs bf16, else to the kernel (its one-row stream, torch's matmul above)
-    bf16 = "onednn" if cpu.onednn_packs_bf16() else "kernel"
+    bf16 = "onednn" if native.onednn_packs_bf16() else "kernel"
     assert default_linear_method("cpu", torch.bfloat16, max_num_seqs=256).name == bf16
     assert default_linear_method("cpu", torch.float16).name == "dense"
     assert default_linear_method("cuda", torch.bfloat16).name == "dense"
-    if "avx2" in cpu.supported_isas():
-        monkeypatch.setattr(cpu, "selected_isa", lambda: "avx2")
+    if "avx2" in native.supported_isas():
+        monkeypatch.setattr(native, "selected_isa", lambda: "avx2")
         assert default_linear_method("cpu", torch.float32, max_num_seqs=256).name == "onednn"
         monkeypatch.undo()
         monkeypatch.delenv(LINEAR_METHOD_ENV_VAR, raising=False)
     # an engine whose decode steps hold at most 4 sequences streams the weight through the kernel
-    if cpu.unavailable_reason() is None:
+    if native.unavailable_reason() is None:
         assert default_linear_method("cpu", torch.float32, max_num_seqs=1).name == "kernel"
         assert default_linear_method("cpu", torch.bfloat16, max_num_seqs=4).name == "kernel"
     assert default_linear_method("cuda", torch.float32, max_num_seqs=1).name == "dense"

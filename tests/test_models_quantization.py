@@ -31,20 +31,22 @@ from pagedllm.models.quantization import (
     quantize_int4,
     quantize_int8,
 )
-from pagedllm.ops import cpu
+from pagedllm.ops import native
 
-pytestmark = pytest.mark.skipif(cpu.unavailable_reason() is not None, reason="needs the CPU kernels")
+pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None, reason="needs the CPU kernels")
 
 
 def stored_rows(stored, cols: int) -> torch.Tensor:
     """Every row of a StoredWeight, dequantized by the kernel's row lookup (float32 panels: unpacked)."""
     if stored.data.dim() == 3:
-        return cpu.panel_rows(stored.data, torch.arange(stored.group_size))
+        return native.panel_rows(stored.data, torch.arange(stored.group_size))
     if stored.format == "gguf":
         ids = torch.arange(int(stored.scales[:, 0].sum()))
-        return cpu.dequantize_rows(stored.data, stored.scales, None, 0, ids, torch.float32, cols)
+        return native.dequantize_rows(stored.data, stored.scales, None, 0, ids, torch.float32, cols)
     ids = torch.arange(stored.data.shape[0])
-    return cpu.dequantize_rows(stored.data, stored.scales, stored.mins, stored.group_size, ids, torch.float32)
+    return native.dequantize_rows(
+        stored.data, stored.scales, stored.mins, stored.group_size, ids, torch.float32
+    )
 
 
 @pytest.mark.parametrize("qtype", sorted(KEPT_TYPES, key=lambda t: t.name), ids=lambda t: t.name)
@@ -188,7 +190,7 @@ def test_weight_bytes_counts_the_stored_formats():
 
 def test_linear_method_for_each_setting():
     assert linear_method_for("auto", "cpu", torch.float32, gguf=True).name == "gguf"
-    fp32 = "kernel" if cpu.unavailable_reason() is None and cpu.avx512_selected() else "onednn"
+    fp32 = "kernel" if native.unavailable_reason() is None and native.avx512_selected() else "onednn"
     assert linear_method_for("auto", "cpu", torch.float32, gguf=False).name == fp32
     assert linear_method_for("auto", "cpu", torch.float16, gguf=True).name == "dense"  # kernels: fp32/bf16
     assert linear_method_for(None, "cpu", torch.float32, gguf=True).name == fp32

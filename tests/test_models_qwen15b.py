@@ -20,7 +20,7 @@ from models_helpers import assert_qwen2_config_matches_hf, hf_greedy
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.builtin import QWEN_CODER_15B
-from pagedllm.ops import cpu
+from pagedllm.ops import native
 
 pytestmark = [pytest.mark.slow, pytest.mark.manual]
 
@@ -139,8 +139,9 @@ def test_greedy_tokens_match_hf_or_part_at_a_near_tie(llm, prompt_ids, hf_refere
     outputs = llm.generate([{"prompt_token_ids": prompt_ids[n]} for n in names], params)
     assert_all_blocks_free(llm)
     print(
-        f"\n{MODEL} ({llm.engine.loaded_model.linear_method}, {cpu.selected_isa()} kernels, bf16 path "
-        f"{'on' if cpu.bf16_matmul_available() else 'off'}), {NEW_TOKENS} greedy tokens a prompt, against HF:"
+        f"\n{MODEL} ({llm.engine.loaded_model.linear_method}, {native.selected_isa()} kernels, bf16 path "
+        f"{'on' if native.bf16_matmul_available() else 'off'}), {NEW_TOKENS} greedy tokens a prompt, "
+        "against HF:"
     )
     for name, output in zip(names, outputs, strict=True):
         ours, logprobs = output.outputs[0].token_ids, output.outputs[0].logprobs

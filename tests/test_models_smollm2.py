@@ -15,7 +15,7 @@ from models_helpers import PagedCache, forward_chunks, greedy_generate, hf_greed
 
 from pagedllm.bench.quality import EQUIVALENCE_PROMPTS
 from pagedllm.models import load_model
-from pagedllm.ops import cpu
+from pagedllm.ops import native
 
 PROMPTS = EQUIVALENCE_PROMPTS  # bench quality measures greedy agreement on the same prompts
 
@@ -26,11 +26,11 @@ def smollm2(request):
     blocks' bf16 path for many rows (a prefill, on CPUs with AVX512_BF16) has bf16's rounding and is
     compared below on its own; here every row count takes the integer and float32 paths."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu, "bf16_matmul_available", lambda: False)
+        patch.setattr(native, "bf16_matmul_available", lambda: False)
         return load_model("smollm2-135m", quantization=request.param)
 
 
-@pytest.mark.skipif(not cpu.bf16_matmul_available(), reason="the bf16 path needs AVX512_BF16")
+@pytest.mark.skipif(not native.bf16_matmul_available(), reason="the bf16 path needs AVX512_BF16")
 def test_bf16_prefill_of_the_blocks_is_as_close_to_hf_as_hfs_own_bf16(hf_smollm2):
     """The default load on this CPU: a prefill's matmuls dequantize the blocks to bf16 (x, W and each
     output rounded to bf16). Oracle: HF's forward on the same weights in bfloat16. The logits stay within

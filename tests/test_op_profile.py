@@ -16,7 +16,7 @@ from pagedllm.bench import latency
 from pagedllm.bench.profile import MachineRates, profile_decode, step_breakdown
 from pagedllm.engine.op_profile import linears_in_call_order, weight_kind
 from pagedllm.models.linear import Linear, StoredWeight
-from pagedllm.ops import cpu
+from pagedllm.ops import native
 from pagedllm.workload import make_prompts
 
 
@@ -69,7 +69,7 @@ def test_weight_kinds_name_block_types_dtypes_and_multipliers():
 
 
 @pytest.mark.skipif(
-    not cpu.onednn_packs_bf16(), reason="oneDNN packs bf16 only on AVX-512 or AVX-NE-CONVERT CPUs"
+    not native.onednn_packs_bf16(), reason="oneDNN packs bf16 only on AVX-512 or AVX-NE-CONVERT CPUs"
 )
 def test_bfloat16_weights_through_onednn_are_one_kind_of_their_bytes():
     from pagedllm import LLM

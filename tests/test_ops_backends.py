@@ -14,12 +14,12 @@ import torch
 from oracles import dense_batch_attention
 
 from pagedllm import ops
-from pagedllm.ops import AttentionArgs, cpu, reference
+from pagedllm.ops import AttentionArgs, native, reference
 from pagedllm.ops.kv_cache import allocate_kv_caches, is_quantized, key_smoothing, kv_blocks, kv_scales
 from pagedllm.ops.synthetic import random_paged_batch
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-CPU_BUILDS = [f"cpu-{isa}" for isa in cpu.supported_isas()]  # each instruction set this machine runs
+CPU_BUILDS = [f"cpu-{isa}" for isa in native.supported_isas()]  # each instruction set this machine runs
 BACKEND_NAMES = ["triton"] if INTERPRETED else ["sdpa", *CPU_BUILDS]
 
 
@@ -156,7 +156,7 @@ class _CountedLaunches:
 def backend(request, monkeypatch):
     name, _, isa = request.param.partition("-")
     if isa:  # the cpu backend, on the build for this instruction set
-        monkeypatch.setattr(cpu, "selected_isa", lambda: isa)
+        monkeypatch.setattr(native, "selected_isa", lambda: isa)
     chosen = ops.backend(name)
     if request.param != "triton":
         yield chosen

@@ -13,7 +13,7 @@ import torch
 from oracles import dense_batch_attention
 
 from pagedllm import ops
-from pagedllm.ops import cpu, reference
+from pagedllm.ops import cpu, native, reference
 from pagedllm.ops.synthetic import random_paged_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +36,7 @@ def _check_public_ops_match_dense_attention():
 
 
 def test_cpu_tensors_use_the_cpp_kernel_by_default():
-    assert cpu.unavailable_reason() is None, cpu.unavailable_reason()
+    assert native.unavailable_reason() is None, native.unavailable_reason()
     assert ops.get_backend_name("cpu") == ops.get_backend_name(torch.device("cpu")) == "cpu"
     _check_public_ops_match_dense_attention()
 
@@ -62,7 +62,7 @@ def test_cpu_backend_cannot_serve_cuda_tensors(monkeypatch):
 
 def test_unbuildable_kernel_falls_back_to_sdpa_with_one_warning(monkeypatch, caplog):
     monkeypatch.setenv(ops.ENV_VAR, "cpu")
-    monkeypatch.setattr(cpu, "unavailable_reason", lambda: "no compiler")
+    monkeypatch.setattr(native, "unavailable_reason", lambda: "no compiler")
     with caplog.at_level(logging.WARNING):
         assert ops.get_backend_name("cpu") == "sdpa"
         _check_public_ops_match_dense_attention()

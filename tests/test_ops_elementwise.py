@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from pagedllm import ops
-from pagedllm.ops import cpu, reference
+from pagedllm.ops import cpu, native, reference
 
-ISAS = cpu.supported_isas()
+ISAS = native.supported_isas()
 DTYPES = [torch.float32, torch.bfloat16]
 # 8 and 24 leave a partial SIMD chunk for both builds; 576 and 640 are SmolLM2's and Gemma 3's hidden sizes.
 DIMS = [8, 24, 64, 576, 640]
@@ -82,8 +82,8 @@ def test_rotary_embedding_rejects_a_position_past_its_table(kernels):
 @pytest.mark.parametrize("backend", ["torch", "sdpa", "cpu"])
 def test_public_ops_dispatch_by_backend(monkeypatch, backend):
     """The cpu backend runs the C++ kernels; backends without elementwise kernels use the reference."""
-    if backend == "cpu" and cpu.unavailable_reason() is not None:
-        pytest.skip(cpu.unavailable_reason())
+    if backend == "cpu" and native.unavailable_reason() is not None:
+        pytest.skip(native.unavailable_reason())
     monkeypatch.setenv(ops.ENV_VAR, backend)
     ops.reset_backend_cache()
     try:

@@ -22,9 +22,9 @@ from models_helpers import GGUF_TYPES, random_blocks
 from ops_helpers import int16_blocks
 
 from pagedllm.models.gguf_quants import GGUFBlocks
-from pagedllm.ops import cpu
+from pagedllm.ops import native
 
-ISAS = cpu.supported_isas()
+ISAS = native.supported_isas()
 pytestmark = pytest.mark.skipif(not ISAS, reason="the CPU kernels need AVX2")
 
 
@@ -277,23 +277,23 @@ def test_bad_blocks_are_named(kernels):
 )
 def test_the_vnni_builds_follow_the_cpus_flags(monkeypatch, capability, flags, isas):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    monkeypatch.setattr(cpu, "_cpu_flags", lambda: frozenset(flags))
-    assert cpu.supported_isas() == isas
+    monkeypatch.setattr(native, "_cpu_flags", lambda: frozenset(flags))
+    assert native.supported_isas() == isas
 
 
 def test_a_build_that_fails_falls_back_with_one_warning(monkeypatch):
-    monkeypatch.setattr(cpu, "supported_isas", lambda: ["avx512_vnni", "avx512", "avx2"])
-    monkeypatch.delenv(cpu.ISA_ENV_VAR, raising=False)
+    monkeypatch.setattr(native, "supported_isas", lambda: ["avx512_vnni", "avx512", "avx2"])
+    monkeypatch.delenv(native.ISA_ENV_VAR, raising=False)
     failing = {"avx512_vnni": "no VNNI in this compiler"}
-    monkeypatch.setattr(cpu, "build_error", failing.get)
-    cpu.selected_isa.cache_clear()
+    monkeypatch.setattr(native, "build_error", failing.get)
+    native.selected_isa.cache_clear()
     try:
         with pytest.warns(UserWarning, match="using the avx512 kernels: no VNNI in this compiler") as record:
-            assert cpu.selected_isa() == "avx512"
-            assert cpu.selected_isa() == "avx512"
+            assert native.selected_isa() == "avx512"
+            assert native.selected_isa() == "avx512"
         assert len(record) == 1
     finally:
-        cpu.selected_isa.cache_clear()
+        native.selected_isa.cache_clear()
 
 
 # Qwen2.5-Coder-1.5B's projections as (out_features, in_features): q and o, k and v, gate and up, down. On

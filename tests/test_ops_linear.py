@@ -8,9 +8,9 @@ import pytest
 import torch
 from ops_helpers import int16_blocks
 
-from pagedllm.ops import cpu
+from pagedllm.ops import native
 
-ISAS = cpu.supported_isas()
+ISAS = native.supported_isas()
 pytestmark = pytest.mark.skipif(not ISAS, reason="the CPU kernels need AVX2")
 
 
@@ -42,7 +42,7 @@ def make_weight_and_mins(fmt: str, n: int, k: int, seed: int = 0):
         return (w, None, None, 0), w.double(), torch.zeros(n, k, dtype=torch.float64)
     if fmt == "float32-panels":  # group_size carries N
         w = torch.randn(n, k, generator=gen)
-        return (cpu.pack_panels(w), None, None, n), w.double(), torch.zeros(n, k, dtype=torch.float64)
+        return (native.pack_panels(w), None, None, n), w.double(), torch.zeros(n, k, dtype=torch.float64)
     group, scale_dtype = {"int8": (k, torch.float32), "int8-g16-min": (16, torch.float16)}.get(
         fmt, (32 if fmt == "int4" else 64, torch.float32 if fmt == "int4" else torch.float16)
     )
@@ -104,7 +104,7 @@ def test_panels_at_any_shape(kernels, rows, shape):
     n, k = shape
     w = torch.randn(n, k)
     x = torch.randn(rows, k)
-    out = kernels.linear(x, cpu.pack_panels(w), None, None, n)
+    out = kernels.linear(x, native.pack_panels(w), None, None, n)
     torch.testing.assert_close(out.double(), x.double() @ w.double().T, atol=1e-4 * k**0.5, rtol=1e-5)
 
 
@@ -112,7 +112,7 @@ def test_panels_hold_the_weight_rows_side_by_side():
     """pack_panels' layout as csrc/linear.cpp documents it: panel p, row k, lane j = W[48 p + j, k]; zeros
     past N."""
     w = torch.randn(50, 7)
-    packed = cpu.pack_panels(w)
+    packed = native.pack_panels(w)
     assert packed.shape == (2, 7, 48) and packed.is_contiguous()
     for n in (0, 1, 47, 48, 49):
         assert torch.equal(packed[n // 48, :, n % 48], w[n])
@@ -166,7 +166,7 @@ def test_bad_arguments_are_named(kernels):
         kernels.linear(x, data, scales, None, 32)
     with pytest.raises(RuntimeError, match="x has 63 columns"):
         kernels.linear(torch.randn(2, 63), data, scales, mins, 32)
-    panels = cpu.pack_panels(torch.randn(50, 64))
+    panels = native.pack_panels(torch.randn(50, 64))
     with pytest.raises(RuntimeError, match=r"N = group_size \(100\)"):
         kernels.linear(x, panels, None, None, 100)
     with pytest.raises(RuntimeError, match="x float32"):

@@ -14,7 +14,7 @@ from helpers import openai_client, running_server
 from pagedllm import BeamSearchParams, SamplingParams
 from pagedllm._runtime import usable_cpus
 from pagedllm.entrypoints.openai.server import build_app, server_cpu_batched_tokens
-from pagedllm.ops import cpu
+from pagedllm.ops import native
 
 MODEL = "smollm2-135m"
 PROMPT = "The capital of France is"
@@ -57,7 +57,7 @@ def logprob_tolerance(server) -> float:
     moves by up to ~0.025 here."""
     if server[1].executor is None:
         return 1e-5
-    return 5e-2 if cpu.bf16_matmul_available() else 2e-3
+    return 5e-2 if native.bf16_matmul_available() else 2e-3
 
 
 @pytest.fixture(scope="module")

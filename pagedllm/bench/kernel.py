@@ -414,9 +414,9 @@ def read_bandwidth_gb_s(device: torch.device, reps: int = 5) -> float:
 def _check_cpu_backend(args: argparse.Namespace) -> None:
     """Stop, naming why, where a backend asked for cannot be built here: never time a fallback."""
     if "cpu" in args.backends:
-        from pagedllm.ops import cpu
+        from pagedllm.ops import native
 
-        reason = cpu.unavailable_reason()
+        reason = native.unavailable_reason()
         if reason is not None:
             raise SystemExit(f"pagedllm bench kernel: error: --backends cpu cannot run here: {reason}")
     if "triton" in args.backends and importlib.util.find_spec("triton") is None:
@@ -425,11 +425,11 @@ def _check_cpu_backend(args: argparse.Namespace) -> None:
 
 def kernel_build() -> str:
     """The cpu kernels' instruction-set build the rows measure, for their header."""
-    from pagedllm.ops import cpu
+    from pagedllm.ops import native
 
     return (
-        f"cpu kernels built for {cpu.selected_isa()}"
-        if cpu.unavailable_reason() is None
+        f"cpu kernels built for {native.selected_isa()}"
+        if native.unavailable_reason() is None
         else "no cpu kernels"
     )
 

@@ -114,9 +114,9 @@ def unavailable(name: str) -> str | None:
     """Why a method cannot run here as named (None: it can): a benchmark never times a fallback."""
     family = name.split()[0]
     if family == "kernel":
-        from pagedllm.ops import cpu
+        from pagedllm.ops import native
 
-        return cpu.unavailable_reason()
+        return native.unavailable_reason()
     if family == "onednn" and not torch.backends.mkldnn.is_available():
         return "torch was built without oneDNN (mkldnn)"
     if family == "fbgemm-dyn" and "fbgemm" not in torch.backends.quantized.supported_engines:
@@ -126,9 +126,11 @@ def unavailable(name: str) -> str | None:
 
 def kernel_build() -> str:
     """The C++ kernels' instruction-set build, for the header."""
-    from pagedllm.ops import cpu
+    from pagedllm.ops import native
 
-    return f"kernels built for {cpu.selected_isa()}" if cpu.unavailable_reason() is None else "no kernels"
+    return (
+        f"kernels built for {native.selected_isa()}" if native.unavailable_reason() is None else "no kernels"
+    )
 
 
 def model_shapes(model: str) -> tuple[dict[str, tuple[int, int]], int, tuple[int, int]]:

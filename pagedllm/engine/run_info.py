@@ -50,9 +50,9 @@ def read_run_info(engine) -> RunInfo:
     device = torch.device(config.device)
     isa = None
     if device.type == "cpu":
-        from pagedllm.ops import cpu
+        from pagedllm.ops import native
 
-        isa = cpu.selected_isa() if cpu.unavailable_reason() is None else None
+        isa = native.selected_isa() if native.unavailable_reason() is None else None
     return RunInfo(
         model=config.model,
         vocab_size=model.config.vocab_size,

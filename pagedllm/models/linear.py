@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.ops import KernelWeight, cpu
+from pagedllm.ops import KernelWeight, native
 
 logger = logging.getLogger(__name__)
 
@@ -167,15 +167,15 @@ class OneDNNLinear(LinearMethod):
 
     def kernel_args(self, layer: Linear) -> KernelWeight:
         """The layer as the one-call decoder layer takes it (csrc/decoder.cpp): the packed weight and the
-        bias, group size cpu.ONEDNN_PACKED."""
-        return layer.packed_weight, None, None, cpu.ONEDNN_PACKED, layer.bias
+        bias, group size native.ONEDNN_PACKED."""
+        return layer.packed_weight, None, None, native.ONEDNN_PACKED, layer.bias
 
 
 @dataclass
 class StoredWeight:
     """A weight as pagedllm's C++ linear kernel reads it (ops/csrc/linear.cpp): `data` is W [N, K] in
     float32 / bf16, or int8 [N, K], or int4 pairs in uint8 [N, K / 2]; quantized data has [N, K / group_size]
-    scales (float32 or float16) and, for int4 or offset int8, mins. float32 in panels (cpu.pack_panels) is
+    scales (float32 or float16) and, for int4 or offset int8, mins. float32 in panels (native.pack_panels) is
     [ceil(N / 48), K, 48] with group_size = N. GGUF blocks are uint8 [bytes] with `scales` the int64
     [shards, 2] table of each shard's (rows, ggml type) and group_size the rows of x from which the kernel
     multiplies them in bf16 (0: never; quantization.GGUFLinear)."""
@@ -225,13 +225,13 @@ class KernelLinear(LinearMethod):
             layer.params_dtype = layer.weight.dtype  # what the layer computes in: x and out, embedding rows
         stored = self.store(layer)
         if stored.data.dtype == torch.float32:  # in panels: register tiles at any number of rows
-            stored = StoredWeight(cpu.pack_panels(stored.data), group_size=stored.data.shape[0])
+            stored = StoredWeight(native.pack_panels(stored.data), group_size=stored.data.shape[0])
         layer.stored = stored
         if hasattr(layer, "weight"):
             del layer.weight
 
     def apply(self, layer: Linear, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        return cpu.linear(x, *self.kernel_args(layer), residual)
+        return native.linear(x, *self.kernel_args(layer), residual)
 
     def kernel_args(self, layer: Linear) -> KernelWeight:
         """(data, scales, mins, group_size, bias): the layer as the C++ kernel takes it."""
@@ -241,8 +241,8 @@ class KernelLinear(LinearMethod):
     def embedding(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         w = layer.stored
         if w.data.dim() == 3:  # float32 panels: a strided gather, no copy of the table
-            return cpu.panel_rows(w.data, ids)
-        return cpu.dequantize_rows(
+            return native.panel_rows(w.data, ids)
+        return native.dequantize_rows(
             w.data, w.scales, w.mins, w.group_size, ids, layer.params_dtype, cols=layer.in_features
         )
 
@@ -254,7 +254,9 @@ class KernelLinear(LinearMethod):
         if w.format == "gguf":
             into.stored = _gguf_rows(w, ids, layer.in_features)
         elif w.data.dim() == 3:  # float32 panels
-            into.stored = StoredWeight(cpu.pack_panels(cpu.panel_rows(w.data, ids)), group_size=len(ids))
+            into.stored = StoredWeight(
+                native.pack_panels(native.panel_rows(w.data, ids)), group_size=len(ids)
+            )
         else:  # one stored row per weight row, and its scales' and mins' rows
             into.stored = w.with_tensors([t[ids].contiguous() for t in w.tensors()])
         into.params_dtype = layer.params_dtype
@@ -300,10 +302,10 @@ def default_linear_method(
         return LINEAR_METHODS[requested]()
     if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return DenseLinear()
-    kernels = cpu.unavailable_reason() is None
-    if kernels and (few_rows(max_num_seqs) or (dtype == torch.float32 and cpu.avx512_selected())):
+    kernels = native.unavailable_reason() is None
+    if kernels and (few_rows(max_num_seqs) or (dtype == torch.float32 and native.avx512_selected())):
         return KernelLinear()
-    if dtype == torch.bfloat16 and not cpu.onednn_packs_bf16():  # torch's own bf16 matmul works, slowly
+    if dtype == torch.bfloat16 and not native.onednn_packs_bf16():  # torch's own bf16 matmul works, slowly
         logger.warning(
             "bfloat16 weights on a CPU without bf16 instructions for oneDNN: batched matmuls take torch's "
             "generic bf16 path, several times slower than float32 (dtype='float32' is faster here)"

@@ -24,7 +24,7 @@ from torch import nn
 
 from pagedllm.models.gguf_quants import KEPT_TYPES, GGUFBlocks
 from pagedllm.models.linear import Linear, MergedLinear
-from pagedllm.ops import cpu
+from pagedllm.ops import native
 
 
 @dataclass(frozen=True)
@@ -239,10 +239,10 @@ class VocabParallelEmbedding(nn.Module):
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.qtype is None:
             return F.embedding(ids, self.weight)
-        if self.qtype in KEPT_TYPES and cpu.unavailable_reason() is None:  # the C++ kernel's row reader
+        if self.qtype in KEPT_TYPES and native.unavailable_reason() is None:  # the C++ kernel's row reader
             layout = torch.tensor([[self.blocks.shape[0], int(self.qtype)]])
             flat = self.blocks.view(-1)
-            return cpu.dequantize_rows(flat, layout, None, 0, ids, self.dtype, cols=self.hidden)
+            return native.dequantize_rows(flat, layout, None, 0, ids, self.dtype, cols=self.hidden)
         return GGUFBlocks(self.blocks[ids].numpy(), self.qtype).dequantize().to(self.dtype)
 
     def keep_quantized(self, table: GGUFBlocks) -> None:

@@ -35,7 +35,7 @@ from pagedllm.models.linear import (
     default_linear_method,
 )
 from pagedllm.models.parallel import LMHead
-from pagedllm.ops import cpu
+from pagedllm.ops import native
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class GGUFLinear(KernelLinear):
     oneDNN's bf16 GEMM (csrc/linear.cpp bf16_blocks_linear): about twice the integer and float32 paths'
     speed there, at a bf16 model's rounding. Fewer rows keep the blocks' integer path, and so do the rows
     of a step that computes no prompt tokens, however many (takes_bf16). On a CPU with AMX
-    (cpu.blocks_amx) the bf16 path instead dequantizes the weight panel by panel in cache and multiplies
+    (native.blocks_amx) the bf16 path instead dequantizes the weight panel by panel in cache and multiplies
     with AMX tiles into float32 sums (vnni_blocks_linear): from fewer rows (AMX_ROWS), and for decode
     steps too (takes_bf16)."""
 
@@ -153,9 +153,9 @@ class GGUFLinear(KernelLinear):
     def bf16_rows(self, shards: list[GGUFBlocks]) -> int:
         """The rows from which the layer is multiplied in bf16 (the largest of its shards' types), or 0:
         never, where the CPU does not multiply bf16 or the paths are "invariant"."""
-        if gguf_paths() == "invariant" or not cpu.bf16_matmul_available():
+        if gguf_paths() == "invariant" or not native.bf16_matmul_available():
             return 0
-        if cpu.blocks_amx():
+        if native.blocks_amx():
             return self.AMX_ROWS
         return max(self.BF16_ROWS.get(s.qtype, self.STREAM_ROWS + 1) for s in shards)
 
@@ -169,34 +169,34 @@ def gates_many_rows(model: torch.nn.Module) -> bool:
     blocks = [m for m in layers if m.stored.format == "gguf"]
     if gguf_paths() == "invariant":
         return bool(blocks)
-    narrow = not cpu.avx512_selected()
+    narrow = not native.avx512_selected()
     return any(m.stored.group_size > 0 or narrow for m in blocks)
 
 
 def takes_bf16(computes_prompt: bool, max_query_len: int) -> bool:
     """Whether a step's GGUF layers may take their bf16 path (with AVX2, their K types' float panels) at many
     rows: never with "invariant" paths (gguf_paths); with "fast", a step that computes prompt tokens (a
-    prefill, or a chunk of one beside decodes); on AMX (cpu.blocks_amx) also a decode step of one row a
+    prefill, or a chunk of one beside decodes); on AMX (native.blocks_amx) also a decode step of one row a
     sequence, where the panels cost a batch less than the integer path from as many rows as a prompt's call
     (docs/JOURNAL.md, "GGUF blocks on AMX"). Never a step of decode rows with drafts: speculation's verify
     passes keep the blocks' integer path, so that its greedy tokens are those a sequence decoded alone (or
     in a batch below AMX_ROWS) gets."""
     if gguf_paths() == "invariant":
         return False
-    return computes_prompt or (max_query_len == 1 and cpu.blocks_amx())
+    return computes_prompt or (max_query_len == 1 and native.blocks_amx())
 
 
 @contextlib.contextmanager
 def bf16_gate(enabled: bool) -> Iterator[None]:
     """Within it, this thread's GGUF layers take their bf16 path at many rows only if `enabled`
     (takes_bf16), and with "invariant" paths (gguf_paths) their integer path at every row count."""
-    previous = cpu.set_blocks_bf16(enabled)
-    previous_invariant = cpu.set_blocks_invariant(gguf_paths() == "invariant")
+    previous = native.set_blocks_bf16(enabled)
+    previous_invariant = native.set_blocks_invariant(gguf_paths() == "invariant")
     try:
         yield
     finally:
-        cpu.set_blocks_bf16(previous)
-        cpu.set_blocks_invariant(previous_invariant)
+        native.set_blocks_bf16(previous)
+        native.set_blocks_invariant(previous_invariant)
 
 
 def gguf_kernels() -> str:
@@ -207,8 +207,8 @@ def gguf_kernels() -> str:
             "Q4_K / Q6_K, 32 for the others), batch invariant"
         )
     many = "float32 panels"
-    if cpu.bf16_matmul_available():
-        many = "AMX bf16 panels" if cpu.blocks_amx() else "bf16 oneDNN"
+    if native.bf16_matmul_available():
+        many = "AMX bf16 panels" if native.blocks_amx() else "bf16 oneDNN"
     return f"GGUF blocks: integer path at few rows, {many} at many (fast: rounding depends on the batch)"
 
 
@@ -216,7 +216,7 @@ def gguf_kernels() -> str:
 def log_linear_kernels(method: str) -> None:
     """Logs the linear kernels' choice once a process (per method chosen)."""
     detail = gguf_kernels() if method == "gguf" else f"{method} weights"
-    logger.info("pagedllm: linear kernels: ISA %s; %s", cpu.selected_isa(), detail)
+    logger.info("pagedllm: linear kernels: ISA %s; %s", native.selected_isa(), detail)
 
 
 def blocks_storage(shards: list[GGUFBlocks], bf16_rows: int = 0) -> StoredWeight:
@@ -255,7 +255,7 @@ def linear_method_for(
             return f"they run on the CPU, not on {device!r}"
         if dtype not in (torch.float32, torch.bfloat16):
             return f"they take float32 or bfloat16 activations, not {dtype}"
-        return cpu.unavailable_reason()
+        return native.unavailable_reason()
 
     if quantization == "auto":
         quantization = "gguf" if gguf and unusable() is None else None

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagedllm.ops import cpu, reference, sdpa
+from pagedllm.ops import cpu, native, reference, sdpa
 from pagedllm.ops.backend import (
     AttentionArgs,
     Backend,
@@ -97,7 +97,7 @@ def backend(name: str) -> Backend:
 
 
 def _cpu_or_fallback() -> str:
-    reason = cpu.unavailable_reason()
+    reason = native.unavailable_reason()
     if reason is None:
         return "cpu"
     logging.getLogger(__name__).warning(
