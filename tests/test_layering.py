@@ -112,6 +112,21 @@ def test_each_floor_imports_only_downwards(floor):
     assert not bad, "\n".join(["imports up or across the floors:", *bad])
 
 
+def test_the_server_reaches_the_engine_only_through_async_engine():
+    """Past AsyncEngine, whose every touch of the LLMEngine runs on the engine thread, no `x.engine.engine`:
+    a route that needs the engine itself goes through AsyncEngine.run."""
+    reads = sorted(
+        f"{SOURCES[name].relative_to(ROOT.parent)}:{node.lineno}"
+        for name, tree in TREES.items()
+        if within(name, "entrypoints.openai") and name != "pagedllm.entrypoints.openai.async_engine"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr == "engine"
+        and "engine" in (getattr(node.value, "attr", None), getattr(node.value, "id", None))
+    )
+    assert not reads, "\n".join(["the LLMEngine read past AsyncEngine:", *reads])
+
+
 # The attention backends: ops/__init__'s registry is their one door (models call ops.X, whichever runs).
 BACKEND_MODULES = (
     "pagedllm.ops.cpu",

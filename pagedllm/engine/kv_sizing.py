@@ -8,7 +8,7 @@ import torch
 
 from pagedllm import ops
 from pagedllm.engine.config import EngineConfig, parse_bytes
-from pagedllm.kv import KVGroups, kv_groups
+from pagedllm.kv import KVAllocator, KVGroups, kv_groups
 from pagedllm.models import ModelConfig
 
 
@@ -58,3 +58,21 @@ def check_max_model_len(requested: int | None, context: int) -> int:
             "Set PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it anyway"
         )
     return requested
+
+
+def check_fits_cache(token_ids: list[int], allocator: KVAllocator, config: EngineConfig) -> None:
+    """Refuse a prompt whose prefill alone needs more KV blocks than the whole cache holds: it could never
+    run (llama-server's "exceeds the available context size"), so the caller hears it now rather than
+    getting an empty "length" finish after it waited."""
+    needed, total = allocator.num_blocks_needed(token_ids), allocator.num_total_blocks
+    if needed > total:
+        if config.num_kv_blocks is not None:
+            setting = f"num_kv_blocks={config.num_kv_blocks}"
+        elif config.memory_budget is not None:
+            setting = f"memory_budget={config.memory_budget!r}"
+        else:
+            setting = f"kv_cache_memory={config.kv_cache_memory!r}"
+        raise ValueError(
+            f"prompt has {len(token_ids)} tokens, whose KV needs {needed} blocks; the KV cache holds {total} "
+            f"blocks in all ({setting}): give the cache more memory or shorten the prompt"
+        )

@@ -28,6 +28,8 @@ from pagedllm._runtime import apply_thread_count, keep_large_allocations
 from pagedllm.engine import build
 from pagedllm.engine.beam_search import BeamSearchDriver, beam_sampling_params
 from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.kv_sizing import check_fits_cache
+from pagedllm.engine.lora_manager import LoRAManager
 from pagedllm.engine.op_profile import OpRecording, profile_ops
 from pagedllm.engine.parallel.executor import Executor
 from pagedllm.engine.postprocess import Postprocessor
@@ -98,8 +100,8 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if lora_request is not None and self.loras is None:
-            raise ValueError(f"lora_request {lora_request.lora_name!r} needs an engine with enable_lora=True")
+        if lora_request is not None:
+            self._loras(f"lora_request {lora_request.lora_name!r}")
         text, token_ids = check_prompt(
             request_id,
             prompt,
@@ -109,7 +111,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             model=self.config.model,
         )
-        self._check_fits_cache(token_ids)
+        check_fits_cache(token_ids, self.allocator, self.config)
         if isinstance(params, BeamSearchParams):
             request = Request(request_id, text, token_ids, beam_sampling_params(params))
             max_new_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
@@ -131,26 +133,18 @@ class LLMEngine:
         self.requests[request_id] = request
         self.scheduler.add(self._new_sequence(request))
 
-    def _check_fits_cache(self, token_ids: list[int]) -> None:
-        """Refuse a prompt whose prefill alone needs more KV blocks than the whole cache holds: it could
-        never run (llama-server's "exceeds the available context size"), so the caller hears it now
-        rather than getting an empty "length" finish after it waited."""
-        needed, total = self.allocator.num_blocks_needed(token_ids), self.allocator.num_total_blocks
-        if needed > total:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens, whose KV needs {needed} blocks; the KV cache holds "
-                f"{total} blocks in all ({self._kv_size_setting()}): give the cache more memory or shorten "
-                "the prompt"
-            )
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter ahead of its requests (vLLM's add_lora); ValueError if it cannot be served."""
+        self._loras(f"adapter {lora.lora_name!r}").preload(lora)
 
-    def _kv_size_setting(self) -> str:
-        """The setting that sized the KV cache, as the user wrote it."""
-        config = self.config
-        if config.num_kv_blocks is not None:
-            return f"num_kv_blocks={config.num_kv_blocks}"
-        if config.memory_budget is not None:
-            return f"memory_budget={config.memory_budget!r}"
-        return f"kv_cache_memory={config.kv_cache_memory!r}"
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter: out of memory now, or when its last running request ends."""
+        self._loras(f"lora_int_id={lora_int_id}").remove(lora_int_id)
+
+    def _loras(self, what: str) -> LoRAManager:
+        if self.loras is None:
+            raise ValueError(f"{what} needs an engine with enable_lora=True")
+        return self.loras
 
     def fork(self, parent: Sequence) -> Sequence:
         """A new sequence of parent's request continuing from parent's tokens, sharing its KV blocks

@@ -55,6 +55,11 @@ class LoRAManager:
         self._evict()
         return lora
 
+    def preload(self, request: LoRARequest) -> None:
+        """Check and load `request`'s adapter ahead of its requests, held by none (the LRU may evict it)."""
+        self.acquire(request)
+        self.release(request.lora_int_id)
+
     def release(self, lora_int_id: int) -> None:
         """A request under the adapter finished or was aborted (a removed adapter's last one drops it)."""
         self.users[lora_int_id] -= 1

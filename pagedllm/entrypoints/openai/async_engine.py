@@ -59,7 +59,7 @@ class RequestStream:
             raise item
         if isinstance(item, BaseException):  # the engine failed it: a 500 (a 503 if no step can run now)
             self._finished = True
-            status = 503 if self.engine.engine.failure is not None else 500
+            status = 503 if self.engine.failure is not None else 500
             raise APIError(f"the engine failed the request: {type(item).__name__}: {item}", status) from item
         self._finished = item.finished
         return item

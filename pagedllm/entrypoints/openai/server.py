@@ -30,7 +30,7 @@ from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_messages import messages_routes
-from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels, load_adapter, lora_routes
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels, lora_routes
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, ResponseStore
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.models.loader import DEFAULT_MODEL
@@ -100,13 +100,14 @@ def build_serving(
         engine_kwargs.pop("max_num_batched_tokens", None)
         if engine_kwargs.get("device", "cpu") == "cpu" and engine_kwargs.get("enable_chunked_prefill", True):
             engine_kwargs["max_num_batched_tokens"] = server_cpu_batched_tokens()
-    engine = AsyncEngine(LLMEngine(EngineConfig(model=model, **engine_kwargs)))
+    llm_engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
     limits = limits or ServerLimits()
     serving_models = OpenAIServingModels(
-        served_model_name or model, engine.max_model_len, model, lora_modules
+        served_model_name or model, llm_engine.max_model_len, model, lora_modules
     )
     for lora in serving_models.adapters.values():  # a bad adapter stops the start, as in vLLM
-        load_adapter(engine.engine, lora)
+        llm_engine.add_lora(lora)
+    engine = AsyncEngine(llm_engine)  # from here on, the engine is touched on its own thread only
     return Serving(
         engine,
         serving_models,

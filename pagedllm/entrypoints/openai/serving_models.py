@@ -9,7 +9,6 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 from pydantic import Field
 
-from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai import protocol as p
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.errors import APIError
@@ -85,7 +84,7 @@ def lora_routes(models: OpenAIServingModels, engine: AsyncEngine) -> APIRouter:
     async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> PlainTextResponse:
         lora = models.add_adapter(request.lora_name, request.lora_path)
         try:
-            await engine.run(lambda llm_engine: load_adapter(llm_engine, lora))
+            await engine.run(lambda llm_engine: llm_engine.add_lora(lora))
         except ValueError as error:
             models.remove_adapter(lora.lora_name)
             raise APIError(str(error), 400, "lora_path") from error
@@ -94,15 +93,7 @@ def lora_routes(models: OpenAIServingModels, engine: AsyncEngine) -> APIRouter:
     @routes.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> PlainTextResponse:
         lora = models.remove_adapter(request.lora_name)
-        await engine.run(lambda llm_engine: llm_engine.loras.remove(lora.lora_int_id))
+        await engine.run(lambda llm_engine: llm_engine.remove_lora(lora.lora_int_id))
         return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' removed successfully.")
 
     return routes
-
-
-def load_adapter(engine: LLMEngine, lora: LoRARequest) -> None:
-    """Check and load an adapter into the engine's LRU (engine thread); ValueError if it cannot serve it."""
-    if engine.loras is None:
-        raise ValueError("loading a LoRA adapter needs a server started with --enable-lora")
-    engine.loras.acquire(lora)
-    engine.loras.release(lora.lora_int_id)
