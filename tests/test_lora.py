@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import assert_all_blocks_free
 from models_helpers import hf_greedy
-from test_models_families import randomize
+from test_models_families import FAMILIES, randomize
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.bench.lora import make_random_adapter as make_adapter
@@ -102,6 +102,31 @@ def test_a_mixed_batch_equals_each_request_alone(tiny_llama_dir, adapters):
     assert_all_blocks_free(llm)
 
 
+def test_an_adapter_of_fused_projections_beside_one_of_a_single_projection(tmp_path):
+    """Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj: an adapter of those spans every
+    shard of the fused Linear (each slot's block of rows getting its rows of B); in the same steps as an
+    adapter of o_proj alone and the base, each request gets peft's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(2)
+    model = AutoModelForCausalLM.from_config(FAMILIES["phi3"](), dtype=torch.float32)
+    randomize(model, seed=2)
+    base = tmp_path / "phi3"
+    model.save_pretrained(base)
+    fused = make_adapter(base, tmp_path / "fused", ["qkv_proj", "gate_up_proj"], seed=5)
+    single = make_adapter(base, tmp_path / "o", ["o_proj"], r=4, seed=6)
+    llm = lora_llm(base, enable_prefix_caching=False)
+    loras = [LoRARequest("fused", 1, str(fused)), None, LoRARequest("o", 2, str(single))]
+    got = tokens(llm.generate(PROMPTS[:3], GREEDY, lora_request=loras))
+    expected = [
+        peft_greedy(base, folder, [prompt])[0]
+        for prompt, folder in zip(PROMPTS[:3], [fused, None, single], strict=True)
+    ]
+    assert got == expected
+    assert got[0] != peft_greedy(base, None, PROMPTS[:1])[0]
+    assert_all_blocks_free(llm)
+
+
 def test_the_prefix_cache_never_shares_blocks_between_adapters(tiny_llama_dir, adapters):
     llm = lora_llm(tiny_llama_dir, max_loras=1)
     prompt = list(range(40, 90))  # three full blocks
@@ -170,10 +195,10 @@ def test_a_gguf_block_base_with_an_adapter(tiny_llama_dir, adapters, tmp_path, m
     from models_helpers import write_gguf
     from transformers import AutoModelForCausalLM
 
-    from pagedllm.ops import cpu
+    from pagedllm.ops import native
 
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(cpu, "bf16_matmul_available", lambda: False)  # float32 arithmetic on every path
+    monkeypatch.setattr(native, "bf16_matmul_available", lambda: False)  # float32 arithmetic on every path
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
     path = tmp_path / "tiny.gguf"
     write_gguf(hf, path, qtype=GGMLQuantizationType.Q8_0)
