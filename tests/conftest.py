@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedllm.ops import cpu, native
+from pagedllm.ops import native
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -92,6 +92,7 @@ def tiny_chat_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(params=native.supported_isas())
 def kernels(request, monkeypatch):
-    """The CPU kernels with each instruction-set build this CPU runs selected in turn."""
+    """The C++ kernel library (ops/native.py) with each instruction-set build this CPU runs selected in
+    turn; the cpu backend's ops (ops/cpu.py) call the selected build too."""
     monkeypatch.setattr(native, "selected_isa", lambda: request.param)
-    return cpu
+    return native

@@ -24,7 +24,7 @@ def test_rms_norm_matches_reference(kernels, dtype, dim, unit_offset):
     gen = torch.Generator().manual_seed(dim)
     x = (torch.randn(7, dim, generator=gen) * 3).to(dtype)
     weight = torch.randn(dim, generator=gen).to(dtype)
-    out = kernels.rms_norm(x, weight, 1e-6, unit_offset)
+    out = cpu.rms_norm(x, weight, 1e-6, unit_offset)
     torch.testing.assert_close(out, reference.rms_norm(x, weight, 1e-6, unit_offset), **_tolerance(dtype))
 
 
@@ -35,7 +35,7 @@ def test_rms_norm_of_strided_heads(kernels, dtype):
     heads = fused[:, 1:4]
     assert not heads.is_contiguous()
     weight = torch.randn(24).to(dtype)
-    out = kernels.rms_norm(heads, weight, 1e-6, True)
+    out = cpu.rms_norm(heads, weight, 1e-6, True)
     torch.testing.assert_close(
         out, reference.rms_norm(heads.contiguous(), weight, 1e-6, True), **_tolerance(dtype)
     )
@@ -47,7 +47,7 @@ def test_rms_norm_of_strided_heads(kernels, dtype):
 def test_act_and_mul_matches_reference(kernels, dtype, dim, activation):
     gen = torch.Generator().manual_seed(dim)
     x = (torch.randn(6, 2 * dim, generator=gen) * 4).to(dtype)  # wide enough to reach both tails
-    out = kernels.act_and_mul(x, activation)
+    out = cpu.act_and_mul(x, activation)
     torch.testing.assert_close(out, reference.act_and_mul(x, activation), **_tolerance(dtype))
 
 
@@ -65,7 +65,7 @@ def test_rotary_embedding_rotates_q_and_k_heads_in_place(kernels, dtype, head_di
     positions = torch.randint(0, 100, (9,), generator=gen)
     cos_sin = _cos_sin(head_dim, 100)
     ours, theirs = qkv.clone(), qkv.clone()
-    kernels.rotary_embedding_(ours[:, : 4 * head_dim].view(9, 4, head_dim), positions, cos_sin)
+    cpu.rotary_embedding_(ours[:, : 4 * head_dim].view(9, 4, head_dim), positions, cos_sin)
     reference.rotary_embedding_(theirs[:, : 4 * head_dim].view(9, 4, head_dim), positions, cos_sin)
     if dtype == torch.float32:
         assert torch.equal(ours, theirs)  # same products, same roundings
@@ -76,7 +76,7 @@ def test_rotary_embedding_rotates_q_and_k_heads_in_place(kernels, dtype, head_di
 def test_rotary_embedding_rejects_a_position_past_its_table(kernels):
     x = torch.randn(2, 1, 16)
     with pytest.raises(RuntimeError, match="position 100 of token 1"):
-        kernels.rotary_embedding_(x, torch.tensor([3, 100]), _cos_sin(16, 100))
+        cpu.rotary_embedding_(x, torch.tensor([3, 100]), _cos_sin(16, 100))
 
 
 @pytest.mark.parametrize("backend", ["torch", "sdpa", "cpu"])
@@ -113,11 +113,11 @@ def test_argmax_is_torchs_on_every_row(kernels, cols):
     x[7, last] = float("nan")
     x[8, cols // 3] = x[8, last] = x[8].max() + 1  # two equal maxima: the first
     x[9] = float("nan")
-    assert torch.equal(kernels.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(cpu.argmax(x), x.argmax(dim=-1))
     assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
 
 
 def test_argmax_of_other_dtypes_and_shapes_is_torchs(kernels):
     x = torch.randn(3, 50)
     for y in (x.to(torch.bfloat16), x[:, ::2], x[0]):
-        assert torch.equal(kernels.argmax(y), y.argmax(dim=-1))
+        assert torch.equal(cpu.argmax(y), y.argmax(dim=-1))
