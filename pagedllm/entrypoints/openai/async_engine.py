@@ -59,7 +59,7 @@ class RequestStream:
             raise item
         if isinstance(item, BaseException):  # the engine failed it: a 500 (a 503 if no step can run now)
             self._finished = True
-            status = 503 if self.engine.failure is not None else 500
+            status = 503 if self.engine.step_failure is not None else 500
             raise APIError(f"the engine failed the request: {type(item).__name__}: {item}", status) from item
         self._finished = item.finished
         return item
@@ -89,6 +89,12 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.default_sampling = engine.default_sampling  # from generation_config.json
         self.num_kv_blocks = engine.num_kv_blocks
+
+    @property
+    def step_failure(self) -> str | None:
+        """Why the engine can run no step (a tensor-parallel rank failed), or None; the engine thread's own
+        death aside (its waiting requests get a 500, new ones a 503)."""
+        return self.engine.failure
 
     @property
     def failure(self) -> str | None:
