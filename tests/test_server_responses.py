@@ -192,7 +192,7 @@ def test_bench_serve_drives_the_responses_route(server, capsys):
             "input",
             "input_image",
         ),
-        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools", "web_search"),
+        ({"input": "hi", "tools": [{"type": "file_search"}]}, "tools", "file_search"),
         ({"input": "hi", "tool_choice": {"type": "file_search"}}, "tool_choice", "tool_choice"),
         ({"input": "hi", "background": True}, "background", "background"),
         ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include", "logprobs"),
@@ -299,6 +299,41 @@ def test_a_function_tool_round_trip(qwen_server):
             model="qwen", messages=loop, tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=80
         )
         assert answer.output_text == expected.choices[0].message.content
+
+
+@pytest.mark.slow
+def test_what_codex_sends_by_default_is_served_as_its_function_tools_alone(qwen_server):
+    """Codex CLI 0.171's default request, as captured from it: developer turns, its session's
+    client_metadata, include of encrypted reasoning, a hosted web_search and a namespace of sub-agent tools
+    beside its function tools. Served as the same request with the function tools alone and none of those
+    fields: the same output, the same prompt tokens."""
+    with openai_client(*qwen_server) as client:
+        turns = [
+            {"role": "developer", "content": [{"type": "input_text", "text": "You are a coding agent."}]},
+            {"role": "user", "content": [{"type": "input_text", "text": "What is the weather in Paris?"}]},
+        ]
+        plain = dict(model="qwen", input=turns, temperature=0, max_output_tokens=40, store=False)
+        namespace = {
+            "type": "namespace",
+            "name": "agents",
+            "description": "Sub-agents.",
+            "tools": [FLAT_WEATHER],
+        }
+        codex = client.responses.create(
+            **plain,
+            tools=[FLAT_WEATHER, namespace, {"type": "web_search", "external_web_access": False}],
+            tool_choice="auto",
+            parallel_tool_calls=True,
+            reasoning={"summary": "auto"},
+            include=["reasoning.encrypted_content"],
+            prompt_cache_key="session-1",
+            extra_body={"client_metadata": {"session_id": "session-1", "turn_id": "1"}},
+        )
+        alone = client.responses.create(**plain, tools=[FLAT_WEATHER], tool_choice="auto")
+        assert [item.model_dump(exclude={"id", "call_id"}) for item in codex.output] == [
+            item.model_dump(exclude={"id", "call_id"}) for item in alone.output
+        ]
+        assert codex.usage.input_tokens == alone.usage.input_tokens
 
 
 @pytest.mark.slow

@@ -2,10 +2,13 @@
 
 A request's fields pagedllm does not implement are refused by name (RequestModel); an input item, content
 part or tool of a type it does not implement is refused naming the type, before pydantic's own checks.
+What Codex CLI sends by default is accepted (found by running it against the server): its session's
+`client_metadata`, `include` of encrypted reasoning, and the hosted / namespaced tools left out below.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Annotated, Literal
 
@@ -15,6 +18,17 @@ from pagedllm.entrypoints.openai.protocol import Int, RequestModel, random_id
 
 INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 TEXT_PART_TYPES = ("input_text", "output_text")
+# Tools the server cannot offer, left out of the prompt (logged), not refused: Codex sends them by default.
+UNOFFERED_TOOLS = {
+    "web_search": "a hosted tool (the server searches nothing)",
+    "web_search_preview": "a hosted tool (the server searches nothing)",
+    "namespace": "namespaced tools are called by their namespace, which no chat template renders",
+}
+# reasoning.encrypted_content: a client that stores nothing asks for its reasoning to carry back; pagedllm's
+# reasoning items already carry their text (`content`), which the next request may send back as it is.
+INCLUDABLE = ("reasoning.encrypted_content",)
+
+logger = logging.getLogger(__name__)
 
 
 class TextContent(RequestModel):
@@ -126,8 +140,9 @@ class ResponsesRequest(RequestModel):
     store: bool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
+    client_metadata: dict | None = None  # what Codex sends of its session: accepted, not used
     user: str | None = None
-    include: list[str] | None = None  # only empty: nothing pagedllm could add is implemented
+    include: list[str] | None = None  # only INCLUDABLE: nothing else pagedllm could add is implemented
     truncation: Literal["disabled"] | None = None  # "auto" (drop old turns) is not implemented
     reasoning: ReasoningConfig | None = None
     prompt_cache_key: str | None = None  # a hint: the prefix cache needs none
@@ -164,11 +179,23 @@ class ResponsesRequest(RequestModel):
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools(cls, tools):
+        """Function tools; hosted ones and namespaces (UNOFFERED_TOOLS) are left out of the prompt, as the
+        server can run no hosted tool; any other type is refused by name."""
+        kept = []
         for i, tool in enumerate(tools if isinstance(tools, list) else ()):
             kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind in UNOFFERED_TOOLS:
+                logger.info(
+                    "tools[%d] of type %r is not offered to the model: %s", i, kind, UNOFFERED_TOOLS[kind]
+                )
+                continue
             if kind != "function":
-                raise ValueError(f"tools[{i}]: tools of type {kind!r} are not supported, only 'function'")
-        return tools
+                raise ValueError(
+                    f"tools[{i}]: tools of type {kind!r} are not supported, only 'function' (and "
+                    f"{sorted(UNOFFERED_TOOLS)}, left out)"
+                )
+            kept.append(tool)
+        return kept if isinstance(tools, list) else tools
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -183,8 +210,9 @@ class ResponsesRequest(RequestModel):
     @field_validator("include")
     @classmethod
     def _nothing_to_include(cls, include):
-        if include:
-            raise ValueError(f"{include} cannot be included: pagedllm implements none of them")
+        bad = [item for item in include or () if item not in INCLUDABLE]
+        if bad:
+            raise ValueError(f"{bad} cannot be included: pagedllm implements none of them")
         return include
 
 
