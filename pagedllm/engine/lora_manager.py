@@ -26,7 +26,6 @@ class LoRAManager:
         self.model, self.dtype = model, dtype
         self.max_lora_rank, self.max_cpu_loras = max_lora_rank, max_cpu_loras
         self.state: LoRAState = attach_lora(model)
-        self.state.configure(max_lora_rank, dtype)
         self.loaded: OrderedDict[int, LoRAModel] = OrderedDict()  # least recently used first
         self.users: Counter[int] = Counter()  # unfinished requests holding each adapter
         self.known: dict[int, LoRARequest] = {}  # every adapter named so far, by id

@@ -177,7 +177,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata
     ) -> torch.Tensor:
-        if self.fused is None or (self.lora_state is not None and self.lora_state.active):
+        if self.fused is None or (self.lora_state is not None and self.lora_state.groups):
             return self.forward_ops(h, positions, rotary, meta)  # adapters add to each projection's output
         slot_mapping, args = self.self_attn.attn.paged_args(meta)
         return self.fused(h, positions, slot_mapping, args)

@@ -7,8 +7,8 @@ updates the fused layer's rows of q (the rows the base's q_proj weight was loade
 of a checkpoint's own fused projection (Phi-3's qkv_proj) all of them.
 
 The base matmul runs once for every row of a step, in whatever storage the base has (float, bf16, GGUF
-blocks); then the step's adapters add their updates from slots stacked per Linear (LoRAState): one shrink
-by every slot's A, a mask keeping each row's own adapter's ranks, one expand per block of output rows.
+blocks); then each adapter of the step adds its update to its rows alone (rows grouped by adapter, as
+punica's SGMV groups them): one shrink with every piece's A stacked, one expand per piece's B.
 """
 
 from __future__ import annotations
@@ -97,6 +97,13 @@ class LoRALayer:
 
     a: torch.Tensor
     pieces: list[tuple[int, int, torch.Tensor]]
+
+    def update(self, y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor) -> None:
+        """y[rows] += the update of x[rows] (shrink once, then expand into each piece's output rows)."""
+        shrunk = x.index_select(0, rows) @ self.a.t()
+        for first_row, first_rank, b in self.pieces:
+            delta = shrunk[:, first_rank : first_rank + b.shape[1]] @ b.t()
+            y[:, first_row : first_row + b.shape[0]].index_add_(0, rows, delta)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.a, *(b for _, _, b in self.pieces)]
@@ -206,138 +213,35 @@ def _check_shape(key: str, which: str, shape: tuple[int, ...], place: _Place, ra
 
 
 class LoRAState:
-    """The adapters of the step being run, each in a slot, and each token's slot (vLLM's punica layout).
-
-    Every adapted Linear keeps its slots' A and B stacked (LoRATarget), so that a step's updates are one
-    shrink for all its tokens, a mask keeping each token's own adapter's ranks, and one expand per block of
-    output rows, however many adapters the step mixes (grouping rows by adapter took a few calls a
-    projection per adapter). An adapter is copied into a slot when a step first needs it there. One state
-    per model, shared by its Linears and by engines sharing the loaded model."""
+    """The adapters of the step being run, each with the rows of the flattened batch it updates (empty
+    between steps and in a step of the base alone); one per model, shared by its Linears."""
 
     def __init__(self) -> None:
-        self.slots: list[LoRAModel | None] = []
-        self.rank = 0  # every slot's rank: the largest max_lora_rank asked for (smaller ranks zero-padded)
-        self.dtype = torch.float32
-        self.targets: list[LoRATarget] = []
-        self.onehot: torch.Tensor | None = None  # [tokens, slots]: 1 where the token runs the slot's adapter
-        self.step_slots: frozenset[int] = frozenset()  # the slots the step runs
-        self._clock = 0
-        self._last_used: list[int] = []  # per slot, when a step last ran it
-
-    @property
-    def active(self) -> bool:
-        return self.onehot is not None
-
-    def configure(self, rank: int, dtype: torch.dtype) -> None:
-        """Slots take adapters up to `rank`, stored in `dtype` (laid out again if either changes)."""
-        if rank > self.rank or dtype != self.dtype:
-            self.rank, self.dtype = max(rank, self.rank), dtype
-            self._resize(len(self.slots))
+        self.groups: list[tuple[LoRAModel, torch.Tensor]] = []
 
     def set_step(self, adapters: list[LoRAModel], token_adapters: np.ndarray, device: torch.device) -> None:
         """token_adapters[t]: the index in `adapters` of token t's adapter, -1 for the base."""
-        used = [i for i in range(len(adapters)) if (token_adapters == i).any()]
-        if not used:
-            return self.clear()
-        slot_of = self._place([adapters[i] for i in used])
-        token_slots = np.full(len(token_adapters), -1, np.int64)
-        for i, slot in zip(used, slot_of, strict=True):
-            token_slots[token_adapters == i] = slot
-        slots = torch.from_numpy(token_slots).to(device)
-        self.onehot = (slots[:, None] == torch.arange(len(self.slots), device=device)).to(self.dtype)
-        self.step_slots = frozenset(slot_of)
+        self.groups = []
+        for i, lora in enumerate(adapters):
+            rows = np.flatnonzero(token_adapters == i)
+            if len(rows):
+                self.groups.append((lora, torch.from_numpy(rows).to(device)))
 
     def clear(self) -> None:
-        self.onehot, self.step_slots = None, frozenset()
-
-    def _place(self, adapters: list[LoRAModel]) -> list[int]:
-        """Each adapter's slot: where it already is, else a free slot or the least recently run one this
-        step does not need (copying the adapter in); a slot is added when the step needs every one."""
-        where = {id(lora): j for j, lora in enumerate(self.slots) if lora is not None}
-        keep = {where[id(lora)] for lora in adapters if id(lora) in where}
-        placed = []
-        for lora in adapters:
-            slot = where.get(id(lora))
-            if slot is None:
-                spare = [j for j in range(len(self.slots)) if j not in keep]
-                if not spare:
-                    self._resize(len(self.slots) + 1)
-                    spare = [len(self.slots) - 1]
-                slot = min(spare, key=lambda j: (self.slots[j] is not None, self._last_used[j]))
-                self.slots[slot] = lora
-                for target in self.targets:
-                    target.write_slot(slot, lora.layers.get(target.name))
-                keep.add(slot)
-            self._clock += 1
-            self._last_used[slot] = self._clock
-            placed.append(slot)
-        return placed
-
-    def _resize(self, num_slots: int) -> None:
-        """Every Linear's buffers laid out for `num_slots` slots, the adapters in them written back."""
-        self.slots += [None] * (num_slots - len(self.slots))
-        self._last_used += [0] * (num_slots - len(self._last_used))
-        for target in self.targets:
-            target.layout()
-            for j, lora in enumerate(self.slots):
-                if lora is not None:
-                    target.write_slot(j, lora.layers.get(target.name))
+        self.groups = []
 
 
 class LoRATarget:
-    """A Linear's tie to its model's LoRAState, holding its slots' updates stacked: `a` [blocks x slots x
-    rank, in] (block-major) and, per block of output rows (the Linear, or each of its fused shards), B
-    [rows, slots x rank]; zeros where a slot's adapter leaves the block alone or its rank is smaller."""
+    """A Linear's tie to its model's LoRAState: adds the step's adapters' updates to its output."""
 
-    def __init__(self, state: LoRAState, name: str, linear: Linear):
-        self.state, self.name, self.in_features = state, name, linear.in_features
-        self.blocks, row = [], 0  # (first output row, rows) of each shard, in order
-        for rows in getattr(linear, "shards", {name: linear.out_features}).values():
-            self.blocks.append((row, rows))
-            row += rows
-        self.a = torch.empty(0)
-        self.b: list[torch.Tensor] = []
-        self.filled: set[int] = set()  # the slots whose adapter updates this Linear
-
-    def layout(self) -> None:
-        """Zeroed buffers for the state's slots, rank and dtype."""
-        width, dtype = len(self.state.slots) * self.state.rank, self.state.dtype
-        self.a = torch.zeros(len(self.blocks) * width, self.in_features, dtype=dtype)
-        self.b = [torch.zeros(rows, width, dtype=dtype) for _, rows in self.blocks]
-        self.filled = set()
-
-    def write_slot(self, slot: int, layer: LoRALayer | None) -> None:
-        """Slot `slot` takes `layer`'s update of this Linear (None: the slot's adapter does not touch it).
-        A piece of a fused projection's own adapter (Phi-3's qkv_proj) spans several blocks: each gets its
-        rows of B, and a copy of A."""
-        rank, width = self.state.rank, len(self.state.slots) * self.state.rank
-        for g in range(len(self.blocks)):
-            self.a[g * width + slot * rank : g * width + (slot + 1) * rank] = 0
-            self.b[g][:, slot * rank : (slot + 1) * rank] = 0
-        self.filled.discard(slot)
-        if layer is None:
-            return
-        for first_row, first_rank, b in layer.pieces:
-            r = b.shape[1]
-            for g, (row, rows) in enumerate(self.blocks):
-                if first_row <= row and row + rows <= first_row + b.shape[0]:
-                    at = g * width + slot * rank
-                    self.a[at : at + r] = layer.a[first_rank : first_rank + r]
-                    self.b[g][:, slot * rank : slot * rank + r] = b[row - first_row : row - first_row + rows]
-        self.filled.add(slot)
+    def __init__(self, state: LoRAState, name: str):
+        self.state, self.name = state, name
 
     def add(self, y: torch.Tensor, x: torch.Tensor) -> None:
-        """y += each token's adapter's update of x: shrink by every slot, keep the token's own slot's
-        ranks, expand each block of rows."""
-        state = self.state
-        if state.onehot is None or not (self.filled & state.step_slots):
-            return
-        num_slots, rank = len(state.slots), state.rank
-        shrunk = x @ self.a.t()
-        shrunk.view(len(x), len(self.blocks), num_slots, rank).mul_(state.onehot[:, None, :, None])
-        width = num_slots * rank
-        for g, (first_row, rows) in enumerate(self.blocks):
-            y[:, first_row : first_row + rows].addmm_(shrunk[:, g * width : (g + 1) * width], self.b[g].t())
+        for lora, rows in self.state.groups:
+            layer = lora.layers.get(self.name)
+            if layer is not None:
+                layer.update(y, x, rows)
 
 
 def attach_lora(model: nn.Module) -> LoRAState:
@@ -349,8 +253,7 @@ def attach_lora(model: nn.Module) -> LoRAState:
     state = model.lora_state = LoRAState()
     for name, module in model.named_modules():
         if isinstance(module, Linear) and name.rpartition(".")[2] in TARGET_MODULES + FUSED_MODULES:
-            module.lora = LoRATarget(state, name, module)
-            state.targets.append(module.lora)
+            module.lora = LoRATarget(state, name)
     for layer in getattr(model, "layers", ()):
         layer.lora_state = state
     return state
