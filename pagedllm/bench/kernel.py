@@ -427,11 +427,8 @@ def kernel_build() -> str:
     """The cpu kernels' instruction-set build the rows measure, for their header."""
     from pagedllm.ops import native
 
-    return (
-        f"cpu kernels built for {native.selected_isa()}"
-        if native.unavailable_reason() is None
-        else "no cpu kernels"
-    )
+    isa = native.built_isa()
+    return f"cpu kernels built for {isa}" if isa else "no cpu kernels"
 
 
 def iter_rows(args: argparse.Namespace) -> Iterator[Row]:

@@ -128,9 +128,8 @@ def kernel_build() -> str:
     """The C++ kernels' instruction-set build, for the header."""
     from pagedllm.ops import native
 
-    return (
-        f"kernels built for {native.selected_isa()}" if native.unavailable_reason() is None else "no kernels"
-    )
+    isa = native.built_isa()
+    return f"kernels built for {isa}" if isa else "no kernels"
 
 
 def model_shapes(model: str) -> tuple[dict[str, tuple[int, int]], int, tuple[int, int]]:

@@ -27,15 +27,22 @@ def kv_block_bytes(
     return 2 * layers * ops.kv_block_bytes(block_size, num_kv_heads, config.head_dim, dtype)
 
 
+def sizing_setting(config: EngineConfig) -> str:
+    """The setting that sizes the KV cache: num_kv_blocks if set, else memory_budget if set, else
+    kv_cache_memory."""
+    if config.num_kv_blocks is not None:
+        return "num_kv_blocks"
+    return "kv_cache_memory" if config.memory_budget is None else "memory_budget"
+
+
 def num_kv_blocks(config: EngineConfig, block_bytes: int, weight_bytes: int) -> int:
     """num_kv_blocks if set, else the blocks of `block_bytes` in the KV budget: kv_cache_memory, or what
     the weights (`weight_bytes`) leave of memory_budget."""
-    if config.num_kv_blocks is not None:
+    setting = sizing_setting(config)
+    if setting == "num_kv_blocks":
         return config.num_kv_blocks
-    if config.memory_budget is None:
-        setting, budget = "kv_cache_memory", parse_bytes(config.kv_cache_memory)
-    else:
-        setting, budget = "memory_budget", parse_bytes(config.memory_budget, "memory_budget")
+    budget = parse_bytes(getattr(config, setting), setting)
+    if setting == "memory_budget":
         if budget <= weight_bytes:
             raise ValueError(
                 f"memory_budget={config.memory_budget!r} ({budget / 2**20:.1f} MiB) leaves nothing for the "
@@ -66,13 +73,9 @@ def check_fits_cache(token_ids: list[int], allocator: KVAllocator, config: Engin
     getting an empty "length" finish after it waited."""
     needed, total = allocator.num_blocks_needed(token_ids), allocator.num_total_blocks
     if needed > total:
-        if config.num_kv_blocks is not None:
-            setting = f"num_kv_blocks={config.num_kv_blocks}"
-        elif config.memory_budget is not None:
-            setting = f"memory_budget={config.memory_budget!r}"
-        else:
-            setting = f"kv_cache_memory={config.kv_cache_memory!r}"
+        setting = sizing_setting(config)
         raise ValueError(
             f"prompt has {len(token_ids)} tokens, whose KV needs {needed} blocks; the KV cache holds {total} "
-            f"blocks in all ({setting}): give the cache more memory or shorten the prompt"
+            f"blocks in all ({setting}={getattr(config, setting)!r}): give the cache more memory or shorten "
+            "the prompt"
         )

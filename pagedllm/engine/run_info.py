@@ -52,7 +52,7 @@ def read_run_info(engine) -> RunInfo:
     if device.type == "cpu":
         from pagedllm.ops import native
 
-        isa = native.selected_isa() if native.unavailable_reason() is None else None
+        isa = native.built_isa()
     return RunInfo(
         model=config.model,
         vocab_size=model.config.vocab_size,

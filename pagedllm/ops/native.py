@@ -144,6 +144,11 @@ def build_error(isa: str) -> str | None:
     return None
 
 
+def built_isa() -> str | None:
+    """The instruction set of the build in use, or None where the kernels cannot be used."""
+    return selected_isa() if unavailable_reason() is None else None
+
+
 def unavailable_reason() -> str | None:
     """None when the kernels for this CPU are built and loaded, else why they cannot be used."""
     isa = selected_isa()
