@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from helpers import assert_all_blocks_free, skip_unless_onednn_packs
@@ -27,6 +28,7 @@ from transformers import (
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models import load_model
+from pagedllm.models.lora import LoRAConfig, LoRALayer, LoRAModel, attach_lora
 from pagedllm.ops import native
 
 COMMON = dict(
@@ -378,6 +380,59 @@ def test_a_layer_in_one_call_equals_its_ops_one_by_one(
     by_ops = _mixed_steps(model, kv_dtype)
     assert all(torch.equal(a, b) for a, b in zip(fused, by_ops, strict=True))
     assert not any(t.isnan().any() for t in fused)
+
+
+def random_adapters(model, seed: int, dtype: torch.dtype) -> list[LoRAModel]:
+    """Two adapters of `model` (after attach_lora): one of every projection, fused ones in pieces of each
+    shard (rank 8); one of q, v and down alone (rank 4), so that its qkv update has a gap at k."""
+    gen = torch.Generator().manual_seed(seed)
+    made = []
+    for int_id, (rank, only) in enumerate([(8, None), (4, ("q_proj", "v_proj", "down_proj"))], start=1):
+        lora = LoRAModel(f"random-{int_id}", int_id, "", LoRAConfig(rank, float(rank)))
+        for name, module in model.named_modules():
+            shards = getattr(module, "shards", None) or {
+                name.rpartition(".")[2]: getattr(module, "out_features", 0)
+            }
+            if getattr(module, "lora", None) is None:
+                continue
+            pieces, row = [], 0
+            for shard, rows in shards.items():
+                if only is None or shard in only:
+                    a = torch.randn(rank, module.in_features, generator=gen) / module.in_features**0.5
+                    pieces.append(
+                        (row, a.to(dtype), (torch.randn(rows, rank, generator=gen) / rank).to(dtype))
+                    )
+                row += rows
+            if pieces:
+                lora.layers[name] = LoRALayer.of_pieces(pieces)
+        made.append(lora)
+    return made
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", native.supported_isas() or [None])
+def test_a_layer_in_one_call_with_adapters_equals_its_ops_one_by_one(checkpoint, dtype, isa, monkeypatch):
+    """Steps mixing two adapters and the base (rows interleaved, prefill and decode): the one call adds
+    each row's LoRA update after each projection as the ops do, to the bit; and the update is there."""
+    if isa is None:
+        pytest.skip(native.unavailable_reason() or "no C++ build for this CPU")
+    monkeypatch.setattr(native, "selected_isa", lambda: isa)
+    monkeypatch.setenv("PAGEDLLM_LINEAR_METHOD", "kernel")
+    _, folder = checkpoint
+    model = load_model(str(folder), dtype=dtype, quantization="none", max_num_seqs=4).model
+    state = attach_lora(model)
+    base = _mixed_steps(model, dtype)
+    adapters = random_adapters(model, seed=3, dtype=dtype)
+    model.register_forward_pre_hook(  # rows cycle through the base, the first adapter, the second
+        lambda _, args: state.set_step(adapters, np.arange(len(args[0])) % 3 - 1, torch.device("cpu"))
+    )
+    fused = _mixed_steps(model, dtype)
+    assert [layer.fused is not None for layer in model.layers] == fusable_layers(model.config)
+    for layer in model.layers:
+        layer.fused = None
+    by_ops = _mixed_steps(model, dtype)
+    assert all(torch.equal(a, b) for a, b in zip(fused, by_ops, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(fused, base, strict=True))
 
 
 def test_a_layer_runs_one_call_only_where_the_kernels_run_every_op(checkpoint, monkeypatch):

@@ -29,6 +29,7 @@ from pagedllm.models.parallel import (
 )
 
 if TYPE_CHECKING:
+    from pagedllm.models.linear import Linear
     from pagedllm.models.lora import LoRAState
 
 
@@ -162,8 +163,8 @@ class DecoderLayer(nn.Module):
     ops one by one); else, or with `fused` None, the family's forward_ops.
 
     A family's layer has self_attn (Attention), mlp, input_layernorm and post_attention_layernorm, and
-    says in feedforward_norms whether norms wrap its MLP (Gemma's (pre, post)). A step with LoRA adapters
-    runs the ops one by one: the adapters add their updates to the projections' outputs."""
+    says in feedforward_norms whether norms wrap its MLP (Gemma's (pre, post)). In a step with LoRA
+    adapters, each projection's output gets their updates, in the one call as in the ops."""
 
     self_attn: Attention
     input_layernorm: RMSNorm
@@ -177,10 +178,14 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata
     ) -> torch.Tensor:
-        if self.fused is None or (self.lora_state is not None and self.lora_state.groups):
-            return self.forward_ops(h, positions, rotary, meta)  # adapters add to each projection's output
+        if self.fused is None:
+            return self.forward_ops(h, positions, rotary, meta)
         slot_mapping, args = self.self_attn.attn.paged_args(meta)
-        return self.fused(h, positions, slot_mapping, args)
+        lora = self.lora_state
+        if lora is None or not lora.active:
+            return self.fused(h, positions, slot_mapping, args)
+        names = tuple(linear.lora.names[0] for linear in self.projections())
+        return self.fused(h, positions, slot_mapping, args, ops.LoRAOperands(lora.rows, lora.weights(names)))
 
     def forward_ops(
         self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata
@@ -201,16 +206,20 @@ class DecoderLayer(nn.Module):
             None if spec is None else ops.get_backend(weight.device, weight.dtype).fused_decoder_layer(spec)
         )
 
+    def projections(self) -> tuple[Linear, Linear, Linear, Linear]:
+        """The linear layers a one-call layer runs, in its order: qkv, o, gate_up, down."""
+        attn, mlp = self.self_attn, self.mlp
+        return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
     def decoder_layer_spec(self, rotary: RotaryEmbedding) -> ops.DecoderLayerSpec | None:
         """The layer as a backend's one call takes it; None where none can: a mixture of experts (tokens
         are routed between the ops) or several ranks (their outputs are summed between the ops)."""
         attn, mlp, norm = self.self_attn, self.mlp, self.input_layernorm
         if not isinstance(mlp, GatedMLP) or attn.o_proj.tp.size != 1:
             return None
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         around_mlp = self.feedforward_norms()
         return ops.DecoderLayerSpec(
-            projections=tuple(linear.method.kernel_args(linear) for linear in linears),
+            projections=tuple(linear.method.kernel_args(linear) for linear in self.projections()),
             input_norm=norm.weight,
             post_attention_norm=self.post_attention_layernorm.weight,
             cos_sin=rotary.cos_sin,

@@ -7,8 +7,9 @@ updates the fused layer's rows of q (the rows the base's q_proj weight was loade
 of a checkpoint's own fused projection (Phi-3's qkv_proj) all of them.
 
 The base matmul runs once for every row of a step, in whatever storage the base has (float, bf16, GGUF
-blocks); then each adapter of the step adds its update to its rows alone (rows grouped by adapter, as
-punica's SGMV groups them): one shrink with every piece's A stacked, one expand per piece's B.
+blocks); then one call (ops.lora_add; csrc/lora.cpp on the CPU) adds every row's update by its own
+adapter, rows grouped by adapter as punica's SGMV groups them: a shrink with every piece's A stacked, an
+expand into each piece's rows. A one-call decoder layer makes the same call after each of its projections.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedllm import ops
 from pagedllm.models.linear import Linear, MergedLinear
+from pagedllm.models.parallel import Part, RowParallelLinear
 from pagedllm.models.weights import module_name
 
 CONFIG_FILE = "adapter_config.json"
@@ -32,6 +35,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_MODULES = ("qkv_proj", "gate_up_proj")
 _PEFT_PREFIX = "base_model.model."
+_EXPERTS = ".experts."  # in the name of a mixture of experts' expert's projections
 
 
 @dataclass(frozen=True)
@@ -92,21 +96,29 @@ def read_lora_config(folder: str | Path, max_rank: int) -> LoRAConfig:
 
 @dataclass
 class LoRALayer:
-    """One adapter's update of one Linear: `a` stacks every piece's A ([sum of ranks, in]); a piece is
-    (first output row, first column of its rank in the shrink's output, B [rows, r] times the scale)."""
+    """One adapter's update of one Linear as ops.lora_add takes it: `a` stacks every piece's A ([P * r,
+    in]), `b` holds each piece's B transposed and times the scale, side by side ([r, N]), and `spans` each
+    piece's first output row and its rows ([P, 2] int64)."""
 
     a: torch.Tensor
-    pieces: list[tuple[int, int, torch.Tensor]]
+    b: torch.Tensor
+    spans: torch.Tensor
 
-    def update(self, y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor) -> None:
-        """y[rows] += the update of x[rows] (shrink once, then expand into each piece's output rows)."""
-        shrunk = x.index_select(0, rows) @ self.a.t()
-        for first_row, first_rank, b in self.pieces:
-            delta = shrunk[:, first_rank : first_rank + b.shape[1]] @ b.t()
-            y[:, first_row : first_row + b.shape[0]].index_add_(0, rows, delta)
+    @classmethod
+    def of_pieces(cls, pieces: list[tuple[int, torch.Tensor, torch.Tensor]]) -> LoRALayer:
+        """From (first output row, A [r, in], B [rows, r] times the scale) per piece."""
+        pieces = sorted(pieces, key=lambda p: p[0])
+        return cls(
+            torch.cat([a for _, a, _ in pieces]).contiguous(),
+            torch.cat([b.t() for _, _, b in pieces], dim=1).contiguous(),
+            torch.tensor([[row, b.shape[0]] for row, _, b in pieces], dtype=torch.int64),
+        )
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.a, *(b for _, _, b in self.pieces)]
+    def operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.a, self.b, self.spans
+
+
+NOT_ADAPTED = (None, None, None)  # lora_add's operands of an adapter for a Linear it does not adapt
 
 
 @dataclass
@@ -121,32 +133,75 @@ class LoRAModel:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for layer in self.layers.values() for t in layer.tensors())
+        return sum(t.nbytes for layer in self.layers.values() for t in layer.operands())
+
+    def operands(self, linear_name: str) -> tuple[torch.Tensor | None, ...]:
+        """ops.lora_add's three operands for the Linear of this name (NOT_ADAPTED if it has no update)."""
+        layer = self.layers.get(linear_name)
+        return NOT_ADAPTED if layer is None else layer.operands()
 
 
 @dataclass(frozen=True)
 class _Place:
-    """Where an adapter of a checkpoint module goes: rows [row, row + rows) of `linear`'s output."""
+    """Where an adapter of one checkpoint module goes: rows [row, row + rows) of `linear`'s output. Under
+    tensor parallelism a rank holds part of it, as of the base's weight: `b_parts` are its rows of B
+    (one part per shard of the module, in checkpoint order: several for a fused checkpoint module), and
+    `a_part` its input columns of A (a row-parallel projection: o, down)."""
 
     linear_name: str
     linear: Linear
     row: int
     rows: int
+    b_parts: tuple[Part, ...]
+    a_part: Part | None = None
+
+    def full_shape(self, which: str, rank: int) -> tuple[int, int]:
+        """The checkpoint's shape of A or B for this module."""
+        if which == "A":
+            return rank, self.linear.in_features if self.a_part is None else self.a_part.total
+        return sum(part.total for part in self.b_parts), rank
+
+    def local(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's A and B of the checkpoint's."""
+        if self.a_part is not None:
+            a = self.a_part.take(a)
+        shards, start = [], 0
+        for part in self.b_parts:
+            shards.append(part.take(b[start : start + part.total]))
+            start += part.total
+        return a, torch.cat(shards)
+
+
+def _b_part(linear: Linear, shard: str | None, rows: int) -> Part:
+    part = linear.checkpoint_part("weight", shard) if hasattr(linear, "checkpoint_part") else None
+    return part if part is not None and part.dim == 0 else Part(0, rows, rows)
+
+
+def _adaptable(name: str, module: nn.Module) -> bool:
+    """Whether adapters may update this module: a projection of the attention or a dense MLP (not a
+    mixture of experts' expert, which sees only the tokens routed to it)."""
+    leaf = name.rpartition(".")[2]
+    return isinstance(module, Linear) and leaf in TARGET_MODULES + FUSED_MODULES and _EXPERTS not in name
 
 
 def _places(model: nn.Module) -> dict[str, _Place]:
     """Checkpoint module name (layers.0.self_attn.q_proj) -> the rows of the Linear it was loaded into."""
     places = {}
     for name, module in model.named_modules():
-        leaf = name.rpartition(".")[2]
-        if not isinstance(module, Linear) or leaf not in TARGET_MODULES + FUSED_MODULES:
+        if not _adaptable(name, module):
             continue
-        places[name] = _Place(name, module, 0, module.out_features)
-        if isinstance(module, MergedLinear):
-            parent, row = name.rpartition(".")[0], 0
-            for shard, rows in module.shards.items():
-                places[f"{parent}.{shard}"] = _Place(name, module, row, rows)
-                row += rows
+        a_part = module.checkpoint_part("weight", None) if isinstance(module, RowParallelLinear) else None
+        if not isinstance(module, MergedLinear):
+            places[name] = _Place(
+                name, module, 0, module.out_features, (_b_part(module, None, module.out_features),), a_part
+            )
+            continue
+        parent, row = name.rpartition(".")[0], 0
+        for shard, rows in module.shards.items():
+            places[f"{parent}.{shard}"] = _Place(name, module, row, rows, (_b_part(module, shard, rows),))
+            row += rows
+        shards = tuple(_b_part(module, shard, rows) for shard, rows in module.shards.items())
+        places[name] = _Place(name, module, 0, module.out_features, shards)
     return places
 
 
@@ -175,6 +230,10 @@ def load_lora(
     with safe_open(str(path), framework="pt") as f:
         for key in f.keys():
             module, which = _adapter_tensor_names(key)
+            if _EXPERTS in module:
+                raise ValueError(
+                    f"adapter tensor {key!r} targets a mixture of experts' expert, not supported"
+                )
             if module not in places:
                 raise ValueError(f"adapter tensor {key!r} targets {module!r}, which the base model lacks")
             _check_shape(key, which, tuple(f.get_slice(key).get_shape()), places[module], config.rank)
@@ -186,62 +245,64 @@ def load_lora(
                 missing = ({"A", "B"} - set(keys)).pop()
                 raise ValueError(f"LoRA adapter {str(folder)!r} has no lora_{missing} for module {module!r}")
             place = places[module]
-            a, b = f.get_tensor(keys["A"]).float(), f.get_tensor(keys["B"]).float() * config.scale
+            a, b = place.local(f.get_tensor(keys["A"]), f.get_tensor(keys["B"]))
+            b = b.float() * config.scale
             pieces.setdefault(place.linear_name, []).append((place.row, a.to(dtype), b.to(dtype)))
     for linear_name, parts in pieces.items():
-        parts.sort(key=lambda p: p[0])
-        ranks = np.cumsum([0] + [a.shape[0] for _, a, _ in parts])
-        lora.layers[linear_name] = LoRALayer(
-            torch.cat([a for _, a, _ in parts]).contiguous(),
-            [(row, int(first), b.contiguous()) for (row, _, b), first in zip(parts, ranks, strict=False)],
-        )
+        lora.layers[linear_name] = LoRALayer.of_pieces(parts)
     if not lora.layers:
         raise ValueError(f"LoRA adapter {str(folder)!r} holds no LoRA weights")
     return lora
 
 
 def _check_shape(key: str, which: str, shape: tuple[int, ...], place: _Place, rank: int) -> None:
-    """A is [r, in_features], B [the module's output rows, r] of the base's projection."""
-    linear = place.linear
-    expected = (rank, linear.in_features) if which == "A" else (place.rows, rank)
+    """A is [r, in_features], B [the module's output rows, r] of the base's projection (whole, as the
+    checkpoint has it, whatever part of it this rank holds)."""
+    expected = place.full_shape(which, rank)
     if shape != expected:
+        a_in, b_rows = place.full_shape("A", rank)[1], place.full_shape("B", rank)[0]
         raise ValueError(
             f"adapter tensor {key!r} has shape {shape}, but the base model's {place.linear_name} "
-            f"({linear.in_features} inputs, {place.rows} outputs for this module) at r={rank} "
-            f"needs {expected}"
+            f"({a_in} inputs, {b_rows} outputs for this module) at r={rank} needs {expected}"
         )
 
 
 class LoRAState:
-    """The adapters of the step being run, each with the rows of the flattened batch it updates (empty
-    between steps and in a step of the base alone); one per model, shared by its Linears."""
+    """The adapters of the step being run and each row's adapter (none between steps and in a step of the
+    base alone); one per model, shared by its Linears and decoder layers."""
 
     def __init__(self) -> None:
-        self.groups: list[tuple[LoRAModel, torch.Tensor]] = []
+        self.adapters: list[LoRAModel] = []
+        self.rows = torch.empty(0, dtype=torch.int64)  # row t's index in `adapters`, -1 for the base
+
+    @property
+    def active(self) -> bool:
+        return bool(self.adapters)
 
     def set_step(self, adapters: list[LoRAModel], token_adapters: np.ndarray, device: torch.device) -> None:
         """token_adapters[t]: the index in `adapters` of token t's adapter, -1 for the base."""
-        self.groups = []
-        for i, lora in enumerate(adapters):
-            rows = np.flatnonzero(token_adapters == i)
-            if len(rows):
-                self.groups.append((lora, torch.from_numpy(rows).to(device)))
+        self.clear()
+        if adapters and (token_adapters >= 0).any():
+            self.adapters = adapters
+            self.rows = torch.from_numpy(token_adapters.astype(np.int64)).to(device)
 
     def clear(self) -> None:
-        self.groups = []
+        self.adapters = []
+
+    def weights(self, linear_names: tuple[str, ...]) -> ops.LoRAWeights:
+        """ops.lora_add's weights for these Linears' updates: per adapter, each Linear's three operands."""
+        return [t for lora in self.adapters for name in linear_names for t in lora.operands(name)]
 
 
 class LoRATarget:
     """A Linear's tie to its model's LoRAState: adds the step's adapters' updates to its output."""
 
     def __init__(self, state: LoRAState, name: str):
-        self.state, self.name = state, name
+        self.state, self.names = state, (name,)
 
     def add(self, y: torch.Tensor, x: torch.Tensor) -> None:
-        for lora, rows in self.state.groups:
-            layer = lora.layers.get(self.name)
-            if layer is not None:
-                layer.update(y, x, rows)
+        if self.state.active:
+            ops.lora_add(y, x, self.state.rows, self.state.weights(self.names))
 
 
 def attach_lora(model: nn.Module) -> LoRAState:
@@ -252,7 +313,7 @@ def attach_lora(model: nn.Module) -> LoRAState:
         return state
     state = model.lora_state = LoRAState()
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and name.rpartition(".")[2] in TARGET_MODULES + FUSED_MODULES:
+        if _adaptable(name, module):
             module.lora = LoRATarget(state, name)
     for layer in getattr(model, "layers", ()):
         layer.lora_state = state

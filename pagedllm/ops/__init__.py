@@ -1,6 +1,6 @@
 """Attention that reads K/V through block tables, the store of new K/V into slots, the fused elementwise
-ops of a decoder layer (rms_norm, act_and_mul, rotary_embedding_), greedy sampling's argmax, and a decoder
-layer in one call where the backend offers it.
+ops of a decoder layer (rms_norm, act_and_mul, rotary_embedding_), greedy sampling's argmax, LoRA adapters'
+updates of a projection's output (lora_add), and a decoder layer in one call where the backend offers it.
 
 Tensors in, tensors out: no engine concepts here. Every op goes to a backend (backend.Backend), an object
 registered here by name:
@@ -32,6 +32,8 @@ from pagedllm.ops.backend import (
     FunctionBackend,
     FusedDecoderLayer,
     KernelWeight,
+    LoRAOperands,
+    LoRAWeights,
 )
 from pagedllm.ops.kv_cache import allocate_kv_caches, kv_block_bytes
 from pagedllm.ops.reference import copy_blocks, read_block_bytes, swap_blocks, write_block_bytes
@@ -46,6 +48,8 @@ __all__ = [
     "FunctionBackend",
     "FusedDecoderLayer",
     "KernelWeight",
+    "LoRAOperands",
+    "LoRAWeights",
     "act_and_mul",
     "allocate_kv_caches",
     "argmax",
@@ -54,6 +58,7 @@ __all__ = [
     "get_backend",
     "get_backend_name",
     "kv_block_bytes",
+    "lora_add",
     "paged_attention",
     "read_block_bytes",
     "register_backend",
@@ -179,6 +184,12 @@ def rotary_embedding_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.T
     """Rotate x [T, H, D] (e.g. the q and k heads of a fused projection) in place by each token's position;
     cos_sin [max_positions, D] float32 holds each rotated pair's cos, then sin."""
     _of(x).rotary_embedding_(x, positions, cos_sin)
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: LoRAWeights) -> None:
+    """y[t] += B (A x[t]) in place for a projection's input x and output y, by adapter rows[t] (-1: none);
+    backend.Backend.lora_add says how `weights` holds each adapter's A and B."""
+    _of(y).lora_add(y, x, rows, weights)
 
 
 def reset_backend_cache() -> None:

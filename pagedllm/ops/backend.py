@@ -81,11 +81,30 @@ class DecoderLayerSpec:
     feedforward_norms: tuple[torch.Tensor, torch.Tensor] | None = None  # Gemma's (pre, post) of the MLP
 
 
+LoRAWeights = list[Tensor | None]  # per adapter, (a, b, spans) of each projection (Backend.lora_add)
+
+
+@dataclass(slots=True)
+class LoRAOperands:
+    """A step's LoRA adapters as a one-call layer takes them: rows[t] is row t's adapter (-1: none), and
+    weights holds, per adapter, (a, b, spans) of each of the layer's projections (qkv, o, gate_up, down;
+    None where it does not adapt one)."""
+
+    rows: torch.Tensor
+    weights: LoRAWeights
+
+
 class FusedDecoderLayer(Protocol):
-    """A decoder layer in one call: h [T, hidden] -> the layer's output, storing this step's K/V."""
+    """A decoder layer in one call: h [T, hidden] -> the layer's output, storing this step's K/V, each
+    projection's output updated by the step's adapters (if any) as Backend.lora_add updates it."""
 
     def __call__(
-        self, h: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, args: AttentionArgs
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        args: AttentionArgs,
+        lora: LoRAOperands | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -117,6 +136,12 @@ class Backend(Protocol):
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """x.argmax(dim=-1) for x [rows, N]: the first index of each row's largest, a NaN largest."""
 
+    def lora_add(self, y: Tensor, x: Tensor, rows: Tensor, weights: LoRAWeights) -> None:
+        """y[t] += B (A x[t]) in place, by adapter rows[t] ([T] int64; -1: none). Per adapter, weights
+        holds a [P * r, in] (the A of each of its P pieces stacked), b [r, N] (each piece's B transposed,
+        side by side, scaled) and spans [P, 2] int64 (each piece's first row of y and its rows), or
+        three None where the adapter does not adapt this projection."""
+
     def fused_decoder_layer(self, spec: DecoderLayerSpec) -> FusedDecoderLayer | None:
         """The layer as one call, equal to the bit to its ops one by one on this backend; None where
         this backend cannot run it so."""
@@ -139,4 +164,5 @@ class FunctionBackend:
     act_and_mul: Callable[[Tensor, str], Tensor]
     rotary_embedding_: Callable[[Tensor, Tensor, Tensor], None]
     argmax: Callable[[Tensor], Tensor]
+    lora_add: Callable[[Tensor, Tensor, Tensor, LoRAWeights], None]
     fused_decoder_layer: Callable[[DecoderLayerSpec], FusedDecoderLayer | None] = no_fused_layer

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.ops.backend import AttentionArgs, DecoderLayerSpec, FunctionBackend
+from pagedllm.ops.backend import AttentionArgs, DecoderLayerSpec, FunctionBackend, LoRAOperands, LoRAWeights
 from pagedllm.ops.native import ACTIVATIONS, kernels
 
 
@@ -74,6 +74,11 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return kernels().argmax_rows(x)
 
 
+def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: LoRAWeights) -> None:
+    """y[t] += B (A x[t]) by adapter rows[t] (-1: none), all adapters' rows in one call (csrc/lora.cpp)."""
+    kernels().lora_add(y, x, rows, weights)
+
+
 class CpuDecoderLayer:
     """A decoder layer (backend.DecoderLayerSpec) as one call of csrc/decoder.cpp: the same kernels, in the
     same order, as the layer's ops called one by one from Python, which it spares (~80 us a layer at one
@@ -90,7 +95,12 @@ class CpuDecoderLayer:
         self.built: dict[str, object] = {}  # the operands as each build's DecoderLayerWeights, made once
 
     def __call__(
-        self, h: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, args: AttentionArgs
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        args: AttentionArgs,
+        lora: LoRAOperands | None = None,
     ) -> torch.Tensor:
         """The step's index tensors must already be what the runner builds (contiguous; int64 positions
         and slots, int32 tables and lengths): they are passed as they are (the C++ checks them)."""
@@ -102,6 +112,7 @@ class CpuDecoderLayer:
         return ops.decoder_layer(
             h, positions, a.k_cache, a.v_cache, slot_mapping, a.block_tables, a.query_start_loc,
             a.context_lens, layer, a.scale, a.sliding_window or 0, a.softcap or 0.0,
+            None if lora is None else lora.rows, [] if lora is None else lora.weights,
         )  # fmt: skip
 
 
@@ -115,5 +126,13 @@ def fused_decoder_layer(spec: DecoderLayerSpec) -> CpuDecoderLayer | None:
 
 # The `cpu` backend: every op a C++ kernel, and a decoder layer in one call of them.
 BACKEND = FunctionBackend(
-    "cpu", write_kv, paged_attention, rms_norm, act_and_mul, rotary_embedding_, argmax, fused_decoder_layer
+    "cpu",
+    write_kv,
+    paged_attention,
+    rms_norm,
+    act_and_mul,
+    rotary_embedding_,
+    argmax,
+    lora_add,
+    fused_decoder_layer,
 )

@@ -24,7 +24,10 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ["attention.cpp", "decoder.cpp", "elementwise.cpp", "linear.cpp", "register.cpp", "sampling.cpp"]
+_SOURCES = [
+    "attention.cpp", "decoder.cpp", "elementwise.cpp", "linear.cpp", "lora.cpp", "register.cpp",
+    "sampling.cpp",
+]  # fmt: skip
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DPAGEDLLM_AVX512"]
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 ISA_FLAGS = {

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.ops.backend import AttentionArgs, FunctionBackend
+from pagedllm.ops.backend import AttentionArgs, FunctionBackend, LoRAWeights
 from pagedllm.ops.kv_cache import LARGEST_CODE, is_quantized, key_smoothing, kv_scales
 
 ACTIVATIONS = {
@@ -257,7 +257,24 @@ def rotary_embedding_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.T
     x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
 
 
+def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: LoRAWeights) -> None:
+    """y[t] += B (A x[t]) by adapter rows[t] (-1: none), in float32, y rounded once (backend.Backend.lora_add
+    says how weights hold each adapter's a, b and spans)."""
+    for adapter in range(len(weights) // 3):
+        a, b, spans = weights[3 * adapter : 3 * adapter + 3]
+        mine = (rows == adapter).nonzero().squeeze(1)
+        if a is None or not len(mine):
+            continue
+        shrunk = x.index_select(0, mine).float() @ a.float().t()
+        rank, column = b.shape[0], 0
+        for piece, (first, count) in enumerate(spans.tolist()):
+            delta = shrunk[:, piece * rank : (piece + 1) * rank] @ b[:, column : column + count].float()
+            out = y[:, first : first + count]
+            out.index_copy_(0, mine, (out.index_select(0, mine).float() + delta).to(y.dtype))
+            column += count
+
+
 # The `torch` backend. Backends without their own elementwise kernels keep its ones.
 BACKEND = FunctionBackend(
-    "torch", write_kv, paged_attention, rms_norm, act_and_mul, rotary_embedding_, argmax
+    "torch", write_kv, paged_attention, rms_norm, act_and_mul, rotary_embedding_, argmax, lora_add
 )

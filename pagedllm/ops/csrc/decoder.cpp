@@ -8,6 +8,10 @@
 //   store k, v ; a = attention(q)
 //   Llama: h = h + a Wo^T ; x = rms_norm(h) ; h = h + act_and_mul(x Wgate_up^T) Wdown^T
 //   Gemma: h = h + rms_norm(a Wo^T) ; x = rms_norm(h) ; h = h + rms_norm(act_and_mul(x Wgate_up^T) Wdown^T)
+//
+// A step with LoRA adapters passes each row's adapter and, per adapter, (a, b, spans) for each of the four
+// projections (12 tensors, absent where it does not adapt one): lora_add follows each projection, as
+// models/linear.py's Linear.matmul follows its matmul with the adapters' update.
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
@@ -69,6 +73,15 @@ at::Tensor project(const at::Tensor& x, const c10::List<c10::optional<at::Tensor
   });
 }
 
+// Adds the adapters' update of projection i (qkv, o, gate_up, down) to its output y of input x.
+constexpr int64_t kLoRAPerAdapter = 12;  // (a, b, spans) for each of the 4 projections
+
+void adapt(const at::Tensor& y, const at::Tensor& x, const c10::optional<at::Tensor>& adapters,
+           const c10::List<c10::optional<at::Tensor>>& lora, int64_t i) {
+  if (!adapters.has_value()) return;
+  profiled(OP("lora_add"), [&] { lora_add_strided(y, x, *adapters, lora, 3 * i, kLoRAPerAdapter); });
+}
+
 // The layer's norms, in this order: input, post_attention, pre_feedforward, post_feedforward (the last
 // two Gemma's, around the MLP), q, k (per-head QK-norm); the last four may be absent.
 enum Norm : int64_t { kInput, kPostAttention, kPreFeedforward, kPostFeedforward, kQuery, kKey, kNorms };
@@ -104,7 +117,8 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& positions, at::T
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                          const c10::intrusive_ptr<DecoderLayerWeights>& layer, double scale, int64_t window,
-                         double softcap) {
+                         double softcap, const c10::optional<at::Tensor>& lora_adapters,
+                         const c10::List<c10::optional<at::Tensor>>& lora) {
   TORCH_CHECK(h.dim() == 2, "h must be [T, hidden], got ", h.sizes());
   const auto& norms = layer->norms;
   const auto& weights = layer->weights;
@@ -119,10 +133,15 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& positions, at::T
   const auto normalize = [&](const at::Tensor& out, const at::Tensor& x, Norm which) {
     profiled(OP("rms_norm"), [&] { rms_norm(out, x, *norms.get(which), eps, unit_offset); });
   };
+  // projection i of `in` (+ residual), with the adapters' update
+  const auto adapted = [&](const at::Tensor& in, int64_t i, const c10::optional<at::Tensor>& residual) {
+    at::Tensor y = project(in, weights, i, group_sizes[i], residual);
+    adapt(y, in, lora_adapters, lora, i);
+    return y;
+  };
   at::Tensor x = at::empty(h.sizes(), h.options());
   normalize(x, h, kInput);
-  const at::Tensor heads = project(x, weights, 0, group_sizes[0], c10::nullopt)
-                               .view({tokens, num_heads + 2 * num_kv_heads, head_dim});
+  const at::Tensor heads = adapted(x, 0, c10::nullopt).view({tokens, num_heads + 2 * num_kv_heads, head_dim});
   at::Tensor qk = heads.narrow(1, 0, num_heads + num_kv_heads);
   if (norms.get(kQuery).has_value()) {  // each head normed into a fresh tensor, as torch.cat makes one
     const at::Tensor normed = at::empty(qk.sizes(), qk.options());
@@ -144,17 +163,17 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& positions, at::T
   const at::Tensor flat = attended.view({tokens, num_heads * head_dim});
   // act_and_mul(in Wgate_up^T) Wdown^T (+ residual)
   const auto mlp = [&](const at::Tensor& in, const c10::optional<at::Tensor>& residual) {
-    const at::Tensor gate_up = project(in, weights, 2, group_sizes[2], c10::nullopt);
+    const at::Tensor gate_up = adapted(in, 2, c10::nullopt);
     at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
     profiled(OP("act_and_mul"), [&] { act_and_mul(act, gate_up, activation); });
-    return project(act, weights, 3, group_sizes[3], residual);
+    return adapted(act, 3, residual);
   };
   if (!sandwich) {  // the residual adds inside the projections
-    const at::Tensor mid = project(flat, weights, 1, group_sizes[1], h);
+    const at::Tensor mid = adapted(flat, 1, h);
     normalize(x, mid, kPostAttention);
     return mlp(x, mid);
   }
-  normalize(x, project(flat, weights, 1, group_sizes[1], c10::nullopt), kPostAttention);
+  normalize(x, adapted(flat, 1, c10::nullopt), kPostAttention);
   const at::Tensor mid = at::add(h, x);
   normalize(x, mid, kPreFeedforward);
   normalize(x, mlp(x, c10::nullopt), kPostFeedforward);

@@ -29,6 +29,13 @@ bool set_blocks_invariant(bool enabled);
 bool blocks_amx();
 void dequantize_rows(at::Tensor out, const at::Tensor& weight, const c10::optional<at::Tensor>& scales,
                      const c10::optional<at::Tensor>& mins, int64_t group_size, const at::Tensor& ids);
+// y[t] += x[t]'s LoRA update by adapter adapters[t] (-1: none); weights holds (a, b, spans) per adapter,
+// absent where it does not adapt this projection (csrc/lora.cpp).
+void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& adapters,
+              const c10::List<c10::optional<at::Tensor>>& weights);
+// The same with adapter g's three tensors at weights[stride * g + offset ...] (decoder_layer's lists).
+void lora_add_strided(at::Tensor y, const at::Tensor& x, const at::Tensor& adapters,
+                      const c10::List<c10::optional<at::Tensor>>& weights, int64_t offset, int64_t stride);
 // A decoder layer's operands that stay the same from step to step (cpu.CpuDecoderLayer makes one after
 // loading): a step's call passes this one object, not the ~25 tensors and lists whose conversion from
 // Python cost more than the rest of the call's overhead.
@@ -54,6 +61,7 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& positions, at::T
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                          const c10::intrusive_ptr<DecoderLayerWeights>& layer, double scale, int64_t window,
-                         double softcap);
+                         double softcap, const c10::optional<at::Tensor>& lora_adapters,
+                         const c10::List<c10::optional<at::Tensor>>& lora);
 
 }  // namespace pagedllm

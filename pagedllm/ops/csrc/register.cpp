@@ -36,7 +36,8 @@ PAGEDLLM_LIBRARY(PAGEDLLM_NAMESPACE, m) {
       "decoder_layer(Tensor h, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, "
       "__torch__.torch.classes." PAGEDLLM_STRING(PAGEDLLM_NAMESPACE) ".DecoderLayerWeights layer, float scale, "
-      "int window, float softcap) -> Tensor");
+      "int window, float softcap, Tensor? lora_adapters, Tensor?[] lora) -> Tensor");
+  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor adapters, Tensor?[] weights) -> ()");
 }
 
 PAGEDLLM_LIBRARY_IMPL(PAGEDLLM_NAMESPACE, CPU, m) {
@@ -49,5 +50,6 @@ PAGEDLLM_LIBRARY_IMPL(PAGEDLLM_NAMESPACE, CPU, m) {
   m.impl("linear", &pagedllm::linear);
   m.impl("dequantize_rows", &pagedllm::dequantize_rows);
   m.impl("decoder_layer", &pagedllm::decoder_layer);
+  m.impl("lora_add", &pagedllm::lora_add);
 }
 
