@@ -133,7 +133,8 @@ class LoRAModel:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for layer in self.layers.values() for t in layer.operands())
+        """Its A and B (the spans' few integers aside)."""
+        return sum(layer.a.nbytes + layer.b.nbytes for layer in self.layers.values())
 
     def operands(self, linear_name: str) -> tuple[torch.Tensor | None, ...]:
         """ops.lora_add's three operands for the Linear of this name (NOT_ADAPTED if it has no update)."""
