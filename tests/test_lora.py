@@ -102,6 +102,24 @@ def test_a_mixed_batch_equals_each_request_alone(tiny_llama_dir, adapters):
     assert_all_blocks_free(llm)
 
 
+def test_two_ranks_with_adapters_generate_one_rank_s_tokens(tiny_llama_dir, adapters):
+    """Tensor parallelism: each rank holds its rows of B for q / k / v / gate / up and its columns of A for
+    o / down (whose partial updates the all-reduce sums with the base's); a mixed batch of two adapters
+    and the base gets one process's tokens, and the workers learn each adapter from rank 0."""
+    everything, mlp = LoRARequest("all", 1, str(adapters["all"])), LoRARequest("mlp", 2, str(adapters["mlp"]))
+    loras = [everything, None, mlp, everything]
+    settings = dict(enable_prefix_caching=False, max_num_batched_tokens=32)  # prefill chunks beside decodes
+    one = lora_llm(tiny_llama_dir, **settings)
+    expected = tokens(one.generate(PROMPTS, GREEDY, lora_request=loras))
+    two = lora_llm(tiny_llama_dir, tensor_parallel_size=2, **settings)
+    assert tokens(two.generate(PROMPTS, GREEDY, lora_request=loras)) == expected
+    assert tokens(two.generate(PROMPTS[2:3], GREEDY, lora_request=mlp)) == expected[2:3]
+    base = tokens(one.generate([PROMPTS[0], PROMPTS[2]], GREEDY))
+    assert base[0] != expected[0] and base[1] != expected[2]  # both adapters change tokens
+    assert_all_blocks_free(one)
+    assert_all_blocks_free(two)
+
+
 def test_an_adapter_of_fused_projections_beside_one_of_a_single_projection(tmp_path):
     """Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj: an adapter of those spans every
     shard of the fused Linear (each slot's block of rows getting its rows of B); in the same steps as an

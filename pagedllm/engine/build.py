@@ -137,7 +137,7 @@ def make_runner(engine, config: EngineConfig, executor: Executor | None, plan: K
     cache = (allocator.num_total_blocks, allocator.block_size, config.kv_torch_dtype, config.device)
     rest = (plan.num_host_blocks, config.prefault_kv_cache, plan.groups)
     if executor is not None:
-        runner = ParallelModelRunner(executor, engine.model, *cache, *rest)
+        runner = ParallelModelRunner(executor, engine.model, *cache, *rest, loras=engine.loras)
     else:
         runner = ModelRunner(engine.model, *cache, *rest, loras=engine.loras)
     runner.calibrate_key_smoothing(calibration_ids(engine.model.config.vocab_size, engine.max_model_len))

@@ -177,10 +177,6 @@ class EngineConfig:
             raise ValueError(
                 f"max_cpu_loras must be an integer >= max_loras={self.max_loras}, got {self.max_cpu_loras!r}"
             )
-        if self.enable_lora and self.is_parallel:
-            raise ValueError(
-                f"enable_lora with tensor_parallel_size={self.tensor_parallel_size}: LoRA runs on one rank"
-            )
 
     def _check_offload(self) -> None:
         if self.kv_offload_memory is not None:

@@ -4,6 +4,8 @@ At most `max_cpu_loras` adapters stay loaded: loading one more drops the least r
 that no unfinished request holds (one that every loaded adapter's requests hold waits until they finish:
 the LRU goes over its bound meanwhile, and shrinks back as they release). The scheduler runs at most
 `max_loras` adapters in one step (engine/scheduler.py); the runner asks for the step's adapters here.
+Under tensor parallelism every worker rank keeps its own part of each adapter (RankLoRAs), loaded when
+rank 0 first names it.
 """
 
 from __future__ import annotations
@@ -86,3 +88,22 @@ class LoRAManager:
     def step_adapters(self, lora_int_ids: list[int]) -> list[LoRAModel]:
         """The loaded adapters of a step's requests (each held by them, so never evicted)."""
         return [self.loaded[lora_int_id] for lora_int_id in lora_int_ids]
+
+
+class RankLoRAs(LoRAManager):
+    """A tensor-parallel worker rank's adapters: rank 0 names each one (`follow`) before a step runs it;
+    this rank loads its part of it on first use, keeps at most max_cpu_loras, and reloads one its LRU
+    dropped (rank 0's may hold more, for its running requests)."""
+
+    def follow(self, request: LoRARequest) -> None:
+        """Rank 0 runs `request`'s adapter under its id (an id it reused for another adapter is replaced)."""
+        known = self.known.get(request.lora_int_id)
+        if known is not None and known != request:
+            self.remove(request.lora_int_id)
+        self.known[request.lora_int_id] = request
+
+    def step_adapters(self, lora_int_ids: list[int]) -> list[LoRAModel]:
+        adapters = [self.acquire(self.known[lora_int_id]) for lora_int_id in lora_int_ids]
+        for lora_int_id in lora_int_ids:
+            self.release(lora_int_id)
+        return adapters

@@ -112,6 +112,7 @@ class Executor:
             "quantization": config.quantization,
             "max_num_seqs": config.max_num_seqs,
             "max_model_len": config.max_model_len,
+            "lora": [config.max_lora_rank, config.max_cpu_loras] if config.enable_lora else None,
         }
         self.store.set("model", json.dumps(spec))
         threads = threads_per_rank(topo.local_ranks)

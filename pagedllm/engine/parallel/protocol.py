@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import numpy as np
 import torch
 
 from pagedllm.engine.model_runner import StepInputs
+from pagedllm.lora_request import LoRARequest
 from pagedllm.models.parallel import CommStats, TensorParallel
 
-# run a step; exit; gather each rank's CommStats on rank 0; calibrate the key smoothing on the ids that follow
-STEP, STOP, STATS, CALIBRATE = 1, 2, 3, 4
-# op, num_tokens, num_seqs, max_blocks, max_query_len, swap-outs, swap-ins, copies, groups, computes_prompt
-HEADER_LEN = 10
+# run a step; exit; gather each rank's CommStats on rank 0; calibrate the key smoothing on the ids that
+# follow; a LoRA adapter's name, id and folder follow (as JSON, num_tokens bytes)
+STEP, STOP, STATS, CALIBRATE, LORA = 1, 2, 3, 4, 5
+# op, num_tokens, num_seqs, max_blocks, max_query_len, swap-outs, swap-ins, copies, groups, computes_prompt,
+# the step's LoRA adapters
+HEADER_LEN = 11
 
 
 def _sizes(header: list[int]) -> dict[str, int]:
     """The payload's arrays, in order, and the length of each."""
-    _, t, s, b, _, swap_out, swap_in, copies, g, _ = header
+    _, t, s, b, _, swap_out, swap_in, copies, g, _, loras = header
     return {
         "input_ids": t,
         "positions": t,
@@ -28,6 +34,8 @@ def _sizes(header: list[int]) -> dict[str, int]:
         "swap_out": 2 * swap_out,
         "swap_in": 2 * swap_in,
         "copies": 2 * copies,
+        "lora_ids": loras,
+        "token_loras": t if loras else 0,
     }
 
 
@@ -48,9 +56,14 @@ def pack(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
     num_groups, num_seqs, max_blocks = step.block_tables.shape
     moves = (len(step.swap_out), len(step.swap_in), len(step.copies))
     header = [STEP, len(step.input_ids), num_seqs, max_blocks, step.max_query_len, *moves, num_groups]
-    header.append(int(step.computes_prompt))
-    arrays = [getattr(step, name).reshape(-1).astype(np.int64) for name in _sizes(header)]
+    header += [int(step.computes_prompt), len(step.lora_ids)]
+    arrays = [_flat(getattr(step, name)) for name in _sizes(header)]
     return torch.tensor(header, dtype=torch.int64), torch.from_numpy(np.concatenate(arrays))
+
+
+def _flat(array) -> np.ndarray:
+    """A StepInputs array (or list; None: the step has none) as one int64 row."""
+    return np.zeros(0, np.int64) if array is None else np.asarray(array, dtype=np.int64).reshape(-1)
 
 
 def payload_len(header: torch.Tensor) -> int:
@@ -79,4 +92,16 @@ def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepInputs:
         swap_in=arrays["swap_in"].reshape(-1, 2),
         copies=arrays["copies"].reshape(-1, 2),
         computes_prompt=bool(header[9]),
+        lora_ids=arrays["lora_ids"].tolist(),
+        token_loras=arrays["token_loras"] if header[10] else None,
     )
+
+
+def lora_message(request: LoRARequest) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header, payload) naming an adapter to the workers (LORA)."""
+    data = json.dumps(dataclasses.asdict(request)).encode()
+    return op_header(LORA, len(data)), torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def read_lora(payload: torch.Tensor) -> LoRARequest:
+    return LoRARequest(**json.loads(payload.numpy().tobytes()))

@@ -8,6 +8,7 @@ import torch
 from pagedllm.engine.model_runner import ModelRunner, StepInputs
 from pagedllm.engine.parallel import protocol
 from pagedllm.engine.parallel.executor import Executor, WorkerFailure
+from pagedllm.lora_request import LoRARequest
 from pagedllm.models.parallel import CollectiveError
 
 
@@ -19,6 +20,7 @@ class ParallelModelRunner(ModelRunner):
         """ModelRunner's arguments for rank 0's shard; returns once every rank has allocated its cache."""
         super().__init__(*args, **kwargs)
         self.executor = executor
+        self.named: dict[int, LoRARequest] = {}  # the adapters the workers were told of, by id
         executor.start(
             self.num_blocks,
             self.block_size,
@@ -43,9 +45,20 @@ class ParallelModelRunner(ModelRunner):
         if self.executor.failure is not None:
             raise WorkerFailure(self.executor.failure)
         try:
+            self._name_adapters(step.lora_ids)
             header, payload = protocol.pack(step)
             self.executor.tp.broadcast(header)
             self.executor.tp.broadcast(payload)
             return super().execute_step(step)
         except CollectiveError as error:
             raise self.executor.fail(error) from error
+
+    def _name_adapters(self, lora_int_ids: list[int]) -> None:
+        """Tell the workers each of the step's adapters they have not been told of under its id."""
+        for lora_int_id in lora_int_ids:
+            lora = self.loras.loaded[lora_int_id]
+            request = LoRARequest(lora.name, lora.int_id, lora.path)
+            if self.named.get(lora_int_id) != request:
+                for message in protocol.lora_message(request):
+                    self.executor.tp.broadcast(message)
+                self.named[lora_int_id] = request

@@ -20,6 +20,7 @@ import torch
 
 from pagedllm._runtime import threads_per_rank
 from pagedllm.engine.config import DTYPES
+from pagedllm.engine.lora_manager import RankLoRAs
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.parallel import protocol
 from pagedllm.engine.parallel.group import WORKER_TIMEOUT, connect, form_group, reap, spawn_worker
@@ -44,6 +45,7 @@ def run_worker(init_method: str, rank: int, world_size: int, local_rank: int) ->
         dtype = DTYPES[spec["dtype"]]
         settings = {name: spec[name] for name in ("quantization", "max_num_seqs", "max_model_len")}
         model = load_model(spec["model"], dtype, device, tp=tp, **settings).model
+        loras = None if spec["lora"] is None else RankLoRAs(model, *spec["lora"], dtype)
         cache = json.loads(store.get("cache"))
         kv_dtype = getattr(torch, cache["dtype"])  # torch's name of it (Executor.start)
         runner = ModelRunner(
@@ -55,6 +57,7 @@ def run_worker(init_method: str, rank: int, world_size: int, local_rank: int) ->
             cache["num_host_blocks"],
             cache["prefault"],
             KVGroups(**{name: tuple(value) for name, value in cache["groups"].items()}),
+            loras=loras,
         )
     except Exception as error:
         store.set(f"ready/{rank}", f"{type(error).__name__}: {error}")
@@ -79,6 +82,10 @@ def serve_steps(runner: ModelRunner, tp: TensorParallel) -> None:
             input_ids = torch.empty(int(header[1]), dtype=torch.int64)
             tp.broadcast(input_ids)
             runner.calibrate_key_smoothing(input_ids.numpy())
+            continue
+        if header[0] == protocol.LORA:
+            named = tp.broadcast(torch.empty(int(header[1]), dtype=torch.uint8))
+            runner.loras.follow(protocol.read_lora(named))
             continue
         payload = torch.empty(protocol.payload_len(header), dtype=torch.int64)
         tp.broadcast(payload)
