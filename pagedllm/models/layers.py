@@ -184,7 +184,7 @@ class DecoderLayer(nn.Module):
         lora = self.lora_state
         if lora is None or not lora.active:
             return self.fused(h, positions, slot_mapping, args)
-        names = tuple(linear.lora.names[0] for linear in self.projections())
+        names = tuple(linear.lora.name for linear in self.projections())
         return self.fused(h, positions, slot_mapping, args, ops.LoRAOperands(lora.rows, lora.weights(names)))
 
     def forward_ops(

@@ -198,11 +198,11 @@ def _places(model: nn.Module) -> dict[str, _Place]:
             )
             continue
         parent, row = name.rpartition(".")[0], 0
+        parts = {shard: _b_part(module, shard, rows) for shard, rows in module.shards.items()}
         for shard, rows in module.shards.items():
-            places[f"{parent}.{shard}"] = _Place(name, module, row, rows, (_b_part(module, shard, rows),))
+            places[f"{parent}.{shard}"] = _Place(name, module, row, rows, (parts[shard],))
             row += rows
-        shards = tuple(_b_part(module, shard, rows) for shard, rows in module.shards.items())
-        places[name] = _Place(name, module, 0, module.out_features, shards)
+        places[name] = _Place(name, module, 0, module.out_features, tuple(parts.values()))
     return places
 
 
@@ -299,11 +299,11 @@ class LoRATarget:
     """A Linear's tie to its model's LoRAState: adds the step's adapters' updates to its output."""
 
     def __init__(self, state: LoRAState, name: str):
-        self.state, self.names = state, (name,)
+        self.state, self.name = state, name
 
     def add(self, y: torch.Tensor, x: torch.Tensor) -> None:
         if self.state.active:
-            ops.lora_add(y, x, self.state.rows, self.state.weights(self.names))
+            ops.lora_add(y, x, self.state.rows, self.state.weights((self.name,)))
 
 
 def attach_lora(model: nn.Module) -> LoRAState:
