@@ -96,3 +96,17 @@ def kernels(request, monkeypatch):
     turn; the cpu backend's ops (ops/cpu.py) call the selected build too."""
     monkeypatch.setattr(native, "selected_isa", lambda: request.param)
     return native
+
+
+@pytest.fixture
+def int16_activations(monkeypatch):
+    """The GGUF blocks' exact path for a test that holds them to transformers: Q4_K / Q6_K's x rounded to
+    int16, in the engine's steps (PAGEDLLM_GGUF_ACTIVATIONS=int16) and in this thread's own model calls."""
+    from pagedllm.models import quantization
+
+    monkeypatch.setenv(quantization.GGUF_ACTIVATIONS_ENV_VAR, "int16")
+    quantization.gguf_activations.cache_clear()
+    previous = native.set_blocks_int8(False)
+    yield
+    native.set_blocks_int8(previous)
+    quantization.gguf_activations.cache_clear()  # read again once monkeypatch has restored the variable

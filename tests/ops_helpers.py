@@ -1,14 +1,17 @@
-"""Shared by the C++ kernel tests: the int16 rounding of activations the integer matmul path does, written
-independently of the kernels (the `kernels` fixture, one per instruction-set build, is in conftest.py)."""
+"""Shared by the C++ kernel tests: the int16 / int8 rounding of activations the integer matmul paths do,
+written independently of the kernels (the `kernels` fixture, one per instruction-set build, is in
+conftest.py)."""
 
 from __future__ import annotations
 
 import torch
 
+INT16, INT8 = 32767, 127  # the largest code of each rounding of x
 
-def int16_blocks(x: torch.Tensor, size: int = 32) -> torch.Tensor:
-    """x rounded as int16 blocks of `size` columns, scale max |x| / 32767 each (float32 arithmetic)."""
+
+def int_blocks(x: torch.Tensor, size: int = 32, largest: int = INT16) -> torch.Tensor:
+    """x rounded as integer blocks of `size` columns, scale max |x| / `largest` each (float32 arithmetic)."""
     blocks = x.float().reshape(x.shape[0], -1, size)
-    d = blocks.abs().amax(dim=-1, keepdim=True) / 32767
+    d = blocks.abs().amax(dim=-1, keepdim=True) / largest
     inverse = torch.where(d > 0, 1 / d, 0)
     return (torch.round(blocks * inverse) * d).reshape(x.shape)

@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from helpers import assert_all_blocks_free
 from models_helpers import GGUF_TYPES, random_blocks
-from ops_helpers import int16_blocks
+from ops_helpers import INT8, INT16, int_blocks
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models import quantization
@@ -79,10 +79,11 @@ def test_a_rows_bits_are_the_same_in_a_call_of_any_rows(invariant, name, cols, d
         for rows in ROWS[1:]:
             assert torch.equal(first[rows], first[1]), (name, cols, group_size, rows, "first row")
             assert torch.equal(last[rows], last[1]), (name, cols, group_size, rows, "last row")
-    # and the integer path's product: x rounded per row in int16 blocks, times the file's values
-    block = 256 if name in {"Q4_K", "Q6_K"} else 32
+    # and the integer path's product: x rounded per row in integer blocks (the K types' int8 by default),
+    # times the file's values
+    k_type = name in {"Q4_K", "Q6_K"}
     out = invariant.linear(x, data, layout, None, 0, None, None)
-    want = int16_blocks(x.float(), block).double() @ w.T
+    want = int_blocks(x.float(), 256 if k_type else 32, INT8 if k_type else INT16).double() @ w.T
     atol = 2e-6 * (x.double().abs() @ w.abs().T).max().item() + 1e-6
     if dtype == torch.bfloat16:  # the output rounded to bf16
         atol += 2**-8 * want.abs().max().item()

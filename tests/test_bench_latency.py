@@ -83,7 +83,7 @@ def test_quality_int8_stays_within_two_percent_of_float32():
     text = quality.TEXT.read_text()
     bf16_path = native.bf16_matmul_available()
     configs = ["dequantized-f32", "int8", "gguf"] + (["dequantized-bf16"] if bf16_path else [])
-    results = {r.config: r for r in quality.run("smollm2-135m", configs, text, 512, 8)}
+    results = {r.config: r for r in quality.run("smollm2-135m", configs, text, 512, 8)[0]}
     fp32 = results["dequantized-f32"].perplexity
     assert 5 < fp32 < 50
     assert abs(results["int8"].perplexity / fp32 - 1) < 0.02
@@ -109,6 +109,7 @@ def test_quality_of_a_quantized_kv_cache_against_the_float32_cache(capsys):
     assert int8["perplexity"] != float32["perplexity"]
     assert abs(int8["perplexity"] / float32["perplexity"] - 1) < 0.01
     assert float32["greedy_same"] == 8 and float32["greedy_prefix"] == 8.0  # the first row: itself
+    assert float32["kl_divergence"] == 0 and 0 < int8["kl_divergence"] < 0.01
     prefixes = [
         quality.first_difference(a, b) for a, b in zip(int8["tokens"], float32["tokens"], strict=True)
     ]

@@ -205,6 +205,7 @@ COMPONENTS = {
     ("pagedllm.bench.quality", "pagedllm.models.attention"): "runs the engine's model for one long prefill",
     ("pagedllm.bench.quality", "pagedllm.ops"): "that prefill's cache, with the engine's key smoothing",
     ("pagedllm.bench.quality", "pagedllm.models.tokenizer"): "tokenizes the text whose perplexity it takes",
+    ("pagedllm.bench.quality", "pagedllm.models.quantization"): "that prefill on the engine's GGUF path",
     ("pagedllm.bench.profile", "pagedllm.models.linear"): "the GEMM floor multiplies the model's weights",
     ("pagedllm.bench.throughput", "pagedllm.engine.kv_sizing"): "a TP run gets one process's KV blocks",
     ("pagedllm.bench.throughput", "pagedllm.engine.model_cache"): "holds the weights: the runs share a load",

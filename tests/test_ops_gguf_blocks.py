@@ -1,9 +1,10 @@
 """The C++ linear kernel on GGUF blocks as the file stores them (ops/csrc/quants.h), every block type on
 every instruction-set build this CPU runs, against the `gguf` package's dequantizer and float64 matmuls.
 
-x is rounded to int16 blocks (scale max |x| / 32767) and meets the codes in integer arithmetic: in blocks of
-256 for Q4_K and Q6_K (their integer sub-scales) at any number of rows (with the AVX2 builds, below 64), at
-up to 16 rows in blocks of 32 for the other types (more rows multiply their dequantized values in float32);
+x is rounded to integer blocks and meets the codes in integer arithmetic: for Q4_K and Q6_K (their integer
+sub-scales) in int8 blocks of 256 (scale max |x| / 127, llama.cpp's q8_K; int16 where set_blocks_int8 is off)
+at any number of rows (with the AVX2 builds, below 64), for the other types in int16 blocks of 32 (scale
+max |x| / 32767) at up to 16 rows (more rows multiply their dequantized values in float32);
 the reference rounds x the same way, written here independently. From group_size rows on (where set) x and
 W are rounded to bf16: through a whole-weight scratch and oneDNN's GEMM, or on a CPU with AMX through panels
 and brgemm.
@@ -19,7 +20,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from models_helpers import GGUF_TYPES, random_blocks
-from ops_helpers import int16_blocks
+from ops_helpers import INT8, INT16, int_blocks
 
 from pagedllm.models.gguf_quants import GGUFBlocks
 from pagedllm.ops import native
@@ -46,12 +47,13 @@ def k_panels(isa: str, rows: int) -> bool:
     return isa.startswith("avx2") and rows >= NARROW_INTEGER_ROWS
 
 
-def expected(x: torch.Tensor, w: torch.Tensor, name: str, isa: str) -> torch.Tensor:
-    """What the kernels compute, with the many-row paths' gate on (set_blocks_bf16's default)."""
+def expected(x: torch.Tensor, w: torch.Tensor, name: str, isa: str, k_largest: int = INT8) -> torch.Tensor:
+    """What the kernels compute, with the many-row paths' gate on (set_blocks_bf16's default); the K types'
+    x rounded to int8 (set_blocks_int8's default) or, with k_largest INT16, to int16."""
     rows = x.shape[0]
     if name in INTEGER_SCALES and not k_panels(isa, rows):
-        return int16_blocks(x, 256).double() @ w.T
-    return (int16_blocks(x) if rows <= STREAMED_ROWS else x).double() @ w.T
+        return int_blocks(x, 256, k_largest).double() @ w.T
+    return (int_blocks(x) if rows <= STREAMED_ROWS else x).double() @ w.T
 
 
 def tolerance(x: torch.Tensor, w: torch.Tensor) -> float:
@@ -80,6 +82,25 @@ def test_each_block_type_matches_the_reference(kernels, name, cols, rows):
     torch.testing.assert_close(
         out.double(), expected(x, w, name, kernels.selected_isa()), atol=tolerance(x, w), rtol=0
     )
+
+
+@pytest.mark.parametrize("name", sorted(INTEGER_SCALES))
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_integer_scales_round_x_to_int16_where_int8_is_off(kernels, name, rows):
+    """set_blocks_int8(False) (PAGEDLLM_GGUF_ACTIVATIONS=int16): the K types' x in int16 blocks of 256."""
+    data, layout, w = storage([random_blocks(GGMLQuantizationType[name], 37, 768, seed=rows)])
+    x = torch.randn(rows, 768) * torch.logspace(-2, 2, 768)[torch.randperm(768)]
+    assert kernels.set_blocks_int8(False) is True
+    try:
+        out = kernels.linear(x, data, layout)
+    finally:
+        assert kernels.set_blocks_int8(True) is False
+    want = expected(x, w, name, kernels.selected_isa(), INT16)
+    torch.testing.assert_close(out.double(), want, atol=tolerance(x, w), rtol=0)
+    if not k_panels(kernels.selected_isa(), rows):  # int8's rounding is not within that bound: told apart
+        assert not torch.allclose(
+            kernels.linear(x, data, layout).double(), want, atol=tolerance(x, w), rtol=0
+        )
 
 
 @pytest.mark.parametrize("name", sorted(INTEGER_SCALES))
@@ -309,10 +330,10 @@ UNIT = 2.0**-24  # float32's unit roundoff
 WEIGHT_CHUNK = 16384  # weight rows a reference matmul takes at a time (an LM head's float64 is 1.9 GB)
 
 
-def int16_step(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Half an int16 step of each value's block of `block` columns (max |x| / 32767 / 2): the most that
-    rounding x to int16 blocks moves it."""
-    half = x.abs().reshape(len(x), -1, block).amax(dim=-1, keepdim=True) / 32767 / 2
+def rounding_step(x: torch.Tensor, block: int, largest: int) -> torch.Tensor:
+    """Half an integer step of each value's block of `block` columns (max |x| / largest / 2): the most that
+    rounding x to integer blocks moves it."""
+    half = x.abs().reshape(len(x), -1, block).amax(dim=-1, keepdim=True) / largest / 2
     return half.expand(-1, -1, block).reshape(x.shape)
 
 
@@ -321,7 +342,7 @@ def kernel_path(name: str, isa: str, rows: int, group_size: int) -> str:
     if group_size and rows >= group_size:
         return "bf16"
     if name in INTEGER_SCALES:
-        return "float32" if k_panels(isa, rows) else "int16 x 256"
+        return "float32" if k_panels(isa, rows) else "int8 x 256"
     return "int16 x 32" if rows <= STREAMED_ROWS else "float32"
 
 
@@ -355,7 +376,7 @@ class Reference:
     def bound(self, rows: int, path: str) -> torch.Tensor:
         """|kernel - x W^T| at most, elementwise, on `path` (no model of the kernels' own rounding):
         bf16: x and W rounded to bf16 (bf16_tolerance);
-        int16 x B: x rounded to int16 blocks of B columns (int16_step) through |W|, then float32 sums of
+        intN x B: x rounded to intN blocks of B columns (rounding_step) through |W|, then float32 sums of
           one term per 16-value group (cols / 16 deep, + 32 for scales and lane sums), each within
           8 |x||w| of its group (a group's split s sum(u q) + c sum(q) exceeds |x||w| where a min
           cancels the codes: 15 |d| and |m| are each at most 2 max |w|);
@@ -368,7 +389,8 @@ class Reference:
             elif path == "float32":
                 bound = (cols + 32) * UNIT * self._times_w(x.abs(), True)
             else:
-                step = int16_step(x, int(path.split(" x ")[1]))
+                kind, block = path.split(" x ")
+                step = rounding_step(x, int(block), INT8 if kind == "int8" else INT16)
                 bound = self._times_w(step + 8 * (cols // 16 + 32) * UNIT * x.abs(), True)
             self._cache[rows, path] = bound
         return self._cache[rows, path]

@@ -6,7 +6,7 @@ max |x| / 32767 a block): there the reference rounds x the same way, written her
 
 import pytest
 import torch
-from ops_helpers import int16_blocks
+from ops_helpers import int_blocks
 
 from pagedllm.ops import native
 
@@ -64,7 +64,7 @@ def reference(x: torch.Tensor, fmt: str, stored, w: torch.Tensor, mins: torch.Te
     (not the mins) where the integer path runs."""
     group = stored[3]
     if fmt.startswith("int") and x.shape[0] <= 4 and group % 32 == 0:
-        return int16_blocks(x).double() @ (w - mins).T + x.double() @ mins.T
+        return int_blocks(x).double() @ (w - mins).T + x.double() @ mins.T
     return x.double() @ w.T
 
 

@@ -63,3 +63,18 @@ def generate(job: dict) -> tuple[list[dict], PeerEnv]:
     environment: its results, and that environment."""
     env = peer_env()
     return run_script(CHILD, {"mode": "generate", **job}, env, LLAMA_CPP_PYTHON), env
+
+
+def log_probs(gguf: Path, ids: list[int], threads: int, output: Path) -> PeerEnv:
+    """llama_cpp_peer.py's "log_probs" job: llama.cpp's log-probabilities of each next token of `ids` on
+    `gguf`, saved at `output` (numpy), in a child process with its own environment."""
+    env = peer_env()
+    job = {
+        "mode": "log_probs",
+        "model": str(gguf),
+        "threads": threads,
+        "ids": ids,
+        "output_path": str(output),
+    }
+    run_script(CHILD, job, env, LLAMA_CPP_PYTHON)
+    return env

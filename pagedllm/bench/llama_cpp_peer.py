@@ -13,6 +13,9 @@ Reads one JSON job on stdin, writes one JSON result to the job's "result_path":
   {"mode": "quantize", "source": path, "target": path, "ftype": "F32"}    -> {"ok": true}
   {"mode": "generate", "model": path, "threads": n, "n_ctx": n, "prompts": [[ids]], "output_len": n}
       -> [{"ttft_s": s, "token_times_s": [...], "tokens": [...]}, ...]   (times from the prompt's start)
+  {"mode": "log_probs", "model": path, "threads": n, "ids": [ids], "output_path": path}
+      -> {"ok": true}, the float32 log-probabilities of each next token ([len(ids) - 1, vocab]) saved
+      with numpy.save at output_path, from one evaluation of all of ids (logits_all)
   optional in a generate job: "stop_ids": [ids] (a generated one ends the run, kept as its last token),
   "prompt_lookup": {"max_ngram_size": n, "num_pred_tokens": n} (llama-cpp-python's
   LlamaPromptLookupDecoding as the draft model: its prompt-lookup speculative decoding)
@@ -70,11 +73,36 @@ def generate(job: dict) -> list[dict]:
     return results
 
 
+def log_probs(job: dict) -> dict:
+    import numpy as np
+    from llama_cpp import Llama
+
+    ids, threads = job["ids"], job["threads"]
+    llm = Llama(
+        job["model"],
+        n_ctx=len(ids),
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_batch=2048,
+        n_ubatch=512,
+        logits_all=True,
+        verbose=False,
+    )
+    llm.eval(ids)
+    logits = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float64)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    np.save(job["output_path"], logp.astype(np.float32))
+    return {"ok": True}
+
+
 def main() -> int:
     job = json.load(sys.stdin)
-    result = (
-        quantize(job["source"], job["target"], job["ftype"]) if job["mode"] == "quantize" else generate(job)
-    )
+    modes = {
+        "quantize": lambda: quantize(job["source"], job["target"], job["ftype"]),
+        "log_probs": lambda: log_probs(job),
+    }
+    result = modes.get(job["mode"], lambda: generate(job))()
     with open(job["result_path"], "w") as out:
         json.dump(result, out)
     return 0

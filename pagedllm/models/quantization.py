@@ -48,6 +48,11 @@ INT4_GROUP = 32
 # integer path has a many-row kernel (docs/kernels.md, "The numeric contract of GGUF blocks").
 GGUF_PATHS_ENV_VAR = "PAGEDLLM_GGUF_PATHS"
 GGUF_PATHS = ("invariant", "fast")
+# How the integer path rounds x for Q4_K / Q6_K: "int8" (the default), one scale per 256 values as
+# llama.cpp's q8_K, the arithmetic behind every published GGUF perplexity; "int16", 256 times finer, whose
+# greedy tokens follow the float32 weights' (the transformers equality tests pin it).
+GGUF_ACTIVATIONS_ENV_VAR = "PAGEDLLM_GGUF_ACTIVATIONS"
+GGUF_ACTIVATIONS = ("int8", "int16")
 
 
 @functools.cache
@@ -57,6 +62,15 @@ def gguf_paths() -> str:
     if paths not in GGUF_PATHS:
         raise ValueError(f"{GGUF_PATHS_ENV_VAR}={paths!r} is not one of {list(GGUF_PATHS)}")
     return paths
+
+
+@functools.cache
+def gguf_activations() -> str:
+    """$PAGEDLLM_GGUF_ACTIVATIONS (default "int8"), read once a process."""
+    kind = os.environ.get(GGUF_ACTIVATIONS_ENV_VAR, "").strip().lower() or "int8"
+    if kind not in GGUF_ACTIVATIONS:
+        raise ValueError(f"{GGUF_ACTIVATIONS_ENV_VAR}={kind!r} is not one of {list(GGUF_ACTIVATIONS)}")
+    return kind
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -189,27 +203,30 @@ def takes_bf16(computes_prompt: bool, max_query_len: int) -> bool:
 @contextlib.contextmanager
 def bf16_gate(enabled: bool) -> Iterator[None]:
     """Within it, this thread's GGUF layers take their bf16 path at many rows only if `enabled`
-    (takes_bf16), and with "invariant" paths (gguf_paths) their integer path at every row count."""
+    (takes_bf16), with "invariant" paths (gguf_paths) their integer path at every row count, and round x
+    as gguf_activations says."""
     previous = native.set_blocks_bf16(enabled)
     previous_invariant = native.set_blocks_invariant(gguf_paths() == "invariant")
+    previous_int8 = native.set_blocks_int8(gguf_activations() == "int8")
     try:
         yield
     finally:
         native.set_blocks_bf16(previous)
         native.set_blocks_invariant(previous_invariant)
+        native.set_blocks_int8(previous_int8)
 
 
 def gguf_kernels() -> str:
     """The GGUF blocks' paths on this CPU, in words (for the log line of linear_method_for)."""
+    x = f"x as {gguf_activations()} per 256 values for Q4_K / Q6_K, int16 per 32 for the others"
     if gguf_paths() == "invariant":
-        return (
-            "GGUF blocks: integer path at every row count (x as int16 per block of a row: 256 values for "
-            "Q4_K / Q6_K, 32 for the others), batch invariant"
-        )
+        return f"GGUF blocks: integer path at every row count ({x}), batch invariant"
     many = "float32 panels"
     if native.bf16_matmul_available():
         many = "AMX bf16 panels" if native.blocks_amx() else "bf16 oneDNN"
-    return f"GGUF blocks: integer path at few rows, {many} at many (fast: rounding depends on the batch)"
+    return (
+        f"GGUF blocks: integer path at few rows ({x}), {many} at many (fast: rounding depends on the batch)"
+    )
 
 
 @functools.cache

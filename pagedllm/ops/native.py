@@ -204,6 +204,12 @@ def set_blocks_invariant(enabled: bool) -> bool:
     return kernels().set_blocks_invariant(enabled)
 
 
+def set_blocks_int8(enabled: bool) -> bool:
+    """Whether this thread's matmuls on Q4_K / Q6_K blocks round x to int8 on their integer path (one scale
+    per 256 values, llama.cpp's q8_K), else to int16; returns the previous setting (True at start)."""
+    return kernels().set_blocks_int8(enabled)
+
+
 PANEL_COLS = 48  # csrc/linear.cpp kPanelCols
 
 

@@ -817,17 +817,21 @@ void quad_row(const uint8_t* row, const ActivationBlocks& x, int64_t m0, int64_t
 }
 #endif
 
-// Rows of x as int16 with one scale per chunk of 256 values (max |x| / 32767), for the K types' integer
-// sub-scales (quants.h): each chunk's values in quants::chunk_position's order, its scale dx, and each
-// 16-value group's dx * (sum of its codes).
+// Rows of x with one scale per chunk of 256 values, for the K types' integer sub-scales (quants.h): as int8
+// (`bytes`: max |x| / 127, llama.cpp's q8_K) at quants::run_position's places, or as int16 (max |x| / 32767)
+// in quants::chunk_position's order; each chunk's scale dx, and each 16-value group's dx * (sum of its codes).
 struct ChunkActivations {
   int64_t chunks;
-  LineVector<int16_t> q;              // [rows, chunks * 256]
+  bool bytes;
+  LineVector<int16_t> q;              // [rows, chunks * 256], int16 x
+  LineVector<int8_t> q8;              // [rows, chunks * 256], int8 x
   LineVector<float> scale, code_sum;  // [rows, chunks], [rows, chunks * 16]
 
-  ChunkActivations(const float* x, int64_t rows, int64_t cols)
+  ChunkActivations(const float* x, int64_t rows, int64_t cols, bool bytes_)
       : chunks(cols / quants::kChunkValues),
-        q(rows * cols),
+        bytes(bytes_),
+        q(bytes_ ? 0 : rows * cols),
+        q8(bytes_ ? rows * cols : 0),
         scale(rows * chunks),
         code_sum(rows * chunks * quants::kGroups) {
     constexpr int kValues = quants::kChunkValues, kVectors = kValues / VecF::kWidth;
@@ -837,6 +841,7 @@ struct ChunkActivations {
       for (int i = 0; i < kValues; ++i) p[i] = quants::chunk_position(i);
       return p;
     }();
+    const float largest = bytes ? 127.f : 32767.f;
     at::parallel_for(0, rows * chunks, 64, [&](int64_t begin, int64_t end) {
     alignas(64) int16_t codes[kValues];
     for (int64_t c = begin; c < end; ++c) {
@@ -846,7 +851,7 @@ struct ChunkActivations {
         const VecF v = VecF::load(src + j * VecF::kWidth);
         amax = max(amax, max(v, VecF::zero() - v));
       }
-      const float d = reduce_max(amax) / 32767.f;
+      const float d = reduce_max(amax) / largest;
       const VecF inverse = VecF::set1(d > 0.f ? 1.f / d : 0.f);
       float* sums = code_sum.data() + c * quants::kGroups;
       for (int g = 0; g < quants::kGroups; ++g) sums[g] = 0.f;
@@ -856,14 +861,23 @@ struct ChunkActivations {
         sums[j / kPerGroup] += reduce_add(r);  // exact: integers below 2^24
       }
       for (int g = 0; g < quants::kGroups; ++g) sums[g] *= d;
-      int16_t* out = q.data() + c * kValues;
-      for (int i = 0; i < kValues; ++i) out[position[i]] = codes[i];
+      if (bytes) {
+        int8_t* out = q8.data() + c * kValues;
+        for (int r = 0; r < kValues / 32; ++r)
+          for (int l = 0; l < 32; ++l) out[quants::run_position(r) + l] = static_cast<int8_t>(codes[32 * r + l]);
+      } else {
+        int16_t* out = q.data() + c * kValues;
+        for (int i = 0; i < kValues; ++i) out[position[i]] = codes[i];
+      }
       scale[c] = d;
     }
     });
   }
   const int16_t* vector(int64_t m, int64_t k, int v) const {
     return q.data() + (m * chunks + k) * quants::kChunkValues + v * quants::kUnitValues;
+  }
+  const int8_t* byte_vector(int64_t m, int64_t k, int v) const {
+    return q8.data() + (m * chunks + k) * quants::kChunkValues + v * quants::kUnitValues;
   }
   float scale_of(int64_t m, int64_t k) const { return scale[m * chunks + k]; }
   VecF sums(int64_t m, int64_t k, int j) const {
@@ -872,12 +886,14 @@ struct ChunkActivations {
 };
 
 // sums[0 .. MR] += x rows m0 .. m0 + MR . chunks [k0, k1) of one weight row of a K type with integer
-// sub-scales (quants.h), prefetching as blocks_row does: a code vector's scaled products are made once and
-// meet every row of x; each row sums in two int32 chains (the even bytes' products and the odd ones').
-template <typename T, int MR>
+// sub-scales (quants.h), prefetching as blocks_row does: a code vector's scaled products (int16 x) or its
+// scales as 16-bit lanes (int8 x: kBytes) are made once and meet every row of x; each row sums in two int32
+// chains (int16 x: the even bytes' products and the odd ones'; int8 x: even and odd vectors).
+template <typename T, int MR, bool kBytes>
 void integer_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0, int64_t k0, int64_t k1,
                        float* sums, int64_t ahead) {
   using namespace quants;
+  constexpr int kWindow = kBytes ? kChunkVectors : T::kWindow;
   VecF acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = VecF::zero();
   const ScaleIndex& index = T::scale_index();
@@ -890,17 +906,23 @@ void integer_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0
       dd[i] = VecF::set1(chunk.d * x.scale_of(m0 + i, k));
       for (int j = 0; j < kGroupVectors; ++j) acc[i] = fmadd(chunk.offsets[j], x.sums(m0 + i, k, j), acc[i]);
     }
-    for (int w = 0; w < kChunkVectors; w += T::kWindow) {
+    for (int w = 0; w < kChunkVectors; w += kWindow) {
       VecI dots[MR][2];
       for (int i = 0; i < MR; ++i) dots[i][0] = dots[i][1] = zero_int();
-      for (int v = w; v < w + T::kWindow; ++v) {
+      for (int v = w; v < w + kWindow; ++v) {
         const VecB codes = T::integer_codes(p, v);
         const VecB even = select_bytes(chunk.scales, index.bytes[v]);
-        const VecI e = byte_products(codes, even), o = byte_products(codes, to_odd_bytes(even));
-        for (int i = 0; i < MR; ++i) {
-          const int16_t* xv = x.vector(m0 + i, k, v);
-          dots[i][0] = add_products(dots[i][0], e, xv);
-          dots[i][1] = add_products(dots[i][1], o, xv + kUnitValues / 2);
+        if constexpr (kBytes) {
+          const VecI scales = scale_words<T::kSignedScales>(even);
+          for (int i = 0; i < MR; ++i)
+            dots[i][v % 2] = add_byte_products(dots[i][v % 2], codes, x.byte_vector(m0 + i, k, v), scales);
+        } else {
+          const VecI e = byte_products(codes, even), o = byte_products(codes, to_odd_bytes(even));
+          for (int i = 0; i < MR; ++i) {
+            const int16_t* xv = x.vector(m0 + i, k, v);
+            dots[i][0] = add_products(dots[i][0], e, xv);
+            dots[i][1] = add_products(dots[i][1], o, xv + kUnitValues / 2);
+          }
         }
       }
       for (int i = 0; i < MR; ++i) acc[i] = fmadd(VecF::from_int(add_int(dots[i][0], dots[i][1])), dd[i], acc[i]);
@@ -955,6 +977,9 @@ thread_local bool blocks_bf16 = true;
 // per row, integer dot products, each row's float sums in an order no other row changes (span_ends), so that
 // a row's output bits do not depend on the rows beside it.
 thread_local bool blocks_invariant = false;
+// Whether this thread's K types round x to int8 on their integer path (llama.cpp's class of arithmetic, the
+// default: set_blocks_int8, models/quantization.py gguf_activations), else to int16.
+thread_local bool blocks_int8 = true;
 
 void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const float* x, int64_t m_rows,
                    const Epilogue& out) {
@@ -987,7 +1012,7 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
     const int64_t runs = (m_rows + x_rows - 1) / x_rows;
     // each form of x only where a shard reads it
     const ActivationBlocks qx(x, float_scales ? m_rows : 0, cols, dots, quads);
-    const ChunkActivations cx(x, integer_scales ? m_rows : 0, cols);
+    const ChunkActivations cx(x, integer_scales ? m_rows : 0, cols, blocks_int8);
     const int64_t chunks = (cols + quants::kChunkValues - 1) / quants::kChunkValues;
     // spans of x, kRowGroup rows at a time, so that the span stays in L1 while the panel's rows pass (a
     // whole row of x, 18 KB at 8,960 columns, was read from L2 from two rows of x on); the panel's rows
@@ -1032,7 +1057,11 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
                   // Q8_0's rows took 1.5x as long (docs/JOURNAL.md, session 11)
                   float row_sum[R] = {};
                   if constexpr (T::kIntegerScales) {
-                    integer_chunk_row<T, R>(row, cx, m0, k0, k1, row_sum, ahead);
+                    if (cx.bytes) {
+                      integer_chunk_row<T, R, true>(row, cx, m0, k0, k1, row_sum, ahead);
+                    } else {
+                      integer_chunk_row<T, R, false>(row, cx, m0, k0, k1, row_sum, ahead);
+                    }
                   } else if constexpr (T::kSigned) {
                     blocks_row_apart<T, R>(row, qx, m0, k0, k1, row_sum, ahead);
                   } else {
@@ -1392,6 +1421,12 @@ bool set_blocks_bf16(bool enabled) {
 bool set_blocks_invariant(bool enabled) {
   const bool previous = blocks_invariant;
   blocks_invariant = enabled;
+  return previous;
+}
+
+bool set_blocks_int8(bool enabled) {
+  const bool previous = blocks_int8;
+  blocks_int8 = enabled;
   return previous;
 }
 

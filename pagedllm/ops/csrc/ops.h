@@ -26,6 +26,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 // previous setting.
 bool set_blocks_bf16(bool enabled);
 bool set_blocks_invariant(bool enabled);
+bool set_blocks_int8(bool enabled);
 bool blocks_amx();
 void dequantize_rows(at::Tensor out, const at::Tensor& weight, const c10::optional<at::Tensor>& scales,
                      const c10::optional<at::Tensor>& mins, int64_t group_size, const at::Tensor& ids);

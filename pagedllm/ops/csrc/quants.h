@@ -147,6 +147,19 @@ inline VecI add_products(VecI acc, VecI a, const int16_t* x) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(a, _mm512_loadu_si512(x)));
 #endif
 }
+// int8 x: the even bytes' scales as 16-bit lanes (select_bytes zeroed the odd bytes: signed scales are
+// sign-extended, unsigned ones already are the lanes), and a vector of codes against 64 int8 values of x
+// (neighbours' products summed in a 16-bit lane) times those scales, into int32 lanes.
+template <bool kSigned>
+inline VecI scale_words(VecB even) { return kSigned ? _mm512_srai_epi16(_mm512_slli_epi16(even, 8), 8) : even; }
+inline VecI add_byte_products(VecI acc, VecB codes, const int8_t* x, VecI scales) {
+  const __m512i pairs = _mm512_maddubs_epi16(codes, _mm512_loadu_si512(x));
+#if defined(PAGEDLLM_VNNI)
+  return _mm512_dpwssd_epi32(acc, pairs, scales);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, scales));
+#endif
+}
 inline VecI add_int(VecI a, VecI b) { return _mm512_add_epi32(a, b); }
 inline VecI zero_int() { return _mm512_setzero_si512(); }
 inline VecB broadcast_bytes(__m128i bytes) { return _mm512_broadcast_i32x4(bytes); }
@@ -227,15 +240,25 @@ inline VecI add_products(VecI acc, VecI a, const int16_t* x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, xv));
 #endif
 }
+template <bool kSigned>
+inline VecI scale_words(VecB even) { return kSigned ? _mm256_srai_epi16(_mm256_slli_epi16(even, 8), 8) : even; }
+inline VecI add_byte_products(VecI acc, VecB codes, const int8_t* x, VecI scales) {
+  const __m256i pairs = _mm256_maddubs_epi16(codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+#if defined(PAGEDLLM_VNNI)
+  return _mm256_dpwssd_avx_epi32(acc, pairs, scales);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scales));
+#endif
+}
 inline VecI add_int(VecI a, VecI b) { return _mm256_add_epi32(a, b); }
 inline VecI zero_int() { return _mm256_setzero_si256(); }
 inline VecB broadcast_bytes(__m128i bytes) { return _mm256_broadcastsi128_si256(bytes); }
 
 #endif
 
-// K super-blocks with integer sub-scales (Q4_K and Q6_K on few rows of x). x is rounded to int16 with
-// one scale dx per chunk of 256 values, so a super-block's sum is an integer dot product and one float
-// multiply-add:
+// K super-blocks with integer sub-scales (Q4_K and Q6_K on few rows of x). x is rounded to int8 (the
+// default: llama.cpp's q8_K, max |x| / 127) or int16 (max |x| / 32767) with one scale dx per chunk of 256
+// values, so a super-block's sum is an integer dot product and one float multiply-add:
 //   x . w = d dx sum_i sc(i) u_i q_i  +  sum_g c_g dx sum_{i in g} q_i
 // with sc(i) the integer sub-scale of value i's group (Q4_K's 6-bit scale, Q6_K's int8), d the
 // super-block's float16 scale and c_g the group's offset (the c above: Q4_K's -dmin m, Q6_K's -32 d sc).
@@ -244,7 +267,9 @@ inline VecB broadcast_bytes(__m128i bytes) { return _mm256_broadcastsi128_si256(
 // those meet x in 16-bit multiply-adds summed in int32 lanes. A chunk is kChunkVectors vectors of codes,
 // in an order of values each type reads cheaply (vector_sub_block); a type's kWindow vectors are summed in
 // int32 before the float multiply-add: as many as cannot overflow (|q| <= 32767, |sc u| <= kMaxProduct,
-// each vector adds 4 products to a lane).
+// each vector adds 4 products to a lane). int8 x takes half the instructions: a vector of codes meets x
+// in one vpmaddubsw (neighbours' u q summed in a 16-bit lane) and its sub-scales, widened to 16 bits, in
+// one 16-bit multiply-add, the whole chunk in one int32 chain (run_position: where x's bytes sit).
 constexpr int kChunkVectors = kChunkValues / kUnitValues;
 
 constexpr int window_vectors(int max_product) {
@@ -271,6 +296,18 @@ constexpr int chunk_position(int i) {
 #endif
   return v * kUnitValues + b % 2 * (kUnitValues / 2) + b / 2;
 }
+// Where the 32-value run r (a sub-block) of a chunk sits in x's int8 codes: byte b of code vector v holds
+// value b % 32 of sub-block vector_sub_block(v, b), and meets x's byte at the same place (vpmaddubsw).
+constexpr int run_position(int r) {
+#if defined(PAGEDLLM_AVX512)
+  return (2 * (r / 4) + r % 2) * kUnitValues + 32 * (r % 4 / 2);
+#else
+  return r * kUnitValues;
+#endif
+}
+// With int8 x a chunk's vectors sum in one int32 chain: each adds at most 2 products of 2 x 63 x 127
+// (a pair of codes times x, Q6_K's largest) times 128 (|sc|) to a lane.
+static_assert(int64_t{kChunkVectors} * 2 * (2 * 63 * 127) * 128 < INT32_MAX, "int8 x's chunk sum may overflow");
 // For each code vector, which byte of the broadcast scales each even byte takes (bit 7 set in the odd
 // bytes: zero). kPerSubBlock scales a sub-block: 1 (Q4_K's per 32 values) or 2 (Q6_K's per 16).
 struct ScaleIndex {
@@ -472,7 +509,7 @@ inline VecB k_nibbles(const uint8_t* qs, int u) {
 
 struct Q4_K {
   static constexpr int kType = 12, kBlockValues = 256, kBlockBytes = 144;
-  static constexpr bool kSigned = false, kIntegerScales = true;
+  static constexpr bool kSigned = false, kIntegerScales = true, kSignedScales = false;
   static constexpr int kWindow = window_vectors(15 * 63);
   static void scales(const uint8_t* p, int, VecF* s, VecF* c) { k_scales(p, s, c); }
   static VecB codes(const uint8_t* p, int u, int) { return k_nibbles(p + 16, u); }
@@ -521,7 +558,7 @@ struct Q5_K {
 // bits 0-1, 2-3, 4-5, 6-7 of qh[l] on top; scales int8 at byte 192, d at 208.
 struct Q6_K {
   static constexpr int kType = 14, kBlockValues = 256, kBlockBytes = 210;
-  static constexpr bool kSigned = false, kIntegerScales = true;
+  static constexpr bool kSigned = false, kIntegerScales = true, kSignedScales = true;
   static constexpr int kWindow = window_vectors(63 * 128);
   static void scales(const uint8_t* p, int, VecF* s, VecF* c) {
     bytes_as_floats<true>(load16(p + 192), s);

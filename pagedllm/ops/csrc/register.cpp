@@ -25,6 +25,7 @@ PAGEDLLM_LIBRARY(PAGEDLLM_NAMESPACE, m) {
       "Tensor? residual) -> Tensor");
   m.def("set_blocks_bf16(bool enabled) -> bool", &pagedllm::set_blocks_bf16);
   m.def("set_blocks_invariant(bool enabled) -> bool", &pagedllm::set_blocks_invariant);
+  m.def("set_blocks_int8(bool enabled) -> bool", &pagedllm::set_blocks_int8);
   m.def("blocks_amx() -> bool", &pagedllm::blocks_amx);
   m.def(
       "dequantize_rows(Tensor(a!) out, Tensor weight, Tensor? scales, Tensor? mins, int group_size, "
