@@ -89,10 +89,12 @@ def log_probs(job: dict) -> dict:
         verbose=False,
     )
     llm.eval(ids)
-    logits = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float64)
-    shifted = logits - logits.max(axis=1, keepdims=True)
-    logp = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-    np.save(job["output_path"], logp.astype(np.float32))
+    logp = np.empty((len(ids) - 1, llm.n_vocab()), dtype=np.float32)
+    for start in range(0, len(logp), 256):  # float64 a few rows at a time (a 150k vocabulary: 1.2 MB a row)
+        logits = np.asarray(llm.scores[start : min(start + 256, len(logp))], dtype=np.float64)
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        logp[start : start + len(logits)] = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    np.save(job["output_path"], logp)
     return {"ok": True}
 
 

@@ -23,6 +23,7 @@ round differently between the AVX2 and AVX-512 kernels).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import sys
@@ -246,6 +247,7 @@ def run(
             result.kl_divergence = mean_kl(reference, logp)
             results.append(result)
             del logp
+            gc.collect()  # the config's engine, before the next one loads its weights
     compare(results)
     peers = llama_cpp_quality(llama_cpp, ids, reference) if llama_cpp is not None else []
     return results, peers
