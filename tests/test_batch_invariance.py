@@ -130,6 +130,23 @@ def test_the_paths_setting_is_checked(monkeypatch):
     assert not quantization.takes_bf16(computes_prompt=True, max_query_len=200)
 
 
+def test_the_activations_setting_is_checked_and_names_the_rounding(monkeypatch):
+    monkeypatch.setenv(quantization.GGUF_ACTIVATIONS_ENV_VAR, "int4")
+    quantization.gguf_activations.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="PAGEDLLM_GGUF_ACTIVATIONS='int4' is not one of"):
+            quantization.gguf_activations()
+        monkeypatch.setenv(quantization.GGUF_ACTIVATIONS_ENV_VAR, "INT16")
+        quantization.gguf_activations.cache_clear()
+        assert quantization.gguf_activations() == "int16"
+        assert "x as int16 per 256" in quantization.gguf_kernels()
+        monkeypatch.delenv(quantization.GGUF_ACTIVATIONS_ENV_VAR)
+        quantization.gguf_activations.cache_clear()
+        assert quantization.gguf_activations() == "int8"  # the default
+    finally:
+        quantization.gguf_activations.cache_clear()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def invariant_paths():
     """This module's engines run PAGEDLLM_GGUF_PATHS=invariant (the default is "fast"); the rest of the

@@ -55,22 +55,24 @@ GGUF_ACTIVATIONS_ENV_VAR = "PAGEDLLM_GGUF_ACTIVATIONS"
 GGUF_ACTIVATIONS = ("int8", "int16")
 
 
+def _choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """$name, lower-cased (`default` where unset), or a ValueError naming it where it is not in choices."""
+    value = os.environ.get(name, "").strip().lower() or default
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {list(choices)}")
+    return value
+
+
 @functools.cache
 def gguf_paths() -> str:
     """$PAGEDLLM_GGUF_PATHS (default "fast"), read once a process."""
-    paths = os.environ.get(GGUF_PATHS_ENV_VAR, "").strip().lower() or "fast"
-    if paths not in GGUF_PATHS:
-        raise ValueError(f"{GGUF_PATHS_ENV_VAR}={paths!r} is not one of {list(GGUF_PATHS)}")
-    return paths
+    return _choice(GGUF_PATHS_ENV_VAR, GGUF_PATHS, "fast")
 
 
 @functools.cache
 def gguf_activations() -> str:
     """$PAGEDLLM_GGUF_ACTIVATIONS (default "int8"), read once a process."""
-    kind = os.environ.get(GGUF_ACTIVATIONS_ENV_VAR, "").strip().lower() or "int8"
-    if kind not in GGUF_ACTIVATIONS:
-        raise ValueError(f"{GGUF_ACTIVATIONS_ENV_VAR}={kind!r} is not one of {list(GGUF_ACTIVATIONS)}")
-    return kind
+    return _choice(GGUF_ACTIVATIONS_ENV_VAR, GGUF_ACTIVATIONS, "int8")
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
