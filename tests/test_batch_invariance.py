@@ -130,6 +130,30 @@ def test_the_paths_setting_is_checked(monkeypatch):
     assert not quantization.takes_bf16(computes_prompt=True, max_query_len=200)
 
 
+def test_int16_activations_are_applied_where_no_many_row_path_needs_the_gate(monkeypatch):
+    """On a CPU without bf16 matmuls and with AVX-512 no GGUF layer has a many-row path to gate, yet
+    PAGEDLLM_GGUF_ACTIVATIONS=int16 must still reach the kernels each step (through bf16_gate)."""
+    from pagedllm.models.loader import load_model
+
+    monkeypatch.setattr(quantization.native, "bf16_matmul_available", lambda: False)
+    monkeypatch.setattr(quantization.native, "avx512_selected", lambda: True)
+    monkeypatch.setenv(quantization.GGUF_PATHS_ENV_VAR, "fast")
+    quantization.gguf_paths.cache_clear()
+    model = load_model("smollm2-135m").model
+    try:
+        monkeypatch.setenv(quantization.GGUF_ACTIVATIONS_ENV_VAR, "int8")
+        quantization.gguf_activations.cache_clear()
+        assert not quantization.gates_many_rows(model)  # nothing to gate: no call per step
+        monkeypatch.setenv(quantization.GGUF_ACTIVATIONS_ENV_VAR, "int16")
+        quantization.gguf_activations.cache_clear()
+        assert quantization.gates_many_rows(model)
+    finally:
+        monkeypatch.setenv(quantization.GGUF_PATHS_ENV_VAR, "invariant")  # as the module's fixture left it
+        quantization.gguf_paths.cache_clear()
+        monkeypatch.delenv(quantization.GGUF_ACTIVATIONS_ENV_VAR)
+        quantization.gguf_activations.cache_clear()
+
+
 def test_the_activations_setting_is_checked_and_names_the_rounding(monkeypatch):
     monkeypatch.setenv(quantization.GGUF_ACTIVATIONS_ENV_VAR, "int4")
     quantization.gguf_activations.cache_clear()

@@ -177,13 +177,15 @@ class GGUFLinear(KernelLinear):
 
 
 def gates_many_rows(model: torch.nn.Module) -> bool:
-    """Whether a GGUF layer of `model` has a many-row path whose sums for a row change with the rows beside
-    it, which the runner then gates per step (bf16_gate, takes_bf16): with "invariant" paths every GGUF
-    layer (the 32-value types' float panels); with "fast" the bf16 path (GGUFLinear.bf16_rows), or with the
-    AVX2 kernels the K types' float panels (csrc/linear.cpp kNarrowIntegerRows)."""
+    """Whether the runner must set its thread's GGUF settings per step (bf16_gate, takes_bf16): where a GGUF
+    layer of `model` has a many-row path whose sums for a row change with the rows beside it (with
+    "invariant" paths every GGUF layer: the 32-value types' float panels; with "fast" the bf16 path,
+    GGUFLinear.bf16_rows, or with the AVX2 kernels the K types' float panels, csrc/linear.cpp
+    kNarrowIntegerRows), or where x is rounded otherwise than the kernels' default (gguf_activations
+    int16)."""
     layers = [m for m in model.modules() if isinstance(getattr(m, "method", None), GGUFLinear)]
     blocks = [m for m in layers if m.stored.format == "gguf"]
-    if gguf_paths() == "invariant":
+    if gguf_paths() == "invariant" or gguf_activations() != "int8":
         return bool(blocks)
     narrow = not native.avx512_selected()
     return any(m.stored.group_size > 0 or narrow for m in blocks)
