@@ -131,12 +131,12 @@ def test_the_paths_setting_is_checked(monkeypatch):
 
 
 def test_int16_activations_are_applied_where_no_many_row_path_needs_the_gate(monkeypatch):
-    """On a CPU without bf16 matmuls and with AVX-512 no GGUF layer has a many-row path to gate, yet
-    PAGEDLLM_GGUF_ACTIVATIONS=int16 must still reach the kernels each step (through bf16_gate)."""
+    """On a CPU without bf16 matmuls no GGUF layer has a many-row path to gate with int8 x (the AVX2 builds
+    included: their K types' float panels are taken with int16 x only), yet PAGEDLLM_GGUF_ACTIVATIONS=int16
+    must still reach the kernels each step (through bf16_gate)."""
     from pagedllm.models.loader import load_model
 
     monkeypatch.setattr(quantization.native, "bf16_matmul_available", lambda: False)
-    monkeypatch.setattr(quantization.native, "avx512_selected", lambda: True)
     monkeypatch.setenv(quantization.GGUF_PATHS_ENV_VAR, "fast")
     quantization.gguf_paths.cache_clear()
     model = load_model("smollm2-135m").model

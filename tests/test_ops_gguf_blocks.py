@@ -39,19 +39,20 @@ def storage(parts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 STREAMED_ROWS = 16  # linear.cpp's kBlockStreamRows
 INTEGER_SCALES = {"Q4_K", "Q6_K"}  # quants.h's kIntegerScales
-NARROW_INTEGER_ROWS = 64  # linear.cpp's kNarrowIntegerRows: from here AVX2 builds' K types take float panels
+NARROW_INTEGER_ROWS = 64  # linear.cpp's kNarrowIntegerRows: AVX2's K types on int16 x take float panels
 
 
-def k_panels(isa: str, rows: int) -> bool:
-    """Whether Q4_K / Q6_K take the float panels at `rows` rows, the many-row paths' gate on."""
-    return isa.startswith("avx2") and rows >= NARROW_INTEGER_ROWS
+def k_panels(isa: str, rows: int, largest: int = INT8) -> bool:
+    """Whether Q4_K / Q6_K take the float panels at `rows` rows, the many-row paths' gate on: with AVX2 and
+    int16 x only (int8 x takes the integer path at any row count on every build)."""
+    return largest == INT16 and isa.startswith("avx2") and rows >= NARROW_INTEGER_ROWS
 
 
 def expected(x: torch.Tensor, w: torch.Tensor, name: str, isa: str, k_largest: int = INT8) -> torch.Tensor:
     """What the kernels compute, with the many-row paths' gate on (set_blocks_bf16's default); the K types'
     x rounded to int8 (set_blocks_int8's default) or, with k_largest INT16, to int16."""
     rows = x.shape[0]
-    if name in INTEGER_SCALES and not k_panels(isa, rows):
+    if name in INTEGER_SCALES and not k_panels(isa, rows, k_largest):
         return int_blocks(x, 256, k_largest).double() @ w.T
     return (int_blocks(x) if rows <= STREAMED_ROWS else x).double() @ w.T
 
@@ -97,16 +98,15 @@ def test_integer_scales_round_x_to_int16_where_int8_is_off(kernels, name, rows):
         assert kernels.set_blocks_int8(True) is False
     want = expected(x, w, name, kernels.selected_isa(), INT16)
     torch.testing.assert_close(out.double(), want, atol=tolerance(x, w), rtol=0)
-    if not k_panels(kernels.selected_isa(), rows):  # int8's rounding is not within that bound: told apart
-        assert not torch.allclose(
-            kernels.linear(x, data, layout).double(), want, atol=tolerance(x, w), rtol=0
-        )
+    # int8's rounding (the integer path at any row count) is not within that bound: told apart
+    assert not torch.allclose(kernels.linear(x, data, layout).double(), want, atol=tolerance(x, w), rtol=0)
 
 
 @pytest.mark.parametrize("name", sorted(INTEGER_SCALES))
 def test_integer_scales_give_a_row_the_same_bits_in_any_batch(kernels, name):
-    """With the many-row paths' gate off, as the model runner sets it for a step of decode rows; on, the
-    AVX2 builds' K types take the float panels from NARROW_INTEGER_ROWS rows (the reference test)."""
+    """With the many-row paths' gate off, as the model runner sets it for a step of decode rows, and on
+    with int8 x (the default: the integer path at any row count on every build; with int16 x the AVX2
+    builds' K types take the float panels from NARROW_INTEGER_ROWS rows, the reference test)."""
     data, layout, _ = storage([random_blocks(GGMLQuantizationType[name], 40, 2304)])
     x = torch.randn(300, 2304)
     previous = kernels.set_blocks_bf16(False)

@@ -180,25 +180,24 @@ def gates_many_rows(model: torch.nn.Module) -> bool:
     """Whether the runner must set its thread's GGUF settings per step (bf16_gate, takes_bf16): where a GGUF
     layer of `model` has a many-row path whose sums for a row change with the rows beside it (with
     "invariant" paths every GGUF layer: the 32-value types' float panels; with "fast" the bf16 path,
-    GGUFLinear.bf16_rows, or with the AVX2 kernels the K types' float panels, csrc/linear.cpp
-    kNarrowIntegerRows), or where x is rounded otherwise than the kernels' default (gguf_activations
-    int16)."""
+    GGUFLinear.bf16_rows), or where x is rounded otherwise than the kernels' default (gguf_activations
+    int16, which with the AVX2 kernels also takes the K types' float panels, csrc/linear.cpp
+    kNarrowIntegerRows)."""
     layers = [m for m in model.modules() if isinstance(getattr(m, "method", None), GGUFLinear)]
     blocks = [m for m in layers if m.stored.format == "gguf"]
     if gguf_paths() == "invariant" or gguf_activations() != "int8":
         return bool(blocks)
-    narrow = not native.avx512_selected()
-    return any(m.stored.group_size > 0 or narrow for m in blocks)
+    return any(m.stored.group_size > 0 for m in blocks)
 
 
 def takes_bf16(computes_prompt: bool, max_query_len: int) -> bool:
-    """Whether a step's GGUF layers may take their bf16 path (with AVX2, their K types' float panels) at many
-    rows: never with "invariant" paths (gguf_paths); with "fast", a step that computes prompt tokens (a
-    prefill, or a chunk of one beside decodes); on AMX (native.blocks_amx) also a decode step of one row a
-    sequence, where the panels cost a batch less than the integer path from as many rows as a prompt's call
-    (docs/JOURNAL.md, "GGUF blocks on AMX"). Never a step of decode rows with drafts: speculation's verify
-    passes keep the blocks' integer path, so that its greedy tokens are those a sequence decoded alone (or
-    in a batch below AMX_ROWS) gets."""
+    """Whether a step's GGUF layers may take their bf16 path (with AVX2 and int16 x, their K types' float
+    panels) at many rows: never with "invariant" paths (gguf_paths); with "fast", a step that computes prompt
+    tokens (a prefill, or a chunk of one beside decodes); on AMX (native.blocks_amx) also a decode step of one
+    row a sequence, where the panels cost a batch less than the integer path from as many rows as a prompt's
+    call (docs/JOURNAL.md, "GGUF blocks on AMX"). Never a step of decode rows with drafts: speculation's
+    verify passes keep the blocks' integer path, so that its greedy tokens are those a sequence decoded alone
+    (or in a batch below AMX_ROWS) gets."""
     if gguf_paths() == "invariant":
         return False
     return computes_prompt or (max_query_len == 1 and native.blocks_amx())

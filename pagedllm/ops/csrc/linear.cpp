@@ -51,8 +51,8 @@ constexpr int kRowGroup = 4;
 constexpr int64_t kSpanChunks = 8;       // chunks of 256 columns of x those rows take in turn
 constexpr int64_t kRowsAhead = 4;        // weight rows ahead whose span's bytes are prefetched
 constexpr int64_t kWholeRows = 2;        // up to this many rows of x, the 32-value types walk whole weight rows
-constexpr int64_t kIntegerChunkRows = 128;  // rows of x in one work item of K types' integer path at more rows
-constexpr int64_t kNarrowIntegerRows = 64;  // from this many rows of x, K types on AVX2 take the float panels
+constexpr int64_t kIntegerChunkRows = 128;  // rows of int16 x in one work item of the integer path at more rows (int8: twice)
+constexpr int64_t kNarrowIntegerRows = 64;  // from this many rows of int16 x, K types on AVX2 take the float panels
 constexpr int64_t kTaskWork = 1 << 17;   // multiply-adds a parallel task should have (a spinning thread starts in ~1 us)
 
 // A std::vector whose data starts on a 64-byte cache line. The quantized rows of x below are read a
@@ -579,9 +579,9 @@ void panel_matmul(const float* packed, int64_t n_rows, int64_t cols, const float
 // shards one after another (q, k and v of a fused projection may differ in type), with `scales` an
 // int64 [shards, 2] tensor of each shard's (rows, ggml type). x is rounded to int16 once a call, shared
 // by every shard, and meets the codes, unpacked in registers, in integer multiply-adds:
-//   Q4_K and Q6_K, at any number of rows (with AVX2, below kNarrowIntegerRows; from there as the other
-//     types at more rows, below): x in blocks of 256 (ChunkActivations), each super-block one integer dot
-//     product with its integer sub-scales (quants.h, "integer sub-scales");
+//   Q4_K and Q6_K, at any number of rows (with AVX2 and int16 x, below kNarrowIntegerRows; from there as
+//     the other types at more rows, below): x in blocks of 256 (ChunkActivations), each super-block one
+//     integer dot product with its integer sub-scales (quants.h, "integer sub-scales");
 //   the other types, up to kBlockStreamRows rows: x in blocks of 32 (ActivationBlocks), as for int8 /
 //     int4 codes above; per 16-value group g,
 //       x . w = sum_g d_x(g) (s_w(g) sum_i u_i q_i + c_w(g) sum_i q_i)
@@ -887,13 +887,17 @@ struct ChunkActivations {
 
 // sums[0 .. MR] += x rows m0 .. m0 + MR . chunks [k0, k1) of one weight row of a K type with integer
 // sub-scales (quants.h), prefetching as blocks_row does: a code vector's scaled products (int16 x) or its
-// scales as 16-bit lanes (int8 x: kBytes) are made once and meet every row of x; each row sums in two int32
-// chains (int16 x: the even bytes' products and the odd ones'; int8 x: even and odd vectors).
+// scales as 16-bit lanes (int8 x: kBytes) are made once and meet every row of x. int16 x: each row sums in
+// two int32 chains (the even bytes' products and the odd ones'). int8 x: one chain a row, two at one row (a
+// VNNI multiply-add's latency), and each row's d dx made where it is used: with AVX2's 16 registers, two
+// chains and a held d dx for each of 4 rows spilled the sums to the stack on every vector, and the 4-row
+// tiles of a prefill ran at a third of the float panels' rate (docs/JOURNAL.md, session 19).
 template <typename T, int MR, bool kBytes>
 void integer_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0, int64_t k0, int64_t k1,
                        float* sums, int64_t ahead) {
   using namespace quants;
   constexpr int kWindow = kBytes ? kChunkVectors : T::kWindow;
+  constexpr int kChains = kBytes && MR > 1 ? 1 : 2;
   VecF acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = VecF::zero();
   const ScaleIndex& index = T::scale_index();
@@ -901,21 +905,19 @@ void integer_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0
     const uint8_t* p = row + k * T::kBlockBytes;
     prefetch_chunk<T>(p + ahead);
     const IntegerChunk chunk = T::integer_chunk(p);
-    VecF dd[MR];
-    for (int i = 0; i < MR; ++i) {
-      dd[i] = VecF::set1(chunk.d * x.scale_of(m0 + i, k));
+    for (int i = 0; i < MR; ++i)
       for (int j = 0; j < kGroupVectors; ++j) acc[i] = fmadd(chunk.offsets[j], x.sums(m0 + i, k, j), acc[i]);
-    }
     for (int w = 0; w < kChunkVectors; w += kWindow) {
-      VecI dots[MR][2];
-      for (int i = 0; i < MR; ++i) dots[i][0] = dots[i][1] = zero_int();
+      VecI dots[MR][kChains];
+      for (int i = 0; i < MR; ++i)
+        for (int c = 0; c < kChains; ++c) dots[i][c] = zero_int();
       for (int v = w; v < w + kWindow; ++v) {
         const VecB codes = T::integer_codes(p, v);
         const VecB even = select_bytes(chunk.scales, index.bytes[v]);
         if constexpr (kBytes) {
           const VecI scales = scale_words<T::kSignedScales>(even);
           for (int i = 0; i < MR; ++i)
-            dots[i][v % 2] = add_byte_products(dots[i][v % 2], codes, x.byte_vector(m0 + i, k, v), scales);
+            dots[i][v % kChains] = add_byte_products(dots[i][v % kChains], codes, x.byte_vector(m0 + i, k, v), scales);
         } else {
           const VecI e = byte_products(codes, even), o = byte_products(codes, to_odd_bytes(even));
           for (int i = 0; i < MR; ++i) {
@@ -925,7 +927,10 @@ void integer_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0
           }
         }
       }
-      for (int i = 0; i < MR; ++i) acc[i] = fmadd(VecF::from_int(add_int(dots[i][0], dots[i][1])), dd[i], acc[i]);
+      for (int i = 0; i < MR; ++i) {
+        const VecI total = kChains == 1 ? dots[i][0] : add_int(dots[i][0], dots[i][kChains - 1]);
+        acc[i] = fmadd(VecF::from_int(total), VecF::set1(chunk.d * x.scale_of(m0 + i, k)), acc[i]);
+      }
     }
     if (span_ends(k, k1)) {
       for (int i = 0; i < MR; ++i) {
@@ -968,8 +973,8 @@ void dequantize_panel(const BlockShard& shard, const ShardPanel& p, int64_t cols
 }
 
 // Whether this thread's GGUF calls may take the many-row paths whose sums for a row change with the rows
-// beside it: bf16 (bf16_blocks_linear, vnni_blocks_linear, below) and, with AVX2, the K types' float
-// panels. The calling thread may switch it off (set_blocks_bf16: the model runner does, for a step that
+// beside it: bf16 (bf16_blocks_linear, vnni_blocks_linear, below) and, with AVX2 and int16 x, the K types'
+// float panels. The calling thread may switch it off (set_blocks_bf16: the model runner does, for a step that
 // computes no prompt tokens), so that decode rows keep the blocks' integer path however many there are.
 thread_local bool blocks_bf16 = true;
 // Whether this thread's GGUF calls take the blocks' integer path at every row count, whatever group_size
@@ -998,17 +1003,20 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
   }
   const bool float_scales = dots || quads;
   // K types with integer sub-scales take it at any number of rows with AVX-512 (faster than the float
-  // panels below at every batch measured: docs/JOURNAL.md); with AVX2's 8 lanes below kNarrowIntegerRows,
-  // or where blocks_bf16 is off (there the float panels' 4 x 24 tiles ran the 1.5B's 200-row prefill
+  // panels below at every batch measured: docs/JOURNAL.md) and with int8 x on AVX2 too (1.0-1.2x the float
+  // panels' speed at 64-256 rows: session 19); with int16 x on AVX2's 8 lanes below kNarrowIntegerRows, or
+  // where blocks_bf16 is off (there the float panels' 4 x 24 tiles ran the 1.5B's 200-row prefill
   // projections in 3.6-3.9 s against 5.7-6.3, and 64 rows about even: session 12); the other types up to
   // kBlockStreamRows
-  const bool k_panels = VecF::kWidth == 8 && blocks_bf16 && !out.bf16 && m_rows >= kNarrowIntegerRows;
+  const bool k_panels = VecF::kWidth == 8 && !blocks_int8 && blocks_bf16 && !out.bf16 && m_rows >= kNarrowIntegerRows;
   if (blocks_invariant || m_rows <= kBlockStreamRows || (!float_scales && !k_panels)) {
-    // items: kIntegerChunkRows rows of x (all of them, if few) by a panel of weight rows, panel after panel
-    // over one run of x
+    // items: kIntegerChunkRows rows of x (all of them, if few; twice as many of the K types' int8 x, the same
+    // bytes a span: 128 rows ran a 200-row call in two runs at 0.8x the float panels' speed, one run of 200
+    // at 1.2x) by a panel of weight rows, panel after panel over one run of x
     const std::vector<ShardPanel> panels = shard_panels(shards, kPanelRows);
     const auto items = static_cast<int64_t>(panels.size());
-    const int64_t x_rows = std::min(m_rows, m_rows <= kBlockStreamRows ? kBlockStreamRows : kIntegerChunkRows);
+    const int64_t run_rows = float_scales || !blocks_int8 ? kIntegerChunkRows : 2 * kIntegerChunkRows;
+    const int64_t x_rows = std::min(m_rows, m_rows <= kBlockStreamRows ? kBlockStreamRows : run_rows);
     const int64_t runs = (m_rows + x_rows - 1) / x_rows;
     // each form of x only where a shard reads it
     const ActivationBlocks qx(x, float_scales ? m_rows : 0, cols, dots, quads);
