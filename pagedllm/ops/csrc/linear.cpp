@@ -888,16 +888,20 @@ struct ChunkActivations {
 // sums[0 .. MR] += x rows m0 .. m0 + MR . chunks [k0, k1) of one weight row of a K type with integer
 // sub-scales (quants.h), prefetching as blocks_row does: a code vector's scaled products (int16 x) or its
 // scales as 16-bit lanes (int8 x: kBytes) are made once and meet every row of x. int16 x: each row sums in
-// two int32 chains (the even bytes' products and the odd ones'). int8 x: one chain a row, two at one row (a
-// VNNI multiply-add's latency), and each row's d dx made where it is used: with AVX2's 16 registers, two
-// chains and a held d dx for each of 4 rows spilled the sums to the stack on every vector, and the 4-row
-// tiles of a prefill ran at a third of the float panels' rate (docs/JOURNAL.md, session 19).
+// two int32 chains (the even bytes' products and the odd ones'). int8 x: two chains a row where the sum is a
+// VNNI multiply-add (its latency) or there is one row, else one (an add's latency); each row's d dx made where
+// it is used: with AVX2's 16 registers, two chains and a held d dx for each of 4 rows spilled the sums to the
+// stack on every vector, and a prefill's 4-row tiles ran at 0.65x the float panels' rate (JOURNAL, session 19).
 template <typename T, int MR, bool kBytes>
 void integer_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0, int64_t k0, int64_t k1,
                        float* sums, int64_t ahead) {
   using namespace quants;
   constexpr int kWindow = kBytes ? kChunkVectors : T::kWindow;
+#if defined(PAGEDLLM_VNNI)
+  constexpr int kChains = 2;
+#else
   constexpr int kChains = kBytes && MR > 1 ? 1 : 2;
+#endif
   VecF acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = VecF::zero();
   const ScaleIndex& index = T::scale_index();
