@@ -51,7 +51,7 @@ constexpr int kRowGroup = 4;
 constexpr int64_t kSpanChunks = 8;       // chunks of 256 columns of x those rows take in turn
 constexpr int64_t kRowsAhead = 4;        // weight rows ahead whose span's bytes are prefetched
 constexpr int64_t kWholeRows = 2;        // up to this many rows of x, the 32-value types walk whole weight rows
-constexpr int64_t kIntegerChunkRows = 128;  // rows of int16 x in one work item of the integer path at more rows (int8: twice)
+constexpr int64_t kIntegerChunkRows = 128;  // rows of int16 x (int8: twice) a work item of the integer path takes
 constexpr int64_t kNarrowIntegerRows = 64;  // from this many rows of int16 x, K types on AVX2 take the float panels
 constexpr int64_t kTaskWork = 1 << 17;   // multiply-adds a parallel task should have (a spinning thread starts in ~1 us)
 
@@ -577,12 +577,13 @@ void panel_matmul(const float* packed, int64_t n_rows, int64_t cols, const float
 
 // GGUF's blocks as the file stores them (quants.h): weight uint8 [bytes], the rows of one or more
 // shards one after another (q, k and v of a fused projection may differ in type), with `scales` an
-// int64 [shards, 2] tensor of each shard's (rows, ggml type). x is rounded to int16 once a call, shared
-// by every shard, and meets the codes, unpacked in registers, in integer multiply-adds:
+// int64 [shards, 2] tensor of each shard's (rows, ggml type). x is rounded once a call, shared by every
+// shard, and meets the codes, unpacked in registers, in integer multiply-adds:
 //   Q4_K and Q6_K, at any number of rows (with AVX2 and int16 x, below kNarrowIntegerRows; from there as
-//     the other types at more rows, below): x in blocks of 256 (ChunkActivations), each super-block one
-//     integer dot product with its integer sub-scales (quants.h, "integer sub-scales");
-//   the other types, up to kBlockStreamRows rows: x in blocks of 32 (ActivationBlocks), as for int8 /
+//     the other types at more rows, below): x in int8 (blocks_int8, the default) or int16 blocks of 256
+//     (ChunkActivations), each super-block one integer dot product with its integer sub-scales (quants.h,
+//     "integer sub-scales");
+//   the other types, up to kBlockStreamRows rows: x in int16 blocks of 32 (ActivationBlocks), as for int8 /
 //     int4 codes above; per 16-value group g,
 //       x . w = sum_g d_x(g) (s_w(g) sum_i u_i q_i + c_w(g) sum_i q_i)
 //     (quants.h's s, c). More rows: each thread dequantizes a panel of weight rows once into a float32
