@@ -933,7 +933,8 @@ void integer_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0
         }
       }
       for (int i = 0; i < MR; ++i) {
-        const VecI total = kChains == 1 ? dots[i][0] : add_int(dots[i][0], dots[i][kChains - 1]);
+        VecI total = dots[i][0];
+        for (int c = 1; c < kChains; ++c) total = add_int(total, dots[i][c]);
         acc[i] = fmadd(VecF::from_int(total), VecF::set1(chunk.d * x.scale_of(m0 + i, k)), acc[i]);
       }
     }
