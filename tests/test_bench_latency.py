@@ -48,14 +48,49 @@ def test_latency_table_and_errors(capsys):
         "int4",
         "--kv-cache-dtype",
         "bfloat16",
+        "int8",
     ]
     assert latency.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split()[:4] == ["system", "weights", "MiB", "prompt"]
-    cells = lines[2].split()
-    assert cells[:2] == ["pagedllm", "int4"] and cells[3] == "12" and cells[-1] == "4"  # same as itself
+    cells = lines[2].split()  # a run per K/V dtype, named by it
+    assert cells[:3] == ["pagedllm", "int4", "bfloat16"] and cells[4] == "12" and cells[-1] == "4"
+    assert ", K/V bfloat16; linear int4: " in lines[3]
+    assert lines[4].split()[:3] == ["pagedllm", "int4", "int8"] and ", K/V int8; " in lines[5]
     with pytest.raises(SystemExit):
         latency.main(["--output-len", "2"])
+
+
+def test_llama_cpp_settings_are_every_combination_llama_cpp_runs():
+    """A quantized V cache needs llama.cpp's flash attention: q8_0 without it is left out, and alone it
+    is a parser error (before anything loads)."""
+    args = latency.build_parser().parse_args(
+        [
+            "--llama-cpp-types",
+            "file",
+            "--llama-cpp-cache-types",
+            "f16",
+            "q8_0",
+            "--llama-cpp-flash-attn",
+            "off",
+            "on",
+        ]
+    )
+    assert latency.peer_settings(args) == [
+        latency.PeerSettings("file", "f16", False),
+        latency.PeerSettings("file", "f16", True),
+        latency.PeerSettings("file", "q8_0", True),
+    ]
+    args.llama_cpp_cache_types = ["q8_0"]
+    args.llama_cpp_flash_attn = ["off"]
+    assert latency.peer_settings(args) == []
+
+
+def test_a_q8_0_cache_alone_is_refused_before_anything_loads(capsys):
+    argv = ["--llama-cpp-cache-types", "q8_0", "--llama-cpp-flash-attn", "off", "--llama-cpp"]
+    with pytest.raises(SystemExit):
+        latency.main(argv)
+    assert "--llama-cpp-cache-types q8_0 needs --llama-cpp-flash-attn on" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is not None, reason="llama-cpp-python is installed")

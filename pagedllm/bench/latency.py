@@ -9,8 +9,10 @@ token prompts. Each peer runs in its own process with its own environment (bench
 what it is. `--llama-cpp` adds llama-cpp-python (llama.cpp's library under its Python generate loop,
 when importable; never a pagedllm dependency) on the same GGUF file: `--llama-cpp-types file F32` runs
 the file as shipped and an F32 copy of it (the same weights as pagedllm's float32, made once with
-llama_model_quantize and cached), with the same thread count, llama-bench's batch defaults and its
-float16 K/V cache (`--kv-cache-dtype bfloat16` gives pagedllm's cache the same size). `--llama-bench PATH`
+llama_model_quantize and cached), with the same thread count and llama-bench's batch defaults;
+`--llama-cpp-cache-types` and `--llama-cpp-flash-attn` pick its K/V type (float16 by default: the bytes of
+pagedllm's `--kv-cache-dtype bfloat16`; pagedllm runs once per K/V dtype given too) and flash attention,
+a run per combination. `--llama-bench PATH`
 times llama.cpp itself with its C++ benchmark binary (bench/llama_bench.py): prompt processing (pp) per
 prompt length and generation (tg) tokens/s. Printed: a row per system and prompt length and what ran
 (pagedllm: attention backend, CPU build, linear method per weight type, threads; a peer: its process
@@ -83,7 +85,12 @@ def timed_request(engine, request_id: str, prompt: list[int], params) -> Run:
 
 
 def run_pagedllm(
-    args, quantization: str, prompts: list[list[int]], warmup: list[int], rates: MachineRates | None
+    args,
+    quantization: str,
+    kv_dtype: str,
+    prompts: list[list[int]],
+    warmup: list[int],
+    rates: MachineRates | None,
 ) -> System:
     """pagedllm's runs of the prompts, one at a time; with `rates` (--profile), then decode steps after
     the first prompt, op by op."""
@@ -95,7 +102,7 @@ def run_pagedllm(
         dtype=args.dtype,
         quantization=quantization,
         kv_cache_memory=args.kv_cache_memory,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=kv_dtype,
         max_model_len=max(len(p) for p in [*prompts, warmup]) + args.output_len + room,
         max_num_seqs=1,
         **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}),
@@ -111,7 +118,7 @@ def run_pagedllm(
         profile = step_breakdown(ops, rates, engine.config.torch_dtype, unprofiled_step_s=itl)
     assert engine.stats().kv_all_free, "KV blocks leaked"
     info = engine.run_info()
-    name = f"pagedllm {info.linear_method}"
+    name = f"pagedllm {info.linear_method}" + (f" {info.kv_dtype}" if len(args.kv_cache_dtype) > 1 else "")
     return System(name, info.weight_bytes / 2**20, runs, info.describe(), profile)
 
 
@@ -122,9 +129,32 @@ def _gaps(stamps: list[float]) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
-def run_llama_cpp(args, gguf: Path, gguf_type: str, prompts: list[list[int]], warmup: list[int]) -> System:
-    """llama-cpp-python's generate loop on the file (or its copy in `gguf_type`), in its own process."""
-    path = llama_cpp.file_in_type(gguf, gguf_type)
+@dataclass(frozen=True)
+class PeerSettings:
+    """One llama-cpp-python configuration: the file's type, its K/V type, its flash attention."""
+
+    gguf_type: str  # a --llama-cpp-types entry
+    cache_type: str  # llama.cpp's name: f16, bf16, f32, q8_0
+    flash_attn: bool
+
+
+def peer_settings(args) -> list[PeerSettings]:
+    """Every combination of the --llama-cpp-* lists that llama.cpp can run: a quantized V cache needs
+    its flash attention."""
+    return [
+        PeerSettings(t, c, fa == "on")
+        for t in args.llama_cpp_types
+        for c in args.llama_cpp_cache_types
+        for fa in args.llama_cpp_flash_attn
+        if fa == "on" or not c.startswith("q")
+    ]
+
+
+def run_llama_cpp(
+    args, gguf: Path, peer: PeerSettings, prompts: list[list[int]], warmup: list[int]
+) -> System:
+    """llama-cpp-python's generate loop on the file (or its copy in another type), in its own process."""
+    path = llama_cpp.file_in_type(gguf, peer.gguf_type)
     job = {
         "model": str(path),
         "threads": torch.get_num_threads(),
@@ -132,14 +162,23 @@ def run_llama_cpp(args, gguf: Path, gguf_type: str, prompts: list[list[int]], wa
         "prompts": prompts,
         "warmup": warmup,
         "output_len": args.output_len,
+        "cache_type": peer.cache_type,
+        "flash_attn": peer.flash_attn,
     }
     results, env = llama_cpp.generate(job)
     runs = []
     for prompt, result in zip(prompts, results, strict=True):
         stamps = result["token_times_s"]
         runs.append(Run(len(prompt), result["ttft_s"], _gaps(stamps), result["tokens"]))
-    label = llama_cpp.main_type(gguf) if gguf_type == "file" else gguf_type
-    ran = f"{job['threads']} threads, n_batch 2048, n_ubatch 512, float16 K/V; {env.describe()}"
+    label = llama_cpp.main_type(gguf) if peer.gguf_type == "file" else peer.gguf_type
+    if len(args.llama_cpp_cache_types) > 1:
+        label += f" {peer.cache_type}"
+    if len(args.llama_cpp_flash_attn) > 1:
+        label += " fa" if peer.flash_attn else " no-fa"
+    ran = (
+        f"{job['threads']} threads, n_batch 2048, n_ubatch 512, K/V {peer.cache_type}, flash attention "
+        f"{'on' if peer.flash_attn else 'off'}; {env.describe()}"
+    )
     return System(f"{llama_cpp.LLAMA_CPP_PYTHON} {label}", path.stat().st_size / 2**20, runs, ran)
 
 
@@ -188,8 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-len", type=int, default=128)
     flags.add_kv_cache_memory(parser, "512MiB")
     flags.add_kv_cache_dtype(
-        parser,
-        help="pagedllm's K/V storage (auto: the model's dtype); llama.cpp keeps its default, float16 K/V",
+        parser, default=["auto"], many=True, help="pagedllm's K/V storage (auto: the model's dtype)"
     )
     parser.add_argument(
         "--max-num-batched-tokens",
@@ -206,6 +244,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=["F32", "file"],
         help="GGUF types llama-cpp-python runs: 'file' = the model file as shipped, else a llama_ftype name "
         "(F32, F16, Q8_0, ...) converted from it once",
+    )
+    parser.add_argument(
+        "--llama-cpp-cache-types",
+        nargs="+",
+        default=["f16"],
+        choices=["f32", "f16", "bf16", "q8_0"],
+        help="llama-cpp-python's K/V types (llama.cpp's --cache-type-k/-v names; f16 is its default, the "
+        "bytes of pagedllm's bfloat16; q8_0 about those of its int8), a run each",
+    )
+    parser.add_argument(
+        "--llama-cpp-flash-attn",
+        nargs="+",
+        default=["off"],
+        choices=["off", "on"],
+        help="llama-cpp-python's flash attention, a run each (off: llama-cpp-python's default; llama.cpp's "
+        "own tools resolve theirs to on for the CPU); a q8_0 cache runs only with on",
     )
     parser.add_argument(
         "--llama-bench",
@@ -235,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     flags.apply_threads(args)
     from pagedllm.models.loader import read_config, resolve_checkpoint
 
+    peers = peer_settings(args)
+    if args.llama_cpp and not peers:
+        parser.error("--llama-cpp-cache-types q8_0 needs --llama-cpp-flash-attn on (llama.cpp's rule)")
     gguf = llama_cpp.gguf_of(parser, args.model, "--llama-cpp") if args.llama_cpp else None
     if args.llama_bench is not None:
         gguf = llama_cpp.gguf_of(parser, args.model, "--llama-bench", python=False)
@@ -244,9 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(args.prompt_lens, vocab, args.seed)
     warmup = make_prompts([16], vocab, args.seed + 1)[0]
     rates = MachineRates.measure() if args.profile else None
-    systems = [run_pagedllm(args, q, prompts, warmup, rates) for q in args.quantization]
+    systems = [
+        run_pagedllm(args, q, kv, prompts, warmup, rates)
+        for q in args.quantization
+        for kv in args.kv_cache_dtype
+    ]
     if args.llama_cpp:
-        systems += [run_llama_cpp(args, gguf, t, prompts, warmup) for t in args.llama_cpp_types]
+        systems += [run_llama_cpp(args, gguf, peer, prompts, warmup) for peer in peers]
     bench_env = peer_env()
     llama_bench_results = []
     if args.llama_bench is not None:

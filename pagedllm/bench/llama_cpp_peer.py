@@ -11,14 +11,18 @@ environment leaves out).
 
 Reads one JSON job on stdin, writes one JSON result to the job's "result_path":
   {"mode": "quantize", "source": path, "target": path, "ftype": "F32"}    -> {"ok": true}
-  {"mode": "generate", "model": path, "threads": n, "n_ctx": n, "prompts": [[ids]], "output_len": n}
+  {"mode": "generate", "model": path, "threads": n, "n_ctx": n, "prompts": [[ids]], "output_len": n,
+   "flash_attn": bool, "cache_type": "f16"}
       -> [{"ttft_s": s, "token_times_s": [...], "tokens": [...]}, ...]   (times from the prompt's start)
   {"mode": "log_probs", "model": path, "threads": n, "ids": [ids], "output_path": path}
       -> {"ok": true}, the float32 log-probabilities of each next token ([len(ids) - 1, vocab]) saved
       with numpy.save at output_path, from one evaluation of all of ids (logits_all)
   optional in a generate job: "stop_ids": [ids] (a generated one ends the run, kept as its last token),
   "prompt_lookup": {"max_ngram_size": n, "num_pred_tokens": n} (llama-cpp-python's
-  LlamaPromptLookupDecoding as the draft model: its prompt-lookup speculative decoding)
+  LlamaPromptLookupDecoding as the draft model: its prompt-lookup speculative decoding). "cache_type" is
+  llama.cpp's name of the K/V type (f16, bf16, f32, q8_0: its --cache-type-k/-v); "flash_attn" its
+  flash attention (llama-cpp-python turns it off unless asked; llama.cpp's own tools resolve their default,
+  auto, to on for the CPU). Both default as llama-cpp-python's do: f16, off.
 """
 
 from __future__ import annotations
@@ -42,12 +46,14 @@ def quantize(source: str, target: str, ftype: str) -> dict:
 
 
 def generate(job: dict) -> list[dict]:
+    import llama_cpp
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     threads = job["threads"]
     lookup = job.get("prompt_lookup")
     stop_ids = set(job.get("stop_ids", ()))
+    cache_type = getattr(llama_cpp, f"GGML_TYPE_{job.get('cache_type', 'f16').upper()}")
     llm = Llama(
         job["model"],
         n_ctx=job["n_ctx"],
@@ -55,6 +61,9 @@ def generate(job: dict) -> list[dict]:
         n_threads_batch=threads,
         n_batch=2048,  # llama-bench's defaults
         n_ubatch=512,
+        flash_attn=job.get("flash_attn", False),
+        type_k=cache_type,
+        type_v=cache_type,
         draft_model=LlamaPromptLookupDecoding(**lookup) if lookup else None,
         verbose=False,
     )

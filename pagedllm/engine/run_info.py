@@ -1,6 +1,6 @@
 """What an engine actually runs, read once for the benchmarks' rows: the model's sizes, the KV cache's
-geometry, the attention backend, the CPU kernels' instruction-set build, the linear method of each weight
-type and the thread count (`LLMEngine.run_info()`)."""
+geometry and dtype, the attention backend, the CPU kernels' instruction-set build, the linear method of
+each weight type and the thread count (`LLMEngine.run_info()`)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ class RunInfo:
     weight_bytes: int  # the weights as stored
     num_kv_blocks: int
     kv_cache_bytes: int
+    kv_dtype: str  # what K/V are stored in: float32, bfloat16, int8, float8_e4m3fn
     block_size: int
     attention_backend: str  # ops.BACKENDS' name serving the model's dtype on its device
     cpu_isa: str | None  # the C++ kernels' build (avx512, avx2_vnni, ...); None: not built / not a CPU
@@ -39,8 +40,8 @@ class RunInfo:
         isa = f" ({self.cpu_isa})" if self.cpu_isa else ""
         kinds = ", ".join(f"{kind} x{n}" for kind, n in self.weight_kinds.items())
         return (
-            f"attention {self.attention_backend}{isa}; linear {self.linear_method}: {kinds}; "
-            f"{self.threads} threads"
+            f"attention {self.attention_backend}{isa}, K/V {self.kv_dtype}; "
+            f"linear {self.linear_method}: {kinds}; {self.threads} threads"
         )
 
 
@@ -61,6 +62,7 @@ def read_run_info(engine) -> RunInfo:
         weight_bytes=engine.weight_bytes,
         num_kv_blocks=engine.num_kv_blocks,
         kv_cache_bytes=engine.kv_cache_bytes,
+        kv_dtype=str(config.kv_torch_dtype).removeprefix("torch."),
         block_size=config.block_size,
         attention_backend=ops.get_backend_name(device, config.torch_dtype),
         cpu_isa=isa,
