@@ -57,6 +57,9 @@ DECODE = {
     "gqa6-d128-bf16-cache": Case(12, 2, 128, 16, (9, 42, 17, 203), kv_dtype=torch.bfloat16, head_major=True),
     "gqa4-d256": Case(4, 1, 256, 16, (9, 42, 203)),  # Gemma 3's heads: 16 vectors with AVX-512, 32 with AVX2
     "fp32-q-bf16-cache": Case(6, 2, 64, 16, (9, 40, 17, 64), kv_dtype=torch.bfloat16, head_major=True),
+    # float16 K/V (llama.cpp's default cache) under float32 queries, widened in registers as bf16 is
+    "fp32-q-fp16-cache": Case(6, 2, 64, 16, (9, 40, 17, 64), kv_dtype=torch.float16, head_major=True),
+    "gqa6-d128-fp16-cache-window": Case(12, 2, 128, 16, (9, 42, 203), window=32, kv_dtype=torch.float16),
     "head-major-bf16-window": Case(
         4, 2, 64, 16, (70, 3, 33), window=16, dtype=torch.bfloat16, head_major=True
     ),
@@ -65,6 +68,7 @@ DECODE = {
     "one-long-row": Case(9, 3, 64, 16, (3000,), head_major=True),
     "one-long-row-window": Case(4, 1, 64, 16, (2500,), window=1100),
     "one-long-row-bf16": Case(6, 2, 64, 16, (2100,), dtype=torch.bfloat16, head_major=True),
+    "one-long-row-fp16-cache": Case(6, 2, 64, 16, (2100,), kv_dtype=torch.float16, head_major=True),
     "short-row-then-split-row": Case(4, 1, 64, 16, (100, 2000)),  # only the second row is split
     "long-row-among-short": Case(12, 4, 64, 16, (40, 90, 25, 60, 70, 1800), head_major=True),
     # quantized caches, read in place: the same blocks the reference dequantizes
@@ -95,6 +99,7 @@ PREFILL = {
     "bf16-window": Case(8, 2, 16, 4, (40, 24), (17, 24), window=8, dtype=torch.bfloat16),
     "head-major-mixed": Case(9, 3, 16, 8, (30, 40, 9, 4, 21), (1, 19, 1, 4, 0), head_major=True),
     "fp32-q-bf16-cache": Case(6, 2, 32, 8, (30, 40, 9), (1, 19, 9), kv_dtype=torch.bfloat16),
+    "fp32-q-fp16-cache": Case(6, 2, 32, 8, (30, 40, 9), (1, 19, 9), kv_dtype=torch.float16),
     # the cpu kernel's prefill tiles (16 query rows x the GQA group, scores kept transposed): whole and
     # partial tiles and blocks, groups whose rows fill no whole vector, head sizes with a partial vector
     "tiles-gqa3-d64": Case(9, 3, 64, 16, (70, 37, 300), (70, 21, 300), head_major=True),
@@ -104,6 +109,9 @@ PREFILL = {
     "tiles-bf16-d64": Case(9, 3, 64, 16, (70, 130), (70, 100), dtype=torch.bfloat16, head_major=True),
     "tiles-fp32-q-bf16-cache": Case(
         9, 3, 64, 16, (70, 37), (70, 20), kv_dtype=torch.bfloat16, head_major=True
+    ),
+    "tiles-fp32-q-fp16-cache": Case(
+        9, 3, 64, 16, (70, 37, 300), (70, 20, 300), kv_dtype=torch.float16, head_major=True
     ),
     "int8-tiles-gqa3-d64": Case(9, 3, 64, 16, (70, 37, 300), (70, 21, 300), kv_dtype=INT8, head_major=True),
     "int8-mixed-window": Case(4, 2, 16, 4, (40, 10, 33), (20, 3, 1), window=8, kv_dtype=INT8),
@@ -327,21 +335,32 @@ def test_contiguous_layout_is_block_size_one(backend):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype, cache_dtype",
+    [
+        (torch.float32, None),
+        (torch.bfloat16, None),
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float16),
+    ],
+    ids=["fp32", "bf16", "fp32-to-bf16", "fp32-to-fp16"],
+)
 @pytest.mark.parametrize("head_major", [False, True], ids=["slot-major", "head-major"])
-def test_write_kv_matches_reference(backend, dtype, head_major):
+def test_write_kv_matches_reference(backend, dtype, cache_dtype, head_major):
+    """Each new token's K/V lands in its slot, rounded to the cache's dtype (nearest even) as torch
+    rounds it; -1 slots are skipped."""
     gen = torch.Generator().manual_seed(1)
     shape = (5, 4, 2, 16)  # 20 slots
-    caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(2)]
+    caches = [torch.randn(shape, generator=gen).to(cache_dtype or dtype) for _ in range(2)]
     if head_major:
         caches = [c.transpose(1, 2).contiguous().transpose(1, 2) for c in caches]
     expected = [c.clone() for c in caches]
-    key, value = (torch.randn(6, 2, 16, generator=gen).to(dtype) for _ in range(2))
+    key, value = (torch.randn(6, 2, 16, generator=gen).to(dtype) * 300 for _ in range(2))
     slots = torch.tensor([3, -1, 19, 0, -1, 8])
     backend.write_kv(key, value, *caches, slots)
     reference.write_kv(key, value, *expected, slots)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
-    assert torch.equal(caches[0][4, 3], key[2])  # slot 19 = block 4, row 3: the reference put it there
+    assert torch.equal(caches[0][4, 3], key[2].to(caches[0].dtype))  # slot 19 = block 4, row 3
 
 
 def test_write_kv_of_one_token_split_from_a_fused_projection(backend):

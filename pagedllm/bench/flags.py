@@ -54,7 +54,7 @@ def add_kv_cache_dtype(
         nargs="+" if many else None,
         default=default,
         choices=["auto", *KV_CACHE_DTYPES],
-        help=(help or "K/V storage (auto: the model's dtype)") + (_MANY if many else ""),
+        help=(help or "K/V storage (auto: the activations' dtype)") + (_MANY if many else ""),
     )
 
 

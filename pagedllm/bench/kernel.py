@@ -58,6 +58,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the queries' (and by
 KV_DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
     "int8": torch.int8,
     "fp8": torch.float8_e4m3fn,
 }

@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-len", type=int, default=128)
     flags.add_kv_cache_memory(parser, "512MiB")
     flags.add_kv_cache_dtype(
-        parser, default=["auto"], many=True, help="pagedllm's K/V storage (auto: the model's dtype)"
+        parser, default=["auto"], many=True, help="pagedllm's K/V storage (auto: the activations' dtype)"
     )
     parser.add_argument(
         "--max-num-batched-tokens",

@@ -20,6 +20,7 @@ DTYPES.update({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.floa
 KV_CACHE_DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
     "int8": torch.int8,
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
@@ -56,7 +57,8 @@ class EngineConfig:
     block_size: int | None = None
     # KV cache size (of each rank); ignored when num_kv_blocks or memory_budget is given
     kv_cache_memory: int | str = "1GiB"
-    # auto: the model's dtype; bfloat16 halves K/V memory, int8 / fp8 quarter it (scales included; fp32 math)
+    # auto: the activations' dtype (float32 on the CPU); float16 and bfloat16 halve K/V memory (float16 is
+    # llama.cpp's default cache), int8 / fp8 quarter it (scales included); attention sums in float32 always
     kv_cache_dtype: str = "auto"
     # Commit the CPU KV cache's memory at start-up, as vLLM does (its cost per GiB: docs/JOURNAL.md,
     # Start-up), so that the steps never pay it; False: pages are committed by first use (`pagedllm
@@ -125,6 +127,11 @@ class EngineConfig:
                 f"kv_cache_dtype={self.kv_cache_dtype!r} with dtype={self.dtype!r}: K and V are computed in "
                 f"{self.torch_dtype}, so a float32 cache would hold the same values in twice the memory; "
                 "choose 'auto', 'bfloat16', 'int8' or 'fp8'"
+            )
+        if self.kv_torch_dtype == torch.float16 and self.torch_dtype not in (torch.float32, torch.float16):
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} with dtype={self.dtype!r}: a float16 cache is read "
+                "under float32 or float16 activations; choose 'auto', 'bfloat16', 'int8' or 'fp8'"
             )
         if self.block_size is None:
             self.block_size = default_block_size(self.kv_torch_dtype.itemsize)

@@ -14,7 +14,7 @@
 //            register-tiled like a GEMM: at prompt lengths the work is arithmetic, which a row at a time wastes.
 //   combine  a decode row with far more than its share of the batch's keys would keep one thread busy while
 //            the others wait, so its keys are split into parts on several threads, merged after.
-// Arithmetic is fp32; a bf16 cache is widened in registers. A quantized cache (int8 or fp8 e4m3 codes, a
+// Arithmetic is fp32; a bf16 or fp16 cache is widened in registers. A quantized cache (int8 or fp8 e4m3 codes, a
 // float32 scale per token and kv head after each block's codes: ops/kv_cache.py) is read in place too: the
 // codes are widened in registers, and the scale multiplies a key's score (decode) or its codes (prefill
 // keys, values), or a value's weight (decode). Its keys are stored smoothed, (k - mean) / factor per channel
@@ -1106,6 +1106,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
     run(float{}, float{});
   } else if (q_type == at::kFloat && kv_type == at::kBFloat16) {
     run(float{}, c10::BFloat16{});
+  } else if (q_type == at::kFloat && kv_type == at::kHalf) {
+    run(float{}, c10::Half{});
   } else if (q_type == at::kBFloat16 && kv_type == at::kBFloat16) {
     run(c10::BFloat16{}, c10::BFloat16{});
   } else if (q_type == at::kFloat && quantized) {
@@ -1114,7 +1116,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
     run_quantized(c10::BFloat16{});
   } else {
     TORCH_CHECK(false, "unsupported dtypes: q ", q_type, ", cache ", kv_type,
-                " (fp32/fp32, fp32/bf16, bf16/bf16, or fp32 or bf16 over an int8 or fp8 e4m3 cache)");
+                " (fp32/fp32, fp32/bf16, fp32/fp16, bf16/bf16, or fp32 or bf16 over an int8 or fp8 e4m3 cache)");
   }
 }
 
@@ -1187,6 +1189,8 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
     copy(float{}, float{});
   } else if (src_type == at::kFloat && dst_type == at::kBFloat16) {
     copy(float{}, c10::BFloat16{});
+  } else if (src_type == at::kFloat && dst_type == at::kHalf) {
+    copy(float{}, c10::Half{});
   } else if (src_type == at::kBFloat16 && dst_type == at::kBFloat16) {
     copy(c10::BFloat16{}, c10::BFloat16{});
   } else if ((src_type == at::kFloat || src_type == at::kBFloat16) &&

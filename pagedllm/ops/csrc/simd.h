@@ -4,6 +4,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <immintrin.h>
 
@@ -67,6 +68,10 @@ struct VecF {
   static VecF round_bf16(VecF x) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x.v), 16)); }
   void store(c10::BFloat16* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v)); }
   void store(c10::BFloat16* p, int n) const { _mm256_mask_storeu_epi16(p, mask(n), to_bf16(v)); }
+  // Each lane rounded to nearest even, as c10::Half (and torch's .half()) rounds.
+  static __m256i to_f16(__m512 x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  void store(c10::Half* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_f16(v)); }
+  void store(c10::Half* p, int n) const { _mm256_mask_storeu_epi16(p, mask(n), to_f16(v)); }
   // kWidth int8 values as floats.
   static VecF load(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -209,6 +214,14 @@ struct VecF {
   void store(c10::BFloat16* p, int n) const {
     alignas(16) uint16_t tmp[8];
     _mm_store_si128(reinterpret_cast<__m128i*>(tmp), to_bf16(v));
+    std::memcpy(p, tmp, n * sizeof(uint16_t));
+  }
+  // Each lane rounded to nearest even, as c10::Half (and torch's .half()) rounds.
+  static __m128i to_f16(__m256 x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  void store(c10::Half* p) const { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_f16(v)); }
+  void store(c10::Half* p, int n) const {
+    alignas(16) uint16_t tmp[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(tmp), to_f16(v));
     std::memcpy(p, tmp, n * sizeof(uint16_t));
   }
   // kWidth int8 values as floats.
