@@ -312,3 +312,24 @@ def test_the_cycle_finder_finds_a_cycle_and_passes_a_tree():
 def test_no_import_circle_anywhere():
     found = cycles(GRAPH)
     assert not found, "\n".join(["import cycles:", *(" -> ".join(cycle) for cycle in found)])
+
+
+def _spans(kinds: tuple[type, ...], floors: tuple[str, ...]) -> list[tuple[str, int]]:
+    """(qualified name, lines) of each function or class of these kinds in the modules of these floors."""
+    spans = []
+    for name, tree in TREES.items():
+        if name.count(".") and name.split(".")[1] in floors:
+            for node in ast.walk(tree):
+                if isinstance(node, kinds):
+                    spans.append((f"{name}.{node.name}", node.end_lineno - node.lineno + 1))
+    return spans
+
+
+def test_engine_and_kv_are_read_in_short_pieces():
+    """Issue 46's shape, kept: no function in engine/ or kv/ over 60 lines, no class in kv/ over 400,
+    llm_engine.py wiring plus the step loop (at most 350 lines)."""
+    functions = _spans((ast.FunctionDef, ast.AsyncFunctionDef), ("engine", "kv"))
+    assert len(functions) > 100 and [(f, n) for f, n in functions if n > 60] == []
+    classes = _spans((ast.ClassDef,), ("kv",))
+    assert len(classes) > 10 and [(c, n) for c, n in classes if n > 400] == []
+    assert len(SOURCES["pagedllm.engine.llm_engine"].read_text().splitlines()) <= 350

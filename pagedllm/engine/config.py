@@ -109,6 +109,23 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
 
+    def _check_kv_cache_dtype(self) -> None:
+        """kv_cache_dtype is a known name, and one the activations' dtype can be stored in."""
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            choices = ["auto", *KV_CACHE_DTYPES]
+            raise ValueError(f"kv_cache_dtype must be one of {choices}, got {self.kv_cache_dtype!r}")
+        setting = f"kv_cache_dtype={self.kv_cache_dtype!r} with dtype={self.dtype!r}"
+        if self.kv_torch_dtype == torch.float32 and self.torch_dtype != torch.float32:
+            raise ValueError(
+                f"{setting}: K and V are computed in {self.torch_dtype}, so a float32 cache would hold the "
+                "same values in twice the memory; choose 'auto', 'bfloat16', 'int8' or 'fp8'"
+            )
+        if self.kv_torch_dtype == torch.float16 and self.torch_dtype not in (torch.float32, torch.float16):
+            raise ValueError(
+                f"{setting}: a float16 cache is read under float32 or float16 activations; choose 'auto', "
+                "'bfloat16', 'int8' or 'fp8'"
+            )
+
     def __post_init__(self) -> None:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             why = (
@@ -119,20 +136,7 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r}: {why}; use device='cpu'")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            choices = ["auto", *KV_CACHE_DTYPES]
-            raise ValueError(f"kv_cache_dtype must be one of {choices}, got {self.kv_cache_dtype!r}")
-        if self.kv_torch_dtype == torch.float32 and self.torch_dtype != torch.float32:
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} with dtype={self.dtype!r}: K and V are computed in "
-                f"{self.torch_dtype}, so a float32 cache would hold the same values in twice the memory; "
-                "choose 'auto', 'bfloat16', 'int8' or 'fp8'"
-            )
-        if self.kv_torch_dtype == torch.float16 and self.torch_dtype not in (torch.float32, torch.float16):
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} with dtype={self.dtype!r}: a float16 cache is read "
-                "under float32 or float16 activations; choose 'auto', 'bfloat16', 'int8' or 'fp8'"
-            )
+        self._check_kv_cache_dtype()
         if self.block_size is None:
             self.block_size = default_block_size(self.kv_torch_dtype.itemsize)
         if self.kv_layout not in ("paged", "contiguous"):
