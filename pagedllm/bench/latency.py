@@ -10,8 +10,8 @@ what it is. `--llama-cpp` adds llama-cpp-python (llama.cpp's library under its P
 when importable; never a pagedllm dependency) on the same GGUF file: `--llama-cpp-types file F32` runs
 the file as shipped and an F32 copy of it (the same weights as pagedllm's float32, made once with
 llama_model_quantize and cached), with the same thread count and llama-bench's batch defaults;
-`--llama-cpp-cache-types` and `--llama-cpp-flash-attn` pick its K/V type (float16 by default: the bytes of
-pagedllm's `--kv-cache-dtype bfloat16`; pagedllm runs once per K/V dtype given too) and flash attention,
+`--llama-cpp-cache-types` and `--llama-cpp-flash-attn` pick its K/V type (f16 by default: pagedllm's
+`--kv-cache-dtype float16`; pagedllm runs once per K/V dtype given too) and flash attention,
 a run per combination. `--llama-bench PATH`
 times llama.cpp itself with its C++ benchmark binary (bench/llama_bench.py): prompt processing (pp) per
 prompt length and generation (tg) tokens/s. Printed: a row per system and prompt length and what ran
@@ -250,8 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=["f16"],
         choices=["f32", "f16", "bf16", "q8_0"],
-        help="llama-cpp-python's K/V types (llama.cpp's --cache-type-k/-v names; f16 is its default, the "
-        "bytes of pagedllm's bfloat16; q8_0 about those of its int8), a run each",
+        help="llama-cpp-python's K/V types (llama.cpp's --cache-type-k/-v names; f16 is its default, "
+        "pagedllm's float16; q8_0 about the bytes of its int8), a run each",
     )
     parser.add_argument(
         "--llama-cpp-flash-attn",
