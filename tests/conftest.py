@@ -47,12 +47,19 @@ def hf_smollm2():
 @pytest.fixture(scope="session")
 def smollm2_llm():
     """pagedllm's LLM on the built-in model with a small cache (shared by engine tests), its weights in
-    float32 (the file's blocks dequantized, as Hugging Face loads them): the engine's tokens, logprobs and
-    beam scores are compared with HF's to 1e-4, which the default storage (the blocks, multiplied with x
-    rounded to int16 blocks) meets only in its greedy tokens (tests/test_models_smollm2.py)."""
+    float32 (the file's blocks dequantized, as Hugging Face loads them) and its KV cache too (the CPU's
+    default is float16): the engine's tokens, logprobs and beam scores are compared with HF's to 1e-4,
+    which the default storage (the blocks, multiplied with x rounded to int16 blocks) meets only in its
+    greedy tokens (tests/test_models_smollm2.py)."""
     from pagedllm import LLM
 
-    return LLM("smollm2-135m", kv_cache_memory="64MiB", max_model_len=2048, quantization="none")
+    return LLM(
+        "smollm2-135m",
+        kv_cache_memory="64MiB",
+        max_model_len=2048,
+        quantization="none",
+        kv_cache_dtype="float32",
+    )
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,11 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+# For tests that hold the engine to a float32 oracle (transformers, peft) to ~1e-4: the float32 KV cache.
+# The CPU's default float16 cache rounds each K/V value to 11 significant bits, which moves log-probabilities
+# by up to ~2e-3 and can flip a random model's near-ties (docs/kv-cache.md).
+FLOAT32_KV = {"kv_cache_dtype": "float32"}
+
 
 def assert_all_blocks_free(llm_or_engine) -> None:
     """Every engine test ends here: no request left, every KV block back in the free pool."""

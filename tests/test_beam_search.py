@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import assert_all_blocks_free
+from helpers import FLOAT32_KV, assert_all_blocks_free
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
@@ -79,7 +79,7 @@ def assert_same_beams(ours, hf_rows, hf_scores, prompt_len: int, length_penalty:
 def test_tiny_model_matches_hugging_face(
     tiny_eos_dir, tiny_hf, tiny_prompts, beam_width, length_penalty, early_stopping
 ):
-    llm = LLM(str(tiny_eos_dir), num_kv_blocks=256)
+    llm = LLM(str(tiny_eos_dir), num_kv_blocks=256, **FLOAT32_KV)
     params = BeamSearchParams(
         beam_width, max_tokens=20, length_penalty=length_penalty, early_stopping=early_stopping
     )
@@ -97,7 +97,7 @@ def test_tiny_model_matches_hugging_face(
 
 
 def test_ignore_eos_runs_every_beam_to_max_tokens(tiny_eos_dir, tiny_hf, tiny_prompts):
-    llm = LLM(str(tiny_eos_dir), num_kv_blocks=256)
+    llm = LLM(str(tiny_eos_dir), num_kv_blocks=256, **FLOAT32_KV)
     params = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
     for prompt, out in zip(
         tiny_prompts, llm.beam_search([{"prompt_token_ids": p} for p in tiny_prompts], params), strict=True

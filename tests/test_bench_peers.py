@@ -42,12 +42,12 @@ def test_run_info_says_what_the_engine_runs(tiny_llama_dir):
     info = llm.engine.run_info()
     # 2 layers of q/k/v, o, gate/up, down projections (fused or not) and the LM head: every one counted
     assert sum(info.weight_kinds.values()) >= 2 * 4 + 1
-    assert info.kv_token_bytes == 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, float32
+    assert info.kv_token_bytes == 2 * 2 * 2 * 16 * 2  # K and V, 2 layers, 2 KV heads of 16, float16
     assert info.vocab_size == 384 and info.attention_backend in ("cpu", "sdpa")
     assert info.cpu_isa == (native.selected_isa() if native.unavailable_reason() is None else None)
     line = info.describe()
     assert line.startswith(f"attention {info.attention_backend}") and line.endswith(f"{info.threads} threads")
-    assert f"linear {info.linear_method}: " in line
+    assert f"linear {info.linear_method}: " in line and "K/V float16; " in line  # the CPU's default cache
     assert_all_blocks_free(llm)
 
 

@@ -19,10 +19,10 @@ def _run_json(capsys, argv: list[str]) -> tuple[int, dict]:
 
 
 def test_soak_of_1000_requests_with_faults_passes(capsys, tiny_chat_model):
-    """The bounded soak: 1,000 requests at 32 in flight against max_num_seqs 8, a KV cache of 40 blocks
-    (preemption), a quarter of them faults; every criterion must hold, the server must exit 0."""
+    """The bounded soak: 1,000 requests at 32 in flight against max_num_seqs 8, a KV cache of 20 blocks of
+    32 tokens (preemption), a quarter of them faults; every criterion must hold, the server must exit 0."""
     argv = ["--soak", "--model", str(tiny_chat_model), "--num-prompts", "1000", "--input-len", "20-120"]
-    argv += ["--output-len", "8", "--kv-cache-memory", "320KiB", "--max-model-len", "256"]
+    argv += ["--output-len", "8", "--kv-cache-memory", "160KiB", "--max-model-len", "256"]
     argv += ["--max-num-seqs", "8", "--max-concurrency", "32"]
     code, report = _run_json(capsys, argv)
     failed = [c for c in report["criteria"] if not c[1]]
@@ -74,8 +74,8 @@ def test_bench_serve_reports_and_compares_with_offline(capsys, tiny_chat_model):
 
 
 def _tenants(model, num_prompts: int) -> list[str]:
-    """6 tenants' 64-token system prompts (4 blocks of 8 KiB each) over a device cache of 16 blocks: it
-    keeps about one beside the 2 requests running."""
+    """6 tenants' 64-token system prompts (2 blocks of 32 float16 tokens, 8 KiB each) over a device cache of
+    8 blocks: it keeps about one beside the 2 requests running."""
     argv = [
         "--model",
         str(model),
@@ -87,7 +87,7 @@ def _tenants(model, num_prompts: int) -> list[str]:
         "4",
     ]
     argv += ["--shared-prefix-len", "64", "--num-shared-prefixes", "6", "--max-concurrency", "2"]
-    return argv + ["--ignore-eos", "--kv-cache-memory", "128KiB", "--max-model-len", "256"]
+    return argv + ["--ignore-eos", "--kv-cache-memory", "64KiB", "--max-model-len", "256"]
 
 
 def test_bench_serve_tenants_with_and_without_a_host_tier_side_by_side(capsys, tiny_chat_model):
@@ -132,7 +132,7 @@ def test_bench_serve_on_a_given_server_with_a_key_over_chat(capsys, tiny_chat_mo
     app = build_app(str(tiny_chat_model), limits=ServerLimits(api_key="k"), max_model_len=256)
     with running_server(app) as base:
         argv = ["--base-url", base, "--model", str(tiny_chat_model), "--endpoint", "chat"]
-        argv += ["--num-prompts", "6", "--input-len", "5-20", "--output-len", "4", "--ignore-eos"]
+        argv += ["--num-prompts", "6", "--input-len", "36-60", "--output-len", "4", "--ignore-eos"]
         code, report = _run_json(capsys, [*argv, "--api-key", "k", "--request-rate", "50"])
         assert code == 0 and report["summary"]["completed"] == 6
         assert report["summary"]["output_tokens"] == 24

@@ -48,10 +48,10 @@ def test_the_timed_steps_decode_the_whole_batch_and_the_payload_is_the_engine_af
 
 
 def test_snapshot_bench_says_when_the_batch_does_not_fit(capsys):
-    """4 MiB = 5 blocks: one 40-token prompt (3 blocks) at a time."""
+    """2 MiB = 2 blocks of 32 float16 tokens: one 40-token prompt (2 blocks) at a time."""
     with pytest.raises(
         SystemExit, match=r"at most 1 of 8 sequences ran at once \(0 preemptions\): raise --kv-cache-memory"
     ):
         snapshot.main(
-            ["--num-seqs", "8", "--steps", "1", "--input-len", "40-40", "--kv-cache-memory", "4MiB"]
+            ["--num-seqs", "8", "--steps", "1", "--input-len", "40-40", "--kv-cache-memory", "2MiB"]
         )

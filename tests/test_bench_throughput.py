@@ -24,7 +24,9 @@ def test_throughput_bench_json(capsys):
         "--output-len",
         "6",
         "--kv-cache-memory",
-        "8MiB",
+        "4MiB",
+        "--block-size",
+        "16",
         "--max-model-len",
         "64",
         "--layouts",
@@ -47,7 +49,8 @@ def test_throughput_bench_json(capsys):
         assert 0 < row["live_fraction"] <= 1
         assert row["same_tokens_as_paged"] == 1.0  # same greedy tokens whatever the KV layout
         assert row["preemptions"] == 0
-    # 8 MiB of SmolLM2 KV holds ~180 tokens: two 64-slot slabs, but all four short paged requests.
+    # 4 MiB of SmolLM2's float16 KV holds ~180 tokens: two 64-slot slabs, but all four short paged requests
+    # (in blocks of 16 tokens: of 32, the 5 blocks hold two).
     assert rows["contiguous-max"]["max_batch"] == 2
     assert rows["paged"]["max_batch"] == 4
 
@@ -140,7 +143,7 @@ def test_profile_reports_phases_gemm_floor_and_top_ops(capsys, smollm2_llm):
 def test_profiled_attention_bytes_are_every_layers_context_of_each_step():
     """K/V bytes the profiled decode steps' attention reads: per step, each sequence's prompt plus the
     tokens generated so far (the prefill's token and the step that finishes it: 2 before the first), for K
-    and V of every layer (SmolLM2: 30 layers, 3 KV heads of 64, fp32)."""
+    and V of every layer (SmolLM2: 30 layers, 3 KV heads of 64, float16: the CPU's default)."""
     from pagedllm import LLM
     from pagedllm.bench.profile import kv_bytes_read, profile_decode
 
@@ -148,7 +151,7 @@ def test_profiled_attention_bytes_are_every_layers_context_of_each_step():
     prompts = make_prompts([(4, 20)] * 3, 49152, seed=1)
     profiled = profile_decode(llm.engine, prompts, decode_steps=3)
     contexts = sum(len(p) + step for p in prompts for step in (2, 3, 4))
-    assert kv_bytes_read(llm.engine, profiled) == contexts * 2 * 30 * 3 * 64 * 4
+    assert kv_bytes_read(llm.engine, profiled) == contexts * 2 * 30 * 3 * 64 * 2
     assert profiled.attention_seconds > 0
     assert_all_blocks_free(llm)
 
@@ -242,7 +245,8 @@ def test_a_bfloat16_comparison_reports_each_systems_agreement_with_float32_token
 
 def test_the_precision_label_names_the_stored_dtypes():
     """Names resolved to what the engine stores: aliases of one dtype are one dtype, fp8 is e4m3 codes."""
-    assert throughput.precision("auto", "auto") == "float32"
+    assert throughput.precision("auto", "auto") == "float32 weights, float16 KV"  # the CPU's default cache
+    assert throughput.precision("float32", "float32") == "float32"
     assert throughput.precision("bf16", "bfloat16") == "bfloat16"
     assert throughput.precision("auto", "bfloat16") == "float32 weights, bfloat16 KV"
     assert throughput.precision("auto", "int8") == "float32 weights, int8 KV"

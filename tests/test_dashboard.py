@@ -19,10 +19,11 @@ from pagedllm.engine.kv_snapshot import KVSnapshots
 from pagedllm.entrypoints.openai.server import build_app
 
 MODEL = "smollm2-135m"
-BLOCK = 16
-# 64 MiB of SmolLM2 fp32 KV = 91 blocks of 16 tokens. The system prompt spans several full blocks, so
-# requests that start with it share them through the prefix cache, and an n = 3 request forks them.
-SYSTEM = "You are a careful assistant. Answer briefly, in plain words, and never make things up. " * 3
+BLOCK = 32
+# 64 MiB of SmolLM2 float16 KV (the CPU's default) = 91 blocks of 32 tokens. The system prompt spans several
+# full blocks, so requests that start with it share them through the prefix cache, and an n = 3 request
+# forks them.
+SYSTEM = "You are a careful assistant. Answer briefly, in plain words, and never make things up. " * 5
 
 
 def metric(base: str, name: str) -> float:
@@ -154,7 +155,7 @@ def test_contiguous_snapshot_runs_tile_the_cache():
     from pagedllm import LLM
 
     llm = LLM(
-        MODEL, kv_cache_memory="8MiB", max_model_len=128, kv_layout="contiguous", contiguous_reserve="pow2"
+        MODEL, kv_cache_memory="4MiB", max_model_len=128, kv_layout="contiguous", contiguous_reserve="pow2"
     )
     engine, snapshots = llm.engine, KVSnapshots(llm.engine)
     for i, max_tokens in enumerate((40, 8, 20, 30)):
@@ -173,7 +174,7 @@ def test_contiguous_snapshot_runs_tile_the_cache():
             engine.allocator.num_tokens(s["id"]) for s in snap["seqs"]
         ]
         seen_waiting |= snap["queues"]["waiting"] > 0
-    assert seen_waiting  # 8 MiB holds ~180 slots: the slabs did not all fit at once
+    assert seen_waiting  # 4 MiB holds ~180 float16 slots: the slabs did not all fit at once
     assert_all_blocks_free(engine)
 
 
@@ -366,7 +367,7 @@ TIERS_STATE = """() => ({
 
 @needs_chromium
 def test_dashboard_page_draws_the_prefix_cache_tiers(browser, tmp_path):
-    # 22 device blocks under 4 tenants' prompts of 7 full blocks each, asked twice: the second round loads
+    # 22 device blocks under 4 tenants' prompts of 6 full blocks each, asked twice: the second round loads
     # what the device evicted from host memory, and every block is written through to disk.
     app = build_app(
         MODEL,

@@ -50,11 +50,11 @@ def test_preemption_gives_the_same_tokens_as_no_preemption(mode, reference_outpu
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_a_sequence_outgrowing_the_whole_cache_ends_with_length(mode):
-    """4 blocks hold 64 tokens: a lone 40-token prompt asking for 50 more stops at the cache's end.
+    """4 blocks of 16 hold 64 tokens: a lone 40-token prompt asking for 50 more stops at the cache's end.
 
     The KV of positions 0-63 fits; the token sampled from position 63's KV is the last one: 64 - 40 + 1.
     """
-    llm = LLM("smollm2-135m", num_kv_blocks=4, max_model_len=512, preemption_mode=mode)
+    llm = LLM("smollm2-135m", num_kv_blocks=4, block_size=16, max_model_len=512, preemption_mode=mode)
     out = llm.generate([list(range(100, 140))], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
     completion = out[0].outputs[0]
     assert completion.finish_reason == "length"
@@ -63,9 +63,9 @@ def test_a_sequence_outgrowing_the_whole_cache_ends_with_length(mode):
 
 
 def test_a_prompt_larger_than_the_whole_cache_is_refused_naming_both_sizes():
-    """4 blocks hold 64 tokens: an 80-token prompt could never be prefilled, so add_request says so (it
-    used to wait, then end "length" with no token); a 64-token one still runs."""
-    llm = LLM("smollm2-135m", num_kv_blocks=4, max_model_len=512)
+    """4 blocks of 16 hold 64 tokens: an 80-token prompt could never be prefilled, so add_request says so
+    (it used to wait, then end "length" with no token); a 64-token one still runs."""
+    llm = LLM("smollm2-135m", num_kv_blocks=4, block_size=16, max_model_len=512)
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     too_big = r"prompt has 80 tokens, whose KV needs 5 blocks; the KV cache holds 4 blocks in all"
     with pytest.raises(ValueError, match=too_big + r" \(num_kv_blocks=4\)"):
@@ -76,8 +76,10 @@ def test_a_prompt_larger_than_the_whole_cache_is_refused_naming_both_sizes():
 
 
 def test_prefix_caching_is_on_by_default_and_keeps_outputs():
-    system = "You are a helpful assistant who writes vivid, concise stories for children of all ages. "
-    prompts = [system + p for p in PROMPTS]  # a shared prefix of several full blocks
+    system = "You are a helpful assistant who writes vivid, concise stories for children of all ages. " * 4
+    prompts = [
+        system + p for p in PROMPTS
+    ]  # a shared prefix of several full blocks (72 tokens, blocks of 32)
     no_cache = LLM("smollm2-135m", kv_cache_memory="64MiB", max_model_len=512, enable_prefix_caching=False)
     uncached = no_cache.generate(prompts, GREEDY)
     assert all(o.num_cached_tokens == 0 for o in uncached)
@@ -239,9 +241,9 @@ def test_bad_sampling_params_name_the_value(kwargs, name):
 
 @pytest.mark.parametrize(("watermark", "first_step"), [(0.0, ["a", "b"]), (0.4, ["a"])])
 def test_watermark_is_an_engine_setting(watermark, first_step):
-    """12 blocks, two 4-block prompts: after the first, 8 are free; admitting the second leaves 4, below
-    a 40% watermark (4.8 blocks), so it waits until the first finishes."""
-    llm = LLM("smollm2-135m", num_kv_blocks=12, max_model_len=512, watermark=watermark)
+    """12 blocks of 16, two 4-block prompts: after the first, 8 are free; admitting the second leaves 4,
+    below a 40% watermark (4.8 blocks), so it waits until the first finishes."""
+    llm = LLM("smollm2-135m", num_kv_blocks=12, block_size=16, max_model_len=512, watermark=watermark)
     engine = llm.engine
     for name in ("a", "b"):
         engine.add_request(name, list(range(1, 60)), SamplingParams(max_tokens=2, ignore_eos=True))
@@ -296,7 +298,7 @@ def test_memory_budget_gives_the_kv_cache_what_the_weights_leave(caplog):
     """At one total budget, the GGUF's own 4-bit blocks leave more KV blocks than float32 weights; both
     are reported at start-up."""
     budget = 768 * 2**20
-    block_bytes = 2 * 30 * 3 * 64 * 4 * 16  # SmolLM2, float32 KV, blocks of 16
+    block_bytes = 2 * 30 * 3 * 64 * 2 * 32  # SmolLM2, float16 KV (the CPU's default), blocks of 32
     blocks = {}
     for quantization in ("gguf", None):
         with caplog.at_level(logging.INFO, logger="pagedllm"):
@@ -307,7 +309,7 @@ def test_memory_budget_gives_the_kv_cache_what_the_weights_leave(caplog):
             f"weights {engine.weight_bytes / 2**20:.1f} MiB ({engine.loaded_model.linear_method})"
             in caplog.text
         )
-        assert f"{engine.num_kv_blocks} blocks of 16 tokens" in caplog.text
+        assert f"{engine.num_kv_blocks} blocks of 32 tokens" in caplog.text
         out = llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0))[0]
         assert out.outputs[0].text.startswith(" Paris")
         assert_all_blocks_free(llm)

@@ -168,8 +168,9 @@ def test_a_failed_sampler_after_the_forward(model, monkeypatch):
 
 
 def test_a_failed_swap_in(model, monkeypatch):
-    """Swap preemption in a cache too small for the batch: the step that swaps a sequence back in fails."""
-    kwargs = {"max_model_len": 512, "num_kv_blocks": 24, "preemption_mode": "swap"}
+    """Swap preemption in a cache too small for the batch (12 blocks of 32 tokens): the step that swaps a
+    sequence back in fails."""
+    kwargs = {"max_model_len": 512, "num_kv_blocks": 12, "preemption_mode": "swap"}
     llm = LLM(model, **kwargs)
     fired = fail_once(monkeypatch, llm.engine, "_run", lambda out, clock: bool(out.swap_in))
     params = SamplingParams(max_tokens=80, temperature=0.0, logprobs=0)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.config import EngineConfig
@@ -23,7 +24,7 @@ from tests.helpers import assert_all_blocks_free
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 SYSTEM = "You are a careful assistant. Answer in one short sentence, and never make anything up. " * 4
 PROMPTS = [SYSTEM + f"Question {i}: what is {i} plus {i + 1}? " * 3 for i in range(5)]
-SMALL = {"num_kv_blocks": 12, "max_model_len": 512}  # one prompt and a half: the rest is evicted
+SMALL = {"num_kv_blocks": 6, "max_model_len": 512}  # blocks of 32: one prompt and a half, the rest evicted
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +85,10 @@ def test_host_tier_serves_what_the_device_cache_evicted(model, reference, preemp
     get = metrics.registry.get_sample_value
     assert get("pagedllm:kv_offload_hit_blocks_total", {"tier": "host"}) == counters.host_hit_blocks
     assert get("pagedllm:kv_offload_stored_blocks_total", {"tier": "host"}) == counters.offloaded_blocks
-    cfg = llm.engine.model.config  # a block's bytes from the model's shape: float32 K and V, every layer
-    block_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * llm.engine.config.block_size * 4
+    cfg, config = llm.engine.model.config, llm.engine.config  # a block's bytes from the model's shape: K and
+    # V of every layer, float16 (the CPU's default)
+    block_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * config.block_size * 2
+    assert config.kv_torch_dtype == torch.float16
     for transfer, blocks in (
         ("GPU_to_CPU", counters.offloaded_blocks),
         ("CPU_to_GPU", counters.host_hit_blocks),

@@ -237,7 +237,7 @@ def test_kv_cache_dtype_names_and_their_block_bytes():
 def test_the_default_block_size_holds_float32s_bytes_and_a_given_one_wins():
     """block_size unset: a block holds as many bytes of each value position as 16 float32 tokens do
     (kv.default_block_size), so a cache of narrower values gets more tokens a block; one given is kept."""
-    tokens = {"auto": 16, "float32": 16, "bfloat16": 32, "int8": 64, "fp8": 64, "fp8_e4m3": 64}
+    tokens = {"auto": 32, "float32": 16, "float16": 32, "bfloat16": 32, "int8": 64, "fp8": 64, "fp8_e4m3": 64}
     for name, block_size in tokens.items():
         assert EngineConfig(kv_cache_dtype=name).block_size == block_size
         assert EngineConfig(kv_cache_dtype=name, block_size=8).block_size == 8

@@ -47,7 +47,7 @@ def test_a_batch_is_vllms_array_like_tagged_msgpack_and_decodes_back():
 
 @pytest.fixture(scope="module")
 def llm(tiny_chat_model):
-    return LLM(str(tiny_chat_model), max_model_len=256, num_kv_blocks=32)
+    return LLM(str(tiny_chat_model), max_model_len=256, num_kv_blocks=32, block_size=16)
 
 
 def test_the_index_holds_what_the_engine_caches_and_matches_the_ingress_hashes(llm):
@@ -64,7 +64,9 @@ def test_the_index_holds_what_the_engine_caches_and_matches_the_ingress_hashes(l
     index.publish("r1", 0, encode_batch(log.drain(), 0.0))
     for request in (completion, chat):
         key = blocks.key("text", request)
-        assert key.num_tokens >= 2 * key.block_size and len(key.block_hashes) == key.num_tokens // 16
+        assert (
+            key.num_tokens >= 2 * key.block_size and len(key.block_hashes) == key.num_tokens // key.block_size
+        )
         # every full prompt block is cached, the first one's chain matching the ingress's hashes
         assert index.match(list(key.block_hashes), ["r1", "r2"]) == [
             (len(key.block_hashes), len(index.held["r1"])),
@@ -105,7 +107,7 @@ def test_a_request_under_an_adapter_is_hashed_as_the_engine_keys_its_blocks(tiny
     adapter = make_adapter(tiny_chat_model, tmp_path / "first", ATTENTION, seed=5)
     # the ingress's names and ids, and a replica's: each numbers the same lora_modules alike
     models = OpenAIServingModels("tiny", 0, lora_modules={"other": str(adapter), "first": str(adapter)})
-    settings = dict(max_model_len=256, num_kv_blocks=32, enable_lora=True, max_lora_rank=8)
+    settings = dict(max_model_len=256, num_kv_blocks=32, block_size=16, enable_lora=True, max_lora_rank=8)
     replicas = {name: LLM(str(tiny_chat_model), **settings) for name in ("r1", "r2")}
     engine = replicas["r1"].engine
     blocks = PromptBlocks(engine.tokenizer, "tiny", engine.config.block_size, models)

@@ -87,19 +87,25 @@ def fp32_greedy(smollm2_llm):
 
 @pytest.mark.parametrize(
     ("dtype", "kv_cache_dtype", "tol"),
-    [("bfloat16", "auto", 0.3), ("float16", "auto", 0.1), ("float32", "bfloat16", 0.05)],
+    [
+        ("bfloat16", "auto", 0.3),
+        ("float16", "auto", 0.1),
+        ("float32", "bfloat16", 0.05),
+        ("float32", "auto", 0.05),
+    ],
 )
 def test_half_precision_dtypes_track_fp32(dtype, kv_cache_dtype, tol, fp32_greedy, smollm2_llm):
     """16 greedy tokens on 8 prompts against fp32: the same tokens with chosen-token logprobs within
     `tol` nats, until a divergence that must be a near-tie in fp32 (both tokens within `tol` there).
     A bf16 KV cache under an fp32 model holds twice the tokens in the same memory (in blocks of 32 tokens,
-    the default for two bytes a value, against float32's 16)."""
+    the default for two bytes a value, against float32's 16), and so does the CPU's default for an fp32
+    model, float16."""
     from pagedllm import LLM
 
     llm = LLM(
         "smollm2-135m", dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory="16MiB", max_model_len=256
     )
-    stored = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    stored = kv_cache_dtype if kv_cache_dtype != "auto" else "float16" if dtype == "float32" else dtype
     assert llm.engine.runner.kv_caches[0][0].dtype == getattr(torch, stored)
     cfg = llm.engine.model.config
     block_size = 16 if stored == "float32" else 32

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_all_blocks_free
+from helpers import FLOAT32_KV, assert_all_blocks_free
 from models_helpers import hf_greedy
 from test_models_families import FAMILIES, randomize
 
@@ -71,7 +71,9 @@ def adapters(tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
 
 
 def lora_llm(base: Path, **kwargs) -> LLM:
-    settings = dict(enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64, block_size=16)
+    settings = dict(
+        enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64, block_size=16, **FLOAT32_KV
+    )
     return LLM(str(base), **{**settings, **kwargs})
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_all_blocks_free
+from helpers import FLOAT32_KV, assert_all_blocks_free
 from test_beam_search import assert_same_beams, hf_beam_search
 from test_lora import ALL, ATTENTION, make_adapter, tokens
 
@@ -22,7 +22,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 # repetitive prompts, so that prompt lookup proposes drafts the target accepts and rejects
 PROMPTS = [[5, 6, 7, 8] * 6, [9, 10, 11] * 8, list(range(40, 70)), [300, 1, 2, 300, 1]]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-SETTINGS = dict(enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=128, block_size=16)
+SETTINGS = dict(
+    enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=128, block_size=16, **FLOAT32_KV
+)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +93,7 @@ BF16_NEAR_TIES = 4  # tokens a prompt off the oracle's argmax
 
 
 def test_a_bf16_base_with_an_adapter_keeps_to_the_fp32_peft_oracle(tiny_llama_dir, loras):
-    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", **SETTINGS)
+    llm = LLM(str(tiny_llama_dir), **{**SETTINGS, "dtype": "bfloat16", "kv_cache_dtype": "auto"})
     lora = loras["all"]
     ours = tokens(llm.generate(PROMPTS, GREEDY, lora_request=lora))
     oracle = _peft_model(tiny_llama_dir, lora)

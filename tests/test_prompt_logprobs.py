@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from helpers import assert_all_blocks_free
+from helpers import FLOAT32_KV, assert_all_blocks_free
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
@@ -58,7 +58,7 @@ def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams):
 def test_tiny_model_prompt_logprobs_are_hf_log_softmax(
     tiny_llama_dir, tiny_hf, tiny_prompts, settings, budget
 ):
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_num_batched_tokens=budget, **settings)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_num_batched_tokens=budget, **settings, **FLOAT32_KV)
     params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2)
     outputs = generate(llm, tiny_prompts, params)
     for output in outputs:
@@ -71,7 +71,7 @@ def test_tiny_model_prompt_logprobs_are_hf_log_softmax(
 
 
 def test_zero_gives_the_prompt_tokens_alone_and_logprobs_stay_separate(tiny_llama_dir, tiny_hf, tiny_prompts):
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, **FLOAT32_KV)
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0, logprobs=1)
     for output in generate(llm, tiny_prompts, params):
         assert_matches_hf(output, tiny_hf, 0)
@@ -85,7 +85,7 @@ def test_prefix_cache_is_not_read_for_prompt_logprobs_but_still_written(tiny_lla
     the blocks it computes serve the next request that does not ask."""
     rng = random.Random(5)
     prompt = [rng.randrange(384) for _ in range(70)]
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, block_size=16)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, block_size=16, **FLOAT32_KV)
     greedy = SamplingParams(max_tokens=2, temperature=0.0)
     asking = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
     assert generate(llm, [prompt], greedy)[0].num_cached_tokens == 0
@@ -108,7 +108,14 @@ def test_parallel_samples_share_one_list_and_preemption_gathers_nothing_twice(ti
     rng = random.Random(7)
     prompts = [[rng.randrange(384) for _ in range(n)] for n in (60, 45, 70, 33)]
     params = SamplingParams(n=2, max_tokens=40, temperature=1.0, seed=1, prompt_logprobs=1, ignore_eos=True)
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=14, block_size=16, max_num_batched_tokens=24, watermark=0.0)
+    llm = LLM(
+        str(tiny_llama_dir),
+        num_kv_blocks=14,
+        block_size=16,
+        max_num_batched_tokens=24,
+        watermark=0.0,
+        **FLOAT32_KV,
+    )
     outputs = generate(llm, prompts, params)
     assert llm.engine.scheduler.num_preemptions > 0
     for output in outputs:
@@ -131,6 +138,7 @@ def test_real_model_prompt_logprobs_are_hf_log_softmax(smollm2_llm, hf_smollm2):
         max_model_len=512,
         quantization="none",
         max_num_batched_tokens=16,
+        **FLOAT32_KV,
     )
     for llm in (smollm2_llm, chunked):
         for output in generate(llm, prompts, params):

@@ -54,10 +54,11 @@ def logprob_tolerance(server) -> float:
     multiplied with, the value moves by up to 1.5e-5 of its block's largest. Where a prompt's matmuls take
     the blocks' bf16 path (AVX512_BF16 CPUs, models/quantization.py), each rank's partial sums are rounded
     to bf16 (2^-9 of a value) before they are added, one process's only once: over 30 layers a logprob
-    moves by up to ~0.025 here."""
+    moves by up to ~0.025 here. The CPU's default float16 KV cache does the same to a K/V value whose last
+    float32 bit differs, which can round to the next float16 (2^-11 of it): up to ~0.002 measured."""
     if server[1].executor is None:
         return 1e-5
-    return 5e-2 if native.bf16_matmul_available() else 2e-3
+    return 5e-2 if native.bf16_matmul_available() else 5e-3
 
 
 @pytest.fixture(scope="module")
@@ -330,7 +331,7 @@ def test_metrics(client, server):
     ranks = engine.config.tensor_parallel_size
     assert gauges["pagedllm:weight_memory_bytes"] == engine.weight_bytes
     assert 50 * 2**20 / ranks < engine.weight_bytes < 100 * 2**20 / ranks + 10 * 2**20
-    block_bytes = 2 * 30 * engine.model.num_kv_heads * 64 * 4 * 16
+    block_bytes = 2 * 30 * engine.model.num_kv_heads * 64 * 2 * 32  # K and V, 30 layers, 32 float16 tokens
     assert engine.model.num_kv_heads == (3 if ranks == 1 else 2)
     assert (
         gauges["pagedllm:kv_cache_memory_bytes"]
@@ -338,7 +339,7 @@ def test_metrics(client, server):
         == 64 * 2**20 // block_bytes * block_bytes
     )
     assert gauges["pagedllm:kv_cache_blocks"] == engine.num_kv_blocks
-    assert gauges["pagedllm:kv_cache_block_size"] == engine.config.block_size == 16  # float32's default
+    assert gauges["pagedllm:kv_cache_block_size"] == engine.config.block_size == 32  # float16's default
 
 
 def test_echo_puts_the_prompt_before_the_completion(client, llm):

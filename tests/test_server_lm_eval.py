@@ -9,7 +9,7 @@ from pathlib import Path
 import lm_eval
 import pytest
 import torch
-from helpers import running_server, wait_until_idle
+from helpers import FLOAT32_KV, running_server, wait_until_idle
 from lm_eval.tasks import TaskManager
 from transformers import AutoTokenizer
 
@@ -21,8 +21,9 @@ MODEL = "smollm2-135m"
 
 @pytest.fixture(scope="module")
 def served():
-    """The built-in SmolLM2 in float32 (as the transformers oracle loads it) behind the real server."""
-    app = build_app(MODEL, kv_cache_memory="32MiB", max_model_len=1024, quantization="none")
+    """The built-in SmolLM2 in float32, its KV cache too (as the transformers oracle computes it), behind the
+    real server."""
+    app = build_app(MODEL, kv_cache_memory="32MiB", max_model_len=1024, quantization="none", **FLOAT32_KV)
     engine = app.state.engine.engine
     with running_server(app) as base:
         yield base, engine

@@ -15,7 +15,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import assert_all_blocks_free
+from helpers import FLOAT32_KV, assert_all_blocks_free
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
 from pagedllm.engine.config import EngineConfig
@@ -239,7 +239,9 @@ def test_preemption_between_verify_passes_keeps_the_tokens(mode, config, smollm2
     """12 blocks of 16 for 4 sequences growing to ~90 tokens: speculating sequences are preempted and come
     back (recomputed, or swapped in), and every token is still the engine's without speculation (a draft
     model's 12 blocks: a sequence it has no room for does not speculate)."""
-    kwargs = dict(num_kv_blocks=12, max_model_len=512, preemption_mode=mode, quantization="none")
+    kwargs = dict(
+        num_kv_blocks=12, max_model_len=512, preemption_mode=mode, quantization="none", **FLOAT32_KV
+    )
     greedy = SamplingParams(max_tokens=56, temperature=0.0, ignore_eos=True)
     requests = [(prompt, greedy) for prompt in PROMPTS]
     spec = LLM("smollm2-135m", speculative_config=config, **kwargs)

@@ -54,7 +54,8 @@ def add_kv_cache_dtype(
         nargs="+" if many else None,
         default=default,
         choices=["auto", *KV_CACHE_DTYPES],
-        help=(help or "K/V storage (auto: the activations' dtype)") + (_MANY if many else ""),
+        help=(help or "K/V storage (auto: the engine's, float16 under float32 activations on the CPU)")
+        + (_MANY if many else ""),
     )
 
 

@@ -227,7 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-len", type=int, default=128)
     flags.add_kv_cache_memory(parser, "512MiB")
     flags.add_kv_cache_dtype(
-        parser, default=["auto"], many=True, help="pagedllm's K/V storage (auto: the activations' dtype)"
+        parser,
+        default=["auto"],
+        many=True,
+        help="pagedllm's K/V storage (auto: the engine's, float16 under float32 activations on the CPU)",
     )
     parser.add_argument(
         "--max-num-batched-tokens",

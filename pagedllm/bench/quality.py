@@ -155,7 +155,7 @@ def evaluate(
     weight_mib = info.weight_bytes / 2**20
     return Quality(
         name,
-        kv_cache_dtype,
+        info.kv_dtype if kv_cache_dtype == "auto" else kv_cache_dtype,  # auto named as resolved
         info.linear_method,
         weight_mib,
         info.kv_token_bytes,
@@ -265,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
         parser,
         default=["auto"],
         many=True,
-        help="the KV cache's dtype (auto: the weights' compute dtype); each config runs with each",
+        help="the KV cache's dtype (auto: the engine's, float16 under float32 weights on the CPU); each "
+        "config runs with each",
     )
     parser.add_argument("--text", type=Path, default=TEXT, help="the text whose perplexity is measured")
     parser.add_argument("--max-text-tokens", type=int, default=None)

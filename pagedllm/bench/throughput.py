@@ -335,7 +335,11 @@ def agreement_with_float32(
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(
-        args.model, dtype="float32", kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len
+        args.model,
+        dtype="float32",
+        kv_cache_dtype="float32",
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
     )
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     reference = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -394,8 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
         parser,
         default=["auto"],
         many=True,
-        help="pagedllm's KV storage (auto: the weights' dtype), at the same KV memory; each layout runs "
-        "with each",
+        help="pagedllm's KV storage (auto: the engine's, float16 under float32 weights on the CPU), at the "
+        "same KV memory; each layout runs with each",
     )
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument(

@@ -57,8 +57,9 @@ class EngineConfig:
     block_size: int | None = None
     # KV cache size (of each rank); ignored when num_kv_blocks or memory_budget is given
     kv_cache_memory: int | str = "1GiB"
-    # auto: the activations' dtype (float32 on the CPU); float16 and bfloat16 halve K/V memory (float16 is
-    # llama.cpp's default cache), int8 / fp8 quarter it (scales included); attention sums in float32 always
+    # auto: float16 under float32 activations on the CPU (llama.cpp's default cache: half float32's bytes, its
+    # greedy tokens), else the activations' dtype; "float32" is the exact cache; bfloat16 halves K/V memory
+    # too, int8 / fp8 quarter it (scales included); attention sums in float32 always
     kv_cache_dtype: str = "auto"
     # Commit the CPU KV cache's memory at start-up, as vLLM does (its cost per GiB: docs/JOURNAL.md,
     # Start-up), so that the steps never pay it; False: pages are committed by first use (`pagedllm
@@ -224,4 +225,9 @@ class EngineConfig:
     @property
     def kv_torch_dtype(self) -> torch.dtype:
         """The dtype K/V are stored in (attention computes in float32 either way)."""
-        return self.torch_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
+        if self.kv_cache_dtype != "auto":
+            return KV_CACHE_DTYPES[self.kv_cache_dtype]
+        # float32 activations on the CPU store K/V as float16, llama.cpp's default: half the bytes each decode
+        # step reads, and float32's tokens on the exact path (BENCHMARKS W11, P16)
+        on_cpu = not self.device.startswith("cuda")
+        return torch.float16 if on_cpu and self.torch_dtype == torch.float32 else self.torch_dtype

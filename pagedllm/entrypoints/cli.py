@@ -248,9 +248,10 @@ def _add_engine_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
         "--kv-cache-dtype",
         default=defaults["kv_cache_dtype"],
         choices=["auto", *KV_CACHE_DTYPES],
-        help="K/V storage; auto: the activations' dtype (float32 on the CPU, the exact cache); float16 / "
-        "bfloat16: half its bytes (float16: llama.cpp's default cache); int8 / fp8 (= fp8_e4m3): codes with "
-        "a float32 scale per token and KV head, 4x the tokens of float32 in the same memory",
+        help="K/V storage; auto: float16 under float32 activations on the CPU (llama.cpp's default cache, "
+        "half float32's bytes), else the activations' dtype; float32: the exact cache; bfloat16: half its "
+        "bytes; int8 / fp8 (= fp8_e4m3): codes with a float32 scale per token and KV head, 4x the tokens of "
+        "float32 in the same memory",
     )
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"
