@@ -15,7 +15,17 @@ from pagedllm.entrypoints import cli
 
 PROMPT = "The capital of France is"
 # the float32 storage of smollm2_llm, which these runs are compared with (and whose loaded model they share)
-SMALL = ["--kv-cache-memory", "32MiB", "--max-model-len", "512", "--quantization", "none"]
+# smollm2_llm's storage (float32 weights and KV cache), so that the CLI prints what that engine computes
+SMALL = [
+    "--kv-cache-memory",
+    "32MiB",
+    "--max-model-len",
+    "512",
+    "--quantization",
+    "none",
+    "--kv-cache-dtype",
+    "float32",
+]
 
 
 def test_beam_width_prints_every_beam_best_first(capsys, smollm2_llm):
