@@ -14,8 +14,8 @@ from pagedllm.engine.speculative import SpeculativeConfig
 from pagedllm.entrypoints import cli
 
 PROMPT = "The capital of France is"
-# the float32 storage of smollm2_llm, which these runs are compared with (and whose loaded model they share)
-# smollm2_llm's storage (float32 weights and KV cache), so that the CLI prints what that engine computes
+# smollm2_llm's storage (float32 weights and KV cache), which these runs are compared with (and whose loaded
+# model they share), so that the CLI prints what that engine computes
 SMALL = [
     "--kv-cache-memory",
     "32MiB",
