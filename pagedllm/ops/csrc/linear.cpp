@@ -951,6 +951,93 @@ void integer_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0
 struct ShardPanel {
   int64_t shard, n0, n1;
 };
+
+#if !defined(PAGEDLLM_AVX512)
+// The K types' int8 path at many rows of x on AVX2: each weight chunk's codes and sub-scales are unpacked
+// once, into L1, for a block of kTileBlockRows rows of x (the 4-row register tiles unpack Q6_K's codes, a
+// dozen instructions a vector, once per 4 rows: the tile ran its calls 1.2-1.9x as fast at 16-256 rows,
+// docs/JOURNAL.md session 22).
+// Chunk after chunk, a group of kTileGroupRows weight rows takes the block's chunk of x (8 KB, in L1 with
+// the group's sums), each (row of x, row of W) pair keeping its float sums in `acc` until the span ends. A
+// row's integer sums per lane and its float operations are integer_chunk_row's, in the same order: the
+// same bits as the row alone.
+constexpr int64_t kTileBlockRows = 32;
+constexpr int64_t kTileGroupRows = 8;
+// From how many rows of x in a work item: Q4_K's codes take 2 instructions a vector to unpack, and its
+// tile was no faster than the register tiles below 64 rows.
+constexpr int64_t tile_min_rows(int64_t type) { return type == quants::Q6_K::kType ? 8 : 64; }
+
+// row_acc[0 .. rows] += the chunk k of x rows mb .. mb + rows . one weight chunk, unpacked: its codes and
+// sub-scales as vectors in memory (a function of its own, so that they are loaded where used: inlined, GCC
+// held them in registers and spilled every product to the stack).
+__attribute__((noinline)) void chunk_tile_rows(const quants::VecB* codes, const quants::VecI* scales,
+                                               const quants::IntegerChunk& chunk, const ChunkActivations& x,
+                                               int64_t mb, int64_t rows, int64_t k, VecF* row_acc) {
+  using namespace quants;
+  for (int64_t m0 = 0; m0 < rows; m0 += kRowGroup) {
+    with_count<kRowGroup>(std::min<int64_t>(kRowGroup, rows - m0), [&](auto count) {
+      constexpr int R = decltype(count)::value;
+      VecI dots[R];
+      for (int i = 0; i < R; ++i) dots[i] = zero_int();
+#pragma GCC unroll 2
+      for (int v = 0; v < kChunkVectors; ++v) {
+        const VecB c = codes[v];
+        const VecI s = scales[v];
+        for (int i = 0; i < R; ++i) dots[i] = add_byte_products(dots[i], c, x.byte_vector(mb + m0 + i, k, v), s);
+      }
+      for (int i = 0; i < R; ++i) {
+        const int64_t m = mb + m0 + i;
+        VecF sum = row_acc[m0 + i];
+        for (int j = 0; j < kGroupVectors; ++j) sum = fmadd(chunk.offsets[j], x.sums(m, k, j), sum);
+        row_acc[m0 + i] = fmadd(VecF::from_int(dots[i]), VecF::set1(chunk.d * x.scale_of(m, k)), sum);
+      }
+    });
+  }
+}
+
+// sums[(n - panel.n0) * ld_sums + m - m_begin] += x row m . weight row n, for the panel's rows and x rows
+// [m_begin, m_end), as blocks_matmul's integer path sums them.
+template <typename T>
+void integer_chunk_tile(const BlockShard& shard, const ShardPanel& panel, const ChunkActivations& x,
+                        int64_t m_begin, int64_t m_end, int64_t chunks, float* sums, int64_t ld_sums) {
+  using namespace quants;
+  const ScaleIndex& index = T::scale_index();
+  static thread_local LineVector<float> acc_buffer;
+  acc_buffer.resize(kTileGroupRows * kTileBlockRows * VecF::kWidth);
+  VecF* acc = reinterpret_cast<VecF*>(acc_buffer.data());
+  alignas(64) VecB codes[kChunkVectors];
+  alignas(64) VecI scales[kChunkVectors];
+  for (int64_t mb = m_begin; mb < m_end; mb += kTileBlockRows) {
+    const int64_t rows = std::min(kTileBlockRows, m_end - mb);
+    for (int64_t k0 = 0; k0 < chunks; k0 += kSpanChunks) {
+      const int64_t k1 = std::min(k0 + kSpanChunks, chunks);
+      for (int64_t g0 = panel.n0; g0 < panel.n1; g0 += kTileGroupRows) {
+        const int64_t g1 = std::min(g0 + kTileGroupRows, panel.n1);
+        for (int64_t a = 0; a < (g1 - g0) * rows; ++a) acc[a] = VecF::zero();
+        for (int64_t k = k0; k < k1; ++k) {
+          for (int64_t n = g0; n < g1; ++n) {
+            const uint8_t* p = shard.data + n * shard.row_bytes + k * T::kBlockBytes;
+            // the chunk visited next: the next row's, the group's first row's next chunk, or the next group's first
+            const int64_t next_n = n + 1 < g1 ? n + 1 : k + 1 < k1 ? g0 : g1, next_k = n + 1 < g1 ? k : k + 1 < k1 ? k + 1 : k0;
+            prefetch_chunk<T>(shard.data + next_n * shard.row_bytes + next_k * T::kBlockBytes);
+            const IntegerChunk chunk = T::integer_chunk(p);
+            for (int v = 0; v < kChunkVectors; ++v) {
+              codes[v] = T::integer_codes(p, v);
+              scales[v] = scale_words<T::kSignedScales>(select_bytes(chunk.scales, index.bytes[v]));
+            }
+            chunk_tile_rows(codes, scales, chunk, x, mb, rows, k, acc + (n - g0) * rows);
+          }
+        }
+        for (int64_t n = g0; n < g1; ++n)
+          for (int64_t m = 0; m < rows; ++m)
+            sums[(n - panel.n0) * ld_sums + (mb - m_begin) + m] += reduce_add(acc[(n - g0) * rows + m]);
+      }
+    }
+  }
+}
+
+#endif
+
 std::vector<ShardPanel> shard_panels(const std::vector<BlockShard>& shards, int64_t size) {
   std::vector<ShardPanel> panels;
   for (int64_t s = 0; s < static_cast<int64_t>(shards.size()); ++s)
@@ -1051,6 +1138,14 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
         std::fill(sums.begin(), sums.end(), 0.f);
         quants::with_type(shard.type, [&](auto t) {
           using T = decltype(t);
+#if !defined(PAGEDLLM_AVX512)
+          if constexpr (T::kIntegerScales) {
+            if (cx.bytes && m_end - m_begin >= tile_min_rows(T::kType)) {
+              integer_chunk_tile<T>(shard, panel, cx, m_begin, m_end, chunks, sums.data(), x_rows);
+              return;
+            }
+          }
+#endif
           const bool whole_rows = x_rows <= (T::kIntegerScales ? 1 : kWholeRows);
           const int64_t span = whole_rows ? chunks : kSpanChunks;
           const int64_t stream_ahead = kRowsAhead * kSpanChunks * quants::chunk_bytes<T>();
