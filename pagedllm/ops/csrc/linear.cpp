@@ -1017,8 +1017,14 @@ void integer_chunk_tile(const BlockShard& shard, const ShardPanel& panel, const 
         for (int64_t k = k0; k < k1; ++k) {
           for (int64_t n = g0; n < g1; ++n) {
             const uint8_t* p = shard.data + n * shard.row_bytes + k * T::kBlockBytes;
-            // the chunk visited next: the next row's, the group's first row's next chunk, or the next group's first
-            const int64_t next_n = n + 1 < g1 ? n + 1 : k + 1 < k1 ? g0 : g1, next_k = n + 1 < g1 ? k : k + 1 < k1 ? k + 1 : k0;
+            // the chunk visited next: the next row's; after the group's last row, its first row's next chunk, or
+            // after the span's last chunk the next group's first
+            int64_t next_n = n + 1, next_k = k;
+            if (next_n == g1) {
+              const bool span_left = k + 1 < k1;
+              next_n = span_left ? g0 : g1;
+              next_k = span_left ? k + 1 : k0;
+            }
             prefetch_chunk<T>(shard.data + next_n * shard.row_bytes + next_k * T::kBlockBytes);
             const IntegerChunk chunk = T::integer_chunk(p);
             for (int v = 0; v < kChunkVectors; ++v) {
