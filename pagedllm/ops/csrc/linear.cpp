@@ -586,7 +586,8 @@ void panel_matmul(const float* packed, int64_t n_rows, int64_t cols, const float
 //   the other types, up to kBlockStreamRows rows: x in int16 blocks of 32 (ActivationBlocks), as for int8 /
 //     int4 codes above; per 16-value group g,
 //       x . w = sum_g d_x(g) (s_w(g) sum_i u_i q_i + c_w(g) sum_i q_i)
-//     (quants.h's s, c). More rows: each thread dequantizes a panel of weight rows once into a float32
+//     (quants.h's s, c); on AVX2 the 32-value types a block at a time, the offset inside the codes where
+//     it is implicit (block_units_row). More rows: each thread dequantizes a panel of weight rows once into a float32
 //     buffer in cache (exactly the file's values) and runs the float path's register tiles over it.
 // With group_size > 0 (set where the CPU multiplies bf16), from group_size rows of x on: the weight
 // dequantized to bf16 and multiplied by oneDNN (bf16_blocks_linear, below), or on AMX panel by panel in
@@ -638,6 +639,7 @@ struct ActivationBlocks {
   int64_t cols, chunks, padded;
   LineVector<int16_t> q, quad_q;             // [rows, padded] each
   LineVector<float> scale, code_sum, pairs;  // [rows, padded / 16] each
+  LineVector<float> block_sum;               // [rows, padded / 32]: each block's scale * (sum of its codes)
 
   ActivationBlocks(const float* x, int64_t rows, int64_t cols_, bool dots, bool quads)
       : cols(cols_),
@@ -647,7 +649,8 @@ struct ActivationBlocks {
         quad_q(quads ? rows * padded : 0, 0),
         scale(dots ? rows * padded / quants::kGroupValues : 0, 0.f),
         code_sum(dots ? rows * padded / quants::kGroupValues : 0, 0.f),
-        pairs(quads ? rows * padded / quants::kGroupValues : 0, 0.f) {
+        pairs(quads ? rows * padded / quants::kGroupValues : 0, 0.f),
+        block_sum(dots ? rows * padded / 32 : 0, 0.f) {
     constexpr int kVectors = 32 / VecF::kWidth, kPerGroup = quants::kGroupValues / VecF::kWidth;
     constexpr int kUnit = quants::kUnitValues;
     alignas(64) int16_t codes[32];
@@ -679,6 +682,7 @@ struct ActivationBlocks {
             scale[(m * padded + b * 32) / quants::kGroupValues + g] = d;
             code_sum[(m * padded + b * 32) / quants::kGroupValues + g] = d * sums[g];
           }
+          block_sum[(m * padded + b * 32) / 32] = d * (sums[0] + sums[1]);  // exact: integers below 2^24
         }
 #if defined(PAGEDLLM_AVX512)
         if (quads) {
@@ -701,6 +705,13 @@ struct ActivationBlocks {
   }
   VecF sums(int64_t m, int64_t k, int j) const {
     return VecF::load(code_sum.data() + (m * padded + k * quants::kChunkValues) / quants::kGroupValues + j * VecF::kWidth);
+  }
+  // Block b of chunk k: its scale, and its scale * (sum of its codes).
+  float block_scale(int64_t m, int64_t k, int b) const {
+    return scale[(m * padded + k * quants::kChunkValues) / quants::kGroupValues + 2 * b];
+  }
+  float block_code_sum(int64_t m, int64_t k, int b) const {
+    return block_sum[(m * padded + k * quants::kChunkValues) / 32 + b];
   }
   const int16_t* quad_vector(int64_t m, int64_t k, int v) const {
     return quad_q.data() + m * padded + k * quants::kChunkValues + v * (quants::kChunkValues / 8);
@@ -771,6 +782,50 @@ void blocks_row(const uint8_t* row, const ActivationBlocks& x, int64_t m0, int64
   }
 }
 
+#if !defined(PAGEDLLM_AVX512)
+// blocks_row for the 32-value types on AVX2, where a unit is one block: each block's codes meet x in integer
+// multiply-adds, their int32 sums one float multiply-add by d dx, in one chain a row of x (a block's work is
+// longer than the multiply-add's latency). Codes are signed where the type's offset is implicit (quants.h
+// block_codes), which leaves no offset term; Q4_1 / Q5_1 add m (dx sum q) a block, in a scalar chain. The
+// per-chunk vectors of scales and offsets that blocks_row builds (8 loads of d, a conversion, permutes) took
+// a fifth of a one-row call's time on Zen 3 (docs/JOURNAL.md, session 23).
+template <typename T, int MR>
+void block_units_row(const uint8_t* row, const ActivationBlocks& x, int64_t m0, int64_t k0, int64_t k1, float* sums,
+                     int64_t ahead) {
+  using namespace quants;
+  VecF acc[MR];
+  float offsets[MR];
+  for (int i = 0; i < MR; ++i) {
+    acc[i] = VecF::zero();
+    offsets[i] = 0.f;
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    const uint8_t* p = row + k * chunk_bytes<T>();
+    prefetch_chunk<T>(p + ahead);
+    const int blocks = x.blocks_in(k);
+    for (int b = 0; b < kChunkValues / 32; ++b) {
+      if (b >= blocks) break;
+      const uint8_t* block = p + b * T::kBlockBytes;
+      const float d = half(block);
+      const VecB codes = T::block_codes(block);
+      for (int i = 0; i < MR; ++i) {
+        const VecI dots = dot<T::kSignedBlockCodes>(codes, x.unit(m0 + i, k, b));
+        acc[i] = fmadd(VecF::from_int(dots), VecF::set1(d * x.block_scale(m0 + i, k, b)), acc[i]);
+        if constexpr (T::kMinByte >= 0) offsets[i] = std::fma(half(block + T::kMinByte), x.block_code_sum(m0 + i, k, b), offsets[i]);
+      }
+    }
+    if (span_ends(k, k1)) {
+      for (int i = 0; i < MR; ++i) {
+        sums[i] += reduce_add(acc[i]) + offsets[i];
+        acc[i] = VecF::zero();
+        offsets[i] = 0.f;
+      }
+    }
+  }
+}
+#endif
+
+#if defined(PAGEDLLM_AVX512)
 // blocks_row compiled as a function of its own, for Q8_0: inlined into blocks_matmul's work loop, its row
 // took 2.0-2.2 ns a block against 1.55-1.65 alone (measured with GCC; why, not found); the other types'
 // rows are 5-10% faster inlined (docs/JOURNAL.md, session 11).
@@ -780,7 +835,6 @@ __attribute__((noinline)) void blocks_row_apart(const uint8_t* row, const Activa
   blocks_row<T, MR>(row, x, m0, k0, k1, sums, ahead);
 }
 
-#if defined(PAGEDLLM_AVX512)
 // blocks_row for the types read in quads (quants.h): per chunk and row of x, each quad's int32 sums of its
 // four vectors' multiply-adds, converted once and multiplied by its blocks' d dx; the m dx (sum q) terms
 // from the odd lanes of dm times the chunk's (dx, dx sum q) pairs.
@@ -1177,17 +1231,21 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
                     } else {
                       integer_chunk_row<T, R, false>(row, cx, m0, k0, k1, row_sum, ahead);
                     }
-                  } else if constexpr (T::kSigned) {
-                    blocks_row_apart<T, R>(row, qx, m0, k0, k1, row_sum, ahead);
                   } else {
 #if defined(PAGEDLLM_AVX512)
-                    if constexpr (quants::kQuads<T>) {
+                    if constexpr (T::kSigned) {
+                      blocks_row_apart<T, R>(row, qx, m0, k0, k1, row_sum, ahead);
+                    } else if constexpr (quants::kQuads<T>) {
                       quad_row<T, R>(row, qx, m0, k0, k1, row_sum, ahead);
                     } else {
                       blocks_row<T, R>(row, qx, m0, k0, k1, row_sum, ahead);
                     }
 #else
-                    blocks_row<T, R>(row, qx, m0, k0, k1, row_sum, ahead);
+                    if constexpr (T::kBlockValues == 32) {
+                      block_units_row<T, R>(row, qx, m0, k0, k1, row_sum, ahead);
+                    } else {
+                      blocks_row<T, R>(row, qx, m0, k0, k1, row_sum, ahead);
+                    }
 #endif
                   }
                   for (int i = 0; i < R; ++i) row_sums[i] += row_sum[i];

@@ -176,12 +176,18 @@ inline VecB nibble_block(const uint8_t* q) {
   const __m128i b = load16(q);
   return mask_bytes(_mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1), 15);
 }
-inline VecB bit_bytes(uint32_t bits, int value) {
+// Byte i all ones where bit i of bits is set, else zero.
+inline VecB bit_masks(uint32_t bits) {
   const __m256i spread = _mm256_shuffle_epi8(
       _mm256_set1_epi32(static_cast<int>(bits)),
       _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
   const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
-  return mask_bytes(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), value);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+}
+inline VecB bit_bytes(uint32_t bits, int value) { return mask_bytes(bit_masks(bits), value); }
+// Byte i `value` where bit i of bits is clear, else zero.
+inline VecB clear_bit_bytes(uint32_t bits, int value) {
+  return _mm256_andnot_si256(bit_masks(bits), _mm256_set1_epi8(static_cast<char>(value)));
 }
 template <bool kSigned>
 inline VecI dot(VecB codes, const int16_t* x) {
@@ -372,6 +378,26 @@ struct SmallBlocks {
 #endif
     return q;
   }
+
+#if !defined(PAGEDLLM_AVX512)
+  // The block at p's codes as the integers its values are d times (signed bytes, kSignedBlockCodes) where
+  // the offset is implicit: q - 8 (Q4_0); q - 16 (Q5_0: a clear fifth bit gives the code the high nibble
+  // 0xf0, q - 16 in two's complement). Where m is stored (kMinByte), the codes as they are.
+  static constexpr bool kSignedBlockCodes = kMinOffset < 0;
+  static constexpr int kMinByte = kMinOffset;
+  static_assert(kHighOffset < 0 || !kSignedBlockCodes || kImplicitOffset == 16, "a clear fifth bit is -16");
+  static VecB block_codes(const uint8_t* p) {
+    const VecB q = nibble_block(p + kCodeOffset);
+    if constexpr (kHighOffset >= 0) {
+      const uint32_t bits = bits32(p + kHighOffset);
+      return _mm256_or_si256(q, kSignedBlockCodes ? clear_bit_bytes(bits, 0xf0) : bit_bytes(bits, 16));
+    } else if constexpr (kSignedBlockCodes) {
+      return _mm256_sub_epi8(q, _mm256_set1_epi8(kImplicitOffset));
+    } else {
+      return q;
+    }
+  }
+#endif
 };
 
 using Q4_0 = SmallBlocks<2, 18, -1, -1, 2, 8>;
@@ -397,6 +423,11 @@ struct Q8_0 {
     return load32(p + u * kBlockBytes + 2);
 #endif
   }
+#if !defined(PAGEDLLM_AVX512)
+  static constexpr bool kSignedBlockCodes = true;
+  static constexpr int kMinByte = -1;
+  static VecB block_codes(const uint8_t* p) { return load32(p + 2); }
+#endif
 };
 
 #if defined(PAGEDLLM_AVX512)
