@@ -342,6 +342,8 @@ struct IntegerChunk {
 //                            past its blocks)
 //   codes(p, u, blocks)      unit u's codes (a unit past the blocks reads bytes of the chunk's first
 //                            block: the activations there are zeros)
+// and the 32-value types on AVX2, for block p alone: block_codes(p), signed where kSignedBlockCodes, and
+// kMinByte, the byte offset of its m (-1: none).
 
 // The 32-value types: a chunk is 8 blocks, each starting with d (float16); byte offsets of m (-1: none,
 // c = -kImplicitOffset d; else right after d), of the high bits (-1: none) and of the nibbles.
