@@ -639,7 +639,7 @@ struct ActivationBlocks {
   int64_t cols, chunks, padded;
   LineVector<int16_t> q, quad_q;             // [rows, padded] each
   LineVector<float> scale, code_sum, pairs;  // [rows, padded / 16] each
-  LineVector<float> block_sum;               // [rows, padded / 32]: each block's scale * (sum of its codes)
+  LineVector<float> block_sum;               // [rows, padded / 32]: each block's scale * (sum of its codes), AVX2
 
   ActivationBlocks(const float* x, int64_t rows, int64_t cols_, bool dots, bool quads)
       : cols(cols_),
@@ -650,7 +650,7 @@ struct ActivationBlocks {
         scale(dots ? rows * padded / quants::kGroupValues : 0, 0.f),
         code_sum(dots ? rows * padded / quants::kGroupValues : 0, 0.f),
         pairs(quads ? rows * padded / quants::kGroupValues : 0, 0.f),
-        block_sum(dots ? rows * padded / 32 : 0, 0.f) {
+        block_sum(dots && VecF::kWidth == 8 ? rows * padded / 32 : 0, 0.f) {
     constexpr int kVectors = 32 / VecF::kWidth, kPerGroup = quants::kGroupValues / VecF::kWidth;
     constexpr int kUnit = quants::kUnitValues;
     alignas(64) int16_t codes[32];
@@ -682,7 +682,9 @@ struct ActivationBlocks {
             scale[(m * padded + b * 32) / quants::kGroupValues + g] = d;
             code_sum[(m * padded + b * 32) / quants::kGroupValues + g] = d * sums[g];
           }
+#if !defined(PAGEDLLM_AVX512)
           block_sum[(m * padded + b * 32) / 32] = d * (sums[0] + sums[1]);  // exact: integers below 2^24
+#endif
         }
 #if defined(PAGEDLLM_AVX512)
         if (quads) {
