@@ -808,12 +808,12 @@ void block_units_row(const uint8_t* row, const ActivationBlocks& x, int64_t m0, 
     for (int b = 0; b < kChunkValues / 32; ++b) {
       if (b >= blocks) break;
       const uint8_t* block = p + b * T::kBlockBytes;
-      const float d = half(block);
+      const float d = half(block), m = T::kMinByte >= 0 ? half(block + T::kMinByte) : 0.f;
       const VecB codes = T::block_codes(block);
       for (int i = 0; i < MR; ++i) {
         const VecI dots = dot<T::kSignedBlockCodes>(codes, x.unit(m0 + i, k, b));
         acc[i] = fmadd(VecF::from_int(dots), VecF::set1(d * x.block_scale(m0 + i, k, b)), acc[i]);
-        if constexpr (T::kMinByte >= 0) offsets[i] = std::fma(half(block + T::kMinByte), x.block_code_sum(m0 + i, k, b), offsets[i]);
+        if constexpr (T::kMinByte >= 0) offsets[i] = std::fma(m, x.block_code_sum(m0 + i, k, b), offsets[i]);
       }
     }
     if (span_ends(k, k1)) {

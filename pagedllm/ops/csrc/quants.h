@@ -389,14 +389,12 @@ struct SmallBlocks {
   static constexpr int kMinByte = kMinOffset;
   static_assert(kHighOffset < 0 || !kSignedBlockCodes || kImplicitOffset == 16, "a clear fifth bit is -16");
   static VecB block_codes(const uint8_t* p) {
-    const VecB q = nibble_block(p + kCodeOffset);
-    if constexpr (kHighOffset >= 0) {
-      const uint32_t bits = bits32(p + kHighOffset);
-      return _mm256_or_si256(q, kSignedBlockCodes ? clear_bit_bytes(bits, 0xf0) : bit_bytes(bits, 16));
-    } else if constexpr (kSignedBlockCodes) {
-      return _mm256_sub_epi8(q, _mm256_set1_epi8(kImplicitOffset));
+    if constexpr (!kSignedBlockCodes) {
+      return codes(p, 0, 1);
+    } else if constexpr (kHighOffset >= 0) {
+      return _mm256_or_si256(nibble_block(p + kCodeOffset), clear_bit_bytes(bits32(p + kHighOffset), 0xf0));
     } else {
-      return q;
+      return _mm256_sub_epi8(nibble_block(p + kCodeOffset), _mm256_set1_epi8(kImplicitOffset));
     }
   }
 #endif
