@@ -632,9 +632,10 @@ int64_t total_rows(const std::vector<BlockShard>& shards) {
 }
 
 // Rows of x as int16 blocks of 32 (scale max |x| / 32767), zero-padded to whole chunks of 256, each unit
-// in quants::dot's order, with each 16-value group's scale and scale * (sum of its codes); for the types
-// read in quads (quants::kQuads), where `quads` asks for them, also the codes in quants::quad_position's
-// order with each block's scale and scale * (sum of its codes) in lanes 2b, 2b + 1 of a chunk's 16 floats.
+// at quants::unit_position's places, with each 16-value group's scale and scale * (sum of its codes); for
+// the types read in quads (quants::kQuads), where `quads` asks for them, also the codes in
+// quants::quad_position's order with each block's scale and scale * (sum of its codes) in lanes 2b, 2b + 1
+// of a chunk's 16 floats.
 struct ActivationBlocks {
   int64_t cols, chunks, padded;
   LineVector<int16_t> q, quad_q;             // [rows, padded] each
@@ -671,12 +672,10 @@ struct ActivationBlocks {
           sums[j / kPerGroup] += reduce_add(r);
         }
         if (dots) {
-          // value i of the block: unit position (i % kUnit) in dot's order
           int16_t* row = q.data() + m * padded;
           for (int i = 0; i < 32; ++i) {
             const int64_t v_index = b * 32 + i, in_unit = v_index % kUnit;
-            const int64_t lane = in_unit / 16, half = in_unit % 16 / 8;
-            row[v_index - in_unit + half * (kUnit / 2) + lane * 8 + in_unit % 8] = codes[i];
+            row[v_index - in_unit + quants::unit_position(static_cast<int>(in_unit))] = codes[i];
           }
           for (int g = 0; g < 2; ++g) {
             scale[(m * padded + b * 32) / quants::kGroupValues + g] = d;
@@ -787,10 +786,10 @@ void blocks_row(const uint8_t* row, const ActivationBlocks& x, int64_t m0, int64
 #if !defined(PAGEDLLM_AVX512)
 // blocks_row for the 32-value types on AVX2, where a unit is one block: each block's codes meet x in integer
 // multiply-adds, their int32 sums one float multiply-add by d dx, in one chain a row of x (a block's work is
-// longer than the multiply-add's latency). Codes are signed where the type's offset is implicit (quants.h
-// block_codes), which leaves no offset term; Q4_1 / Q5_1 add m (dx sum q) a block, in a scalar chain. The
-// per-chunk vectors of scales and offsets that blocks_row builds (8 loads of d, a conversion, permutes) took
-// a fifth of a one-row call's time on Zen 3 (docs/JOURNAL.md, session 23).
+// longer than the multiply-add's latency). A block's codes are int16 words, less the type's offset where
+// it is implicit (quants.h code_words), which leaves no offset term; Q4_1 / Q5_1 add m (dx sum q) a block,
+// in a scalar chain. The per-chunk vectors of scales and offsets that blocks_row builds (8 loads of d, a
+// conversion, permutes) took a fifth of a one-row call's time on Zen 3 (docs/JOURNAL.md, session 23).
 template <typename T, int MR>
 void block_units_row(const uint8_t* row, const ActivationBlocks& x, int64_t m0, int64_t k0, int64_t k1, float* sums,
                      int64_t ahead) {
@@ -809,9 +808,9 @@ void block_units_row(const uint8_t* row, const ActivationBlocks& x, int64_t m0, 
       if (b >= blocks) break;
       const uint8_t* block = p + b * T::kBlockBytes;
       const float d = half(block), m = T::kMinByte >= 0 ? half(block + T::kMinByte) : 0.f;
-      const VecB codes = T::block_codes(block);
+      const Words words = T::code_words(block);
       for (int i = 0; i < MR; ++i) {
-        const VecI dots = dot<T::kSignedBlockCodes>(codes, x.unit(m0 + i, k, b));
+        const VecI dots = words_dot(words, x.unit(m0 + i, k, b));
         acc[i] = fmadd(VecF::from_int(dots), VecF::set1(d * x.block_scale(m0 + i, k, b)), acc[i]);
         if constexpr (T::kMinByte >= 0) offsets[i] = std::fma(m, x.block_code_sum(m0 + i, k, b), offsets[i]);
       }

@@ -18,11 +18,13 @@
 // A row is read in chunks of 256 values (a K super-block, or eight 32-blocks; a row's last chunk of
 // 32-blocks may hold fewer), each chunk in units of one vector of byte codes (64 on AVX-512, 32 on AVX2)
 // in the values' order (Q4_K and Q6_K also in their own order for the integer sub-scales, below). A unit
-// meets activations as int16 values (ActivationBlocks in linear.cpp) in
-// multiply-adds of 16-bit pairs (VNNI's vpdpwssd, else pmaddwd): the codes widened by byte interleaving
-// (unpacklo / unpackhi within each 128-bit lane of 16 values; the activations are stored in that
-// order) and both halves summed into one vector whose 128-bit lane k holds the unit's group k: 32-bit
-// lanes 4g .. 4g + 3 of a chunk's 256 values belong to its group g.
+// meets activations as int16 values (ActivationBlocks in linear.cpp, at unit_position's places) in
+// multiply-adds of 16-bit pairs (VNNI's vpdpwssd, else pmaddwd). AVX-512: the codes widened by byte
+// interleaving (unpacklo / unpackhi within each 128-bit lane of 16 values; the activations are stored in
+// that order), both halves summed into one vector whose 128-bit lane k holds the unit's group k. AVX2:
+// the codes widened in order (vpmovzxbw, which also widens a block's nibbles straight from memory), x in
+// order, the halves' products paired by vphaddd: 32-bit lanes 0, 1, 4, 5 hold group 0, lanes 2, 3, 6, 7
+// group 1 (unit_scales).
 #pragma once
 
 #include <algorithm>
@@ -80,8 +82,11 @@ inline VecB bit_bytes(uint64_t bits, int value) {
   return _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(static_cast<char>(value)));
 }
 
+// Where value i of a unit sits in its activations' int16 codes: each 128-bit lane's first 8 values, then
+// each one's last 8 (unpacklo / unpackhi's order).
+constexpr int unit_position(int i) { return i % 16 / 8 * (kUnitValues / 2) + i / 16 * 8 + i % 8; }
 // Lanes of sum w_i x_i over 4 values each: a unit's codes (signed or not) against its activations
-// (int16, in dot's order: each 128-bit lane's first 8 values, then each one's last 8).
+// (int16, at unit_position's places).
 template <bool kSigned>
 inline VecI dot(VecB codes, const int16_t* x) {
   const __m512i high = kSigned ? _mm512_movm_epi8(_mm512_movepi8_mask(codes)) : _mm512_setzero_si512();
@@ -176,30 +181,84 @@ inline VecB nibble_block(const uint8_t* q) {
   const __m128i b = load16(q);
   return mask_bytes(_mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1), 15);
 }
-// Byte i all ones where bit i of bits is set, else zero.
-inline VecB bit_masks(uint32_t bits) {
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(static_cast<int>(bits)),
-      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+// Byte j all ones where bit 8 index[j] + j % 8 of bits is set, else zero.
+inline VecB select_bit_masks(uint32_t bits, __m256i index) {
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), index);
   const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
   return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
 }
-inline VecB bit_bytes(uint32_t bits, int value) { return mask_bytes(bit_masks(bits), value); }
-// Byte i `value` where bit i of bits is clear, else zero.
-inline VecB clear_bit_bytes(uint32_t bits, int value) {
-  return _mm256_andnot_si256(bit_masks(bits), _mm256_set1_epi8(static_cast<char>(value)));
+// Byte i all ones where bit i of bits is set, else zero.
+inline VecB bit_masks(uint32_t bits) {
+  return select_bit_masks(bits, _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2,
+                                                 2, 3, 3, 3, 3, 3, 3, 3, 3));
 }
+inline VecB bit_bytes(uint32_t bits, int value) { return mask_bytes(bit_masks(bits), value); }
+// A unit's activations are in order: value i at place i.
+constexpr int unit_position(int i) { return i; }
+// 32 codes as int16 words, values 0-15 and 16-31.
+struct Words {
+  __m256i low, high;
+};
+template <bool kSigned>
+inline Words byte_words(VecB codes) {
+  const __m128i a = _mm256_castsi256_si128(codes), b = _mm256_extracti128_si256(codes, 1);
+  if constexpr (kSigned) return {_mm256_cvtepi8_epi16(a), _mm256_cvtepi8_epi16(b)};
+  return {_mm256_cvtepu8_epi16(a), _mm256_cvtepu8_epi16(b)};
+}
+// Word order: a block's 32 byte codes placed so that unpacklo / unpackhi within each 128-bit lane widen
+// them to values 0-15 and 16-31 (lane 0 holds values 0-7 and 16-23, lane 1 values 8-15 and 24-31).
+// Widening bytes in the values' order (byte_words) crosses lanes: Q5_0's blocks took 1.15x as long so.
+template <bool kSigned>
+inline Words word_order_words(VecB codes) {
+  const __m256i high = kSigned ? _mm256_cmpgt_epi8(_mm256_setzero_si256(), codes) : _mm256_setzero_si256();
+  return {_mm256_unpacklo_epi8(codes, high), _mm256_unpackhi_epi8(codes, high)};
+}
+// A 32-value block of nibbles in word order: each lane's 8 bytes twice, the second copy shifted to its
+// high nibbles.
+inline VecB word_order_nibbles(const uint8_t* q) {
+  const __m256i halves = _mm256_shuffle_epi8(
+      _mm256_broadcastsi128_si256(load16(q)),
+      _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12,
+                       13, 14, 15));
+  return mask_bytes(_mm256_srlv_epi64(halves, _mm256_setr_epi64x(0, 4, 0, 4)), 15);
+}
+// Byte j of word order all ones where the bit of its value is set in bits, else zero.
+inline VecB word_order_bit_masks(uint32_t bits) {
+  return select_bit_masks(bits, _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1,
+                                                 1, 3, 3, 3, 3, 3, 3, 3, 3));
+}
+// A 32-value block of nibbles (value i in byte i's low nibble, i + 16 in its high) as words minus
+// `offset`: widened first, the high nibble is a shift with nothing to mask.
+inline Words nibble_words(const uint8_t* q, int offset) {
+  const __m256i w = _mm256_cvtepu8_epi16(load16(q));
+  const __m256i low = _mm256_and_si256(w, _mm256_set1_epi16(15)), high = _mm256_srli_epi16(w, 4);
+  if (offset == 0) return {low, high};
+  const __m256i o = _mm256_set1_epi16(static_cast<int16_t>(offset));
+  return {_mm256_sub_epi16(low, o), _mm256_sub_epi16(high, o)};
+}
+inline __m256i pair_products(__m256i w, const int16_t* x) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+#if defined(PAGEDLLM_VNNI)
+  return _mm256_dpwssd_avx_epi32(_mm256_setzero_si256(), w, xv);
+#else
+  return _mm256_madd_epi16(w, xv);
+#endif
+}
+// Lanes of sum w_i x_i: a block's words against its 32 activations (int16, in order).
+inline VecI words_dot(const Words& w, const int16_t* x) {
+#if defined(PAGEDLLM_VNNI)
+  const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+  return _mm256_dpwssd_avx_epi32(pair_products(w.low, x), w.high, xb);
+#else
+  return _mm256_add_epi32(pair_products(w.low, x), pair_products(w.high, x + 16));
+#endif
+}
+// Lanes of sum w_i x_i over 4 values each, a group's lanes apart (unit_scales): a unit's codes (signed or
+// not) against its activations.
 template <bool kSigned>
 inline VecI dot(VecB codes, const int16_t* x) {
-  const __m256i high = kSigned ? _mm256_cmpgt_epi8(_mm256_setzero_si256(), codes) : _mm256_setzero_si256();
-  const __m256i first = _mm256_unpacklo_epi8(codes, high), second = _mm256_unpackhi_epi8(codes, high);
-  const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
-#if defined(PAGEDLLM_VNNI)
-  return _mm256_dpwssd_avx_epi32(_mm256_dpwssd_avx_epi32(_mm256_setzero_si256(), first, xa), second, xb);
-#else
-  return _mm256_add_epi32(_mm256_madd_epi16(first, xa), _mm256_madd_epi16(second, xb));
-#endif
+  const Words w = byte_words<kSigned>(codes);
+  return _mm256_hadd_epi32(pair_products(w.low, x), pair_products(w.high, x + 16));
 }
 template <bool kSigned>
 inline void bytes_as_floats(__m128i b, VecF* out) {
@@ -207,9 +266,9 @@ inline void bytes_as_floats(__m128i b, VecF* out) {
   const __m128i rest = _mm_srli_si128(b, 8);
   out[1] = _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(rest) : _mm256_cvtepu8_epi32(rest));
 }
-// The group scales of unit u's lanes (lane l: group 2u + l / 4).
+// The group scales of unit u's lanes (dot's: lane l, group 2u + l / 2 % 2).
 inline VecF unit_scales(const VecF* groups, int u) {
-  const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(2 * (u % 4)), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(2 * (u % 4)), _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1));
   return _mm256_permutevar8x32_ps(groups[u / 4].v, index);
 }
 template <int kBytes>
@@ -342,8 +401,8 @@ struct IntegerChunk {
 //                            past its blocks)
 //   codes(p, u, blocks)      unit u's codes (a unit past the blocks reads bytes of the chunk's first
 //                            block: the activations there are zeros)
-// and the 32-value types on AVX2, for block p alone: block_codes(p), signed where kSignedBlockCodes, and
-// kMinByte, the byte offset of its m (-1: none).
+// and the 32-value types on AVX2, for block p alone: code_words(p), its codes as int16 words (less the
+// offset where it is implicit), and kMinByte, the byte offset of its m (-1: none).
 
 // The 32-value types: a chunk is 8 blocks, each starting with d (float16); byte offsets of m (-1: none,
 // c = -kImplicitOffset d; else right after d), of the high bits (-1: none) and of the nibbles.
@@ -382,19 +441,21 @@ struct SmallBlocks {
   }
 
 #if !defined(PAGEDLLM_AVX512)
-  // The block at p's codes as the integers its values are d times (signed bytes, kSignedBlockCodes) where
-  // the offset is implicit: q - 8 (Q4_0); q - 16 (Q5_0: a clear fifth bit gives the code the high nibble
-  // 0xf0, q - 16 in two's complement). Where m is stored (kMinByte), the codes as they are.
-  static constexpr bool kSignedBlockCodes = kMinOffset < 0;
+  // The block at p's codes as the integers its values are d times, in words, where the offset is
+  // implicit: q - 8 (Q4_0); q - 16 (Q5_0: a clear fifth bit gives the code the high nibble 0xf0, q - 16
+  // in two's complement, widened signed). Where m is stored (kMinByte), the codes as they are.
   static constexpr int kMinByte = kMinOffset;
-  static_assert(kHighOffset < 0 || !kSignedBlockCodes || kImplicitOffset == 16, "a clear fifth bit is -16");
-  static VecB block_codes(const uint8_t* p) {
-    if constexpr (!kSignedBlockCodes) {
-      return codes(p, 0, 1);
-    } else if constexpr (kHighOffset >= 0) {
-      return _mm256_or_si256(nibble_block(p + kCodeOffset), clear_bit_bytes(bits32(p + kHighOffset), 0xf0));
+  static_assert(kHighOffset < 0 || kMinOffset >= 0 || kImplicitOffset == 16, "a clear fifth bit is -16");
+  static Words code_words(const uint8_t* p) {
+    if constexpr (kHighOffset < 0) {
+      return nibble_words(p + kCodeOffset, kMinOffset < 0 ? kImplicitOffset : 0);
     } else {
-      return _mm256_sub_epi8(nibble_block(p + kCodeOffset), _mm256_set1_epi8(kImplicitOffset));
+      const VecB nibbles = word_order_nibbles(p + kCodeOffset), bits = word_order_bit_masks(bits32(p + kHighOffset));
+      if constexpr (kMinOffset < 0) {
+        return word_order_words<true>(_mm256_or_si256(nibbles, _mm256_andnot_si256(bits, _mm256_set1_epi8(-16))));
+      } else {
+        return word_order_words<false>(_mm256_or_si256(nibbles, mask_bytes(bits, 16)));
+      }
     }
   }
 #endif
@@ -424,9 +485,10 @@ struct Q8_0 {
 #endif
   }
 #if !defined(PAGEDLLM_AVX512)
-  static constexpr bool kSignedBlockCodes = true;
   static constexpr int kMinByte = -1;
-  static VecB block_codes(const uint8_t* p) { return load32(p + 2); }
+  static Words code_words(const uint8_t* p) {
+    return {_mm256_cvtepi8_epi16(load16(p + 2)), _mm256_cvtepi8_epi16(load16(p + 18))};
+  }
 #endif
 };
 
