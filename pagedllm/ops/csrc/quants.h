@@ -21,10 +21,11 @@
 // meets activations as int16 values (ActivationBlocks in linear.cpp, at unit_position's places) in
 // multiply-adds of 16-bit pairs (VNNI's vpdpwssd, else pmaddwd). AVX-512: the codes widened by byte
 // interleaving (unpacklo / unpackhi within each 128-bit lane of 16 values; the activations are stored in
-// that order), both halves summed into one vector whose 128-bit lane k holds the unit's group k. AVX2:
-// the codes widened in order (vpmovzxbw, which also widens a block's nibbles straight from memory), x in
-// order, the halves' products paired by vphaddd: 32-bit lanes 0, 1, 4, 5 hold group 0, lanes 2, 3, 6, 7
-// group 1 (unit_scales).
+// that order), both halves summed into one vector whose 128-bit lane k holds the unit's group k. AVX2: x
+// in order; a 32-value block's codes become words whole (code_words: Q4_0 / Q4_1 nibbles and Q8_0 bytes
+// widened from memory by vpmovzxbw / vpmovsxbw, Q5_0 / Q5_1 bytes built in word order and unpacked), and
+// dot (Q5_K's units) widens a unit's bytes in order and pairs the halves' products by vphaddd: 32-bit
+// lanes 0, 1, 4, 5 hold group 0, lanes 2, 3, 6, 7 group 1 (unit_scales).
 #pragma once
 
 #include <algorithm>
