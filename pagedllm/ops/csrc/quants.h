@@ -601,6 +601,43 @@ inline VecB k_nibbles(const uint8_t* qs, int u) {
 #endif
 }
 
+#if !defined(PAGEDLLM_AVX512)
+// AVX2's walks of int8 x on the K types (linear.cpp, byte_chunk_row and byte_tile): a chunk's sub-scales
+// broadcast (for select_bytes, as IntegerChunk's), each 16-value group's integer multiplier of x's sum over
+// it (Q4_K: its sub-block's m; Q6_K: its sc) as 16-bit lanes, and the float factors of the two integer sums:
+// d and c (Q4_K: -dmin; Q6_K: -32 d), as d, c, d, c.
+struct ByteChunk {
+  VecB scales;
+  __m256i multipliers;
+  __m128 factors;
+};
+// kByteRows weight rows' chunks interleaved, lane r of every vector row r's: codes[t] holds the codes of
+// values 4t .. 4t + 3 (one 32-bit lane a row), scales[s] the sub-scale of the values [256 s / kScales ..)
+// in both 16-bit halves of a lane, multipliers[q] groups 2q and 2q + 1's multipliers, d and c the factors.
+constexpr int kByteRows = 8;
+struct ByteRows {
+  __m256i codes[kChunkValues / 4];
+  __m256i scales[kGroups];
+  __m256i multipliers[kGroups / 2];
+  VecF d, c;
+};
+// Codes of kByteRows chunks (T::integer_codes, a sub-block of 32 values a vector in the values' order) in
+// ByteRows' order: each vector's 8 lanes of 4 codes, transposed with the other rows'.
+template <typename T>
+inline void interleave_codes(const uint8_t* const* p, __m256i* codes) {
+  for (int v = 0; v < kChunkVectors; ++v) {
+    __m256i rows[kByteRows];
+    for (int r = 0; r < kByteRows; ++r) rows[r] = T::integer_codes(p[r], v);
+    transpose8(rows);
+    for (int i = 0; i < kByteRows; ++i) codes[kByteRows * v + i] = rows[i];
+  }
+}
+// Lanes of int32 values whose low 16 bits are both of the lane's 16-bit halves (a scale for vpmaddwd).
+inline __m256i both_halves(__m256i v) {
+  return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
+}
+#endif
+
 struct Q4_K {
   static constexpr int kType = 12, kBlockValues = 256, kBlockBytes = 144;
   static constexpr bool kSigned = false, kIntegerScales = true, kSignedScales = false;
@@ -627,6 +664,36 @@ struct Q4_K {
     return k_nibbles(p + 16, v);
 #endif
   }
+#if !defined(PAGEDLLM_AVX512)
+  static constexpr int kSumCodes = 8, kScaleCodes = 8;  // 4-code lanes summed in 16 bits; a scale's
+  static ByteChunk byte_chunk(const uint8_t* p) {
+    const __m128i bytes = k_scale_bytes(p);
+    const KScale scale = k_scale(p);
+    return {broadcast_bytes(bytes), _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(bytes, bytes)),
+            _mm_setr_ps(scale.d, -scale.dmin, scale.d, -scale.dmin)};
+  }
+  static void interleave(const uint8_t* const* p, ByteRows& out) {
+    interleave_codes<Q4_K>(p, out.codes);
+    __m256i scales[kByteRows], mins[kByteRows];
+    alignas(32) float d[kByteRows], c[kByteRows];
+    for (int r = 0; r < kByteRows; ++r) {
+      const __m128i bytes = k_scale_bytes(p[r]);
+      scales[r] = _mm256_cvtepu8_epi32(bytes);
+      mins[r] = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+      const KScale scale = k_scale(p[r]);
+      d[r] = scale.d;
+      c[r] = -scale.dmin;
+    }
+    transpose8(scales);
+    transpose8(mins);
+    for (int j = 0; j < kByteRows; ++j) {
+      out.scales[j] = both_halves(scales[j]);
+      out.multipliers[j] = both_halves(mins[j]);  // groups 2j and 2j + 1: sub-block j
+    }
+    out.d = VecF::load(d);
+    out.c = VecF::load(c);
+  }
+#endif
 };
 
 struct Q5_K {
@@ -703,6 +770,37 @@ struct Q6_K {
     return codes(p, v, 8);
 #endif
   }
+#if !defined(PAGEDLLM_AVX512)
+  static constexpr int kSumCodes = 2, kScaleCodes = 4;  // 2 products of 2 x 63 x 127 stay below 2^15
+  static ByteChunk byte_chunk(const uint8_t* p) {
+    const __m128i scales = load16(p + 192);
+    const float d = half(p + 208);
+    return {broadcast_bytes(scales), _mm256_cvtepi8_epi16(scales), _mm_setr_ps(d, -32.f * d, d, -32.f * d)};
+  }
+  static void interleave(const uint8_t* const* p, ByteRows& out) {
+    interleave_codes<Q6_K>(p, out.codes);
+    __m256i first[kByteRows], second[kByteRows], pairs[kByteRows];
+    alignas(32) float d[kByteRows], c[kByteRows];
+    for (int r = 0; r < kByteRows; ++r) {
+      const __m128i scales = load16(p[r] + 192);
+      first[r] = _mm256_cvtepi8_epi32(scales);
+      second[r] = _mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8));
+      pairs[r] = _mm256_cvtepi8_epi16(scales);
+      d[r] = half(p[r] + 208);
+      c[r] = -32.f * d[r];
+    }
+    transpose8(first);
+    transpose8(second);
+    transpose8(pairs);
+    for (int j = 0; j < kByteRows; ++j) {
+      out.scales[j] = both_halves(first[j]);
+      out.scales[kByteRows + j] = both_halves(second[j]);
+      out.multipliers[j] = pairs[j];
+    }
+    out.d = VecF::load(d);
+    out.c = VecF::load(c);
+  }
+#endif
 };
 
 // Calls fn(T{}) for ggml type number `type`; false if it is not one of these.

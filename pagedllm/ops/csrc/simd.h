@@ -285,9 +285,9 @@ inline VecF scale_by_pow2(VecF a, VecF n) {  // a * 2^n, n integral in [-126, 12
   return _mm256_mul_ps(a.v, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
 }
 
-inline void transpose_tile(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
-  __m256 r[8], t[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld_src);
+// Rows r[0 .. 8) of an 8 x 8 tile of 32-bit values become its columns, in registers.
+inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8];
   for (int i = 0; i < 8; i += 2) {
     t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
     t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
@@ -299,9 +299,23 @@ inline void transpose_tile(const float* src, int64_t ld_src, float* dst, int64_t
     r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
   }
   for (int j = 0; j < 4; ++j) {
-    _mm256_storeu_ps(dst + j * ld_dst, _mm256_permute2f128_ps(r[j], r[4 + j], 0x20));
-    _mm256_storeu_ps(dst + (4 + j) * ld_dst, _mm256_permute2f128_ps(r[j], r[4 + j], 0x31));
+    t[j] = _mm256_permute2f128_ps(r[j], r[4 + j], 0x20);
+    t[4 + j] = _mm256_permute2f128_ps(r[j], r[4 + j], 0x31);
   }
+  for (int i = 0; i < 8; ++i) r[i] = t[i];
+}
+inline void transpose8(__m256i (&v)[8]) {
+  __m256 r[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_castsi256_ps(v[i]);
+  transpose8(r);
+  for (int i = 0; i < 8; ++i) v[i] = _mm256_castps_si256(r[i]);
+}
+
+inline void transpose_tile(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
+  __m256 r[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld_src);
+  transpose8(r);
+  for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + i * ld_dst, r[i]);
 }
 #endif
 
