@@ -665,7 +665,9 @@ struct Q4_K {
 #endif
   }
 #if !defined(PAGEDLLM_AVX512)
-  static constexpr int kSumCodes = 8, kScaleCodes = 8;  // 4-code lanes summed in 16 bits; a scale's
+  // 4-code lanes a 16-bit sum takes (a sub-block's 8: each lane's pair of u q at most 2 x 15 x 127), and
+  // the lanes one sub-scale spans
+  static constexpr int kSumCodes = 8, kScaleCodes = 8;
   static ByteChunk byte_chunk(const uint8_t* p) {
     const __m128i bytes = k_scale_bytes(p);
     const KScale scale = k_scale(p);
@@ -771,7 +773,9 @@ struct Q6_K {
 #endif
   }
 #if !defined(PAGEDLLM_AVX512)
-  static constexpr int kSumCodes = 2, kScaleCodes = 4;  // 2 products of 2 x 63 x 127 stay below 2^15
+  // 4-code lanes a 16-bit sum takes (2: each lane's pair of u q at most 2 x 63 x 127), and the lanes one
+  // sub-scale spans (16 values)
+  static constexpr int kSumCodes = 2, kScaleCodes = 4;
   static ByteChunk byte_chunk(const uint8_t* p) {
     const __m128i scales = load16(p + 192);
     const float d = half(p + 208);
