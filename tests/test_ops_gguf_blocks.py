@@ -121,6 +121,26 @@ def test_integer_scales_give_a_row_the_same_bits_in_any_batch(kernels, name):
     assert torch.equal(gated, alone[:1]) == (not k_panels(kernels.selected_isa(), len(x)))
 
 
+def test_integer_scales_give_the_same_bits_on_every_build(monkeypatch):
+    """int8 x on the K types: each chunk's two exact integers and their float sums in one order on every
+    build, so that an AVX-512 CPU gives a row the bits an AVX2 one gives, at one row (the walk of whole rows)
+    and at many (the tile); the wider code vectors change which lanes hold the integers' parts, not them."""
+    if len(ISAS) < 2:
+        pytest.skip("this CPU runs one instruction-set build")
+    types = ("Q4_K", "Q6_K")
+    data, layout, _ = storage(
+        [random_blocks(GGMLQuantizationType[t], 40, 2304, seed=i) for i, t in enumerate(types)]
+    )
+    x = torch.randn(300, 2304) * torch.logspace(-2, 2, 2304)[torch.randperm(2304)]
+    outs = {}
+    for isa in ISAS:
+        monkeypatch.setattr(native, "selected_isa", lambda isa=isa: isa)
+        outs[isa] = [native.linear(x[:rows], data, layout) for rows in (1, 5, 16, 300)]
+    for isa in ISAS[1:]:
+        for rows, a, b in zip((1, 5, 16, 300), outs[ISAS[0]], outs[isa], strict=True):
+            assert torch.equal(a, b), f"{isa} differs from {ISAS[0]} at {rows} rows"
+
+
 @pytest.mark.parametrize("types", [("Q5_0", "Q5_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K")], ids="-".join)
 @pytest.mark.parametrize("rows", [1, 17])
 def test_mixed_shards_of_a_fused_projection_with_bias_and_residual(kernels, types, rows):

@@ -875,14 +875,14 @@ void quad_row(const uint8_t* row, const ActivationBlocks& x, int64_t m0, int64_t
 
 // Rows of x with one scale per chunk of 256 values, for the K types' integer sub-scales (quants.h): as int8
 // (`bytes`: max |x| / 127, llama.cpp's q8_K) at quants::run_position's places, or as int16 (max |x| / 32767)
-// in quants::chunk_position's order; each chunk's scale dx, and each 16-value group's dx * (sum of its codes)
-// (with int8 x also the sum itself, for AVX2's integer offsets: byte_chunk_row).
+// in quants::chunk_position's order; each chunk's scale dx, and each 16-value group's sum of its codes (int8
+// x: the integer, for the offsets' N of byte_chunk_row and byte_tile; int16 x: times dx).
 struct ChunkActivations {
   int64_t chunks;
   bool bytes;
   LineVector<int16_t> q;              // [rows, chunks * 256], int16 x
   LineVector<int8_t> q8;              // [rows, chunks * 256], int8 x
-  LineVector<float> scale, code_sum;  // [rows, chunks], [rows, chunks * 16]
+  LineVector<float> scale, code_sum;  // [rows, chunks], [rows, chunks * 16] (int16 x)
   LineVector<int16_t> group_sum;      // [rows, chunks * 16], int8 x: |sum| <= 16 * 127
 
   ChunkActivations(const float* x, int64_t rows, int64_t cols, bool bytes_)
@@ -891,7 +891,7 @@ struct ChunkActivations {
         q(bytes_ ? 0 : rows * cols),
         q8(bytes_ ? rows * cols : 0),
         scale(rows * chunks),
-        code_sum(rows * chunks * quants::kGroups),
+        code_sum(bytes_ ? 0 : rows * chunks * quants::kGroups),
         group_sum(bytes_ ? rows * chunks * quants::kGroups : 0) {
     constexpr int kValues = quants::kChunkValues, kVectors = kValues / VecF::kWidth;
     constexpr int kPerGroup = quants::kGroupValues / VecF::kWidth;
@@ -912,8 +912,7 @@ struct ChunkActivations {
       }
       const float d = reduce_max(amax) / largest;
       const VecF inverse = VecF::set1(d > 0.f ? 1.f / d : 0.f);
-      float* sums = code_sum.data() + c * quants::kGroups;
-      for (int g = 0; g < quants::kGroups; ++g) sums[g] = 0.f;
+      float sums[quants::kGroups] = {};
       for (int j = 0; j < kVectors; ++j) {
         const VecF r = round_nearest(VecF::load(src + j * VecF::kWidth) * inverse);
         store_int16(r, codes + j * VecF::kWidth);
@@ -921,13 +920,11 @@ struct ChunkActivations {
       }
       if (bytes) {
         for (int g = 0; g < quants::kGroups; ++g) group_sum[c * quants::kGroups + g] = static_cast<int16_t>(sums[g]);
-      }
-      for (int g = 0; g < quants::kGroups; ++g) sums[g] *= d;
-      if (bytes) {
         int8_t* out = q8.data() + c * kValues;
         for (int r = 0; r < kValues / 32; ++r)
           for (int l = 0; l < 32; ++l) out[quants::run_position(r) + l] = static_cast<int8_t>(codes[32 * r + l]);
       } else {
+        for (int g = 0; g < quants::kGroups; ++g) code_sum[c * quants::kGroups + g] = sums[g] * d;
         int16_t* out = q.data() + c * kValues;
         for (int i = 0; i < kValues; ++i) out[position[i]] = codes[i];
       }
@@ -949,21 +946,14 @@ struct ChunkActivations {
 };
 
 // sums[0 .. MR] += x rows m0 .. m0 + MR . chunks [k0, k1) of one weight row of a K type with integer
-// sub-scales (quants.h), prefetching as blocks_row does: a code vector's scaled products (int16 x) or its
-// scales as 16-bit lanes (int8 x: kBytes) are made once and meet every row of x. int16 x: each row sums in
-// two int32 chains (the even bytes' products and the odd ones'). int8 x (AVX-512: AVX2 takes byte_chunk_row,
-// below): two chains a row where the sum is a VNNI multiply-add (its latency) or there is one row, else one (an
-// add's latency); each row's d dx made where it is used.
-template <typename T, int MR, bool kBytes>
+// sub-scales (quants.h) and int16 x, prefetching as blocks_row does: a code vector's scaled products are made
+// once and meet every row of x, each row summing in two int32 chains (the even bytes' products and the odd
+// ones'); each row's d dx made where it is used. (int8 x: byte_chunk_row and byte_tile, below.)
+template <typename T, int MR>
 void integer_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0, int64_t k0, int64_t k1,
                        float* sums, int64_t ahead) {
   using namespace quants;
-  constexpr int kWindow = kBytes ? kChunkVectors : T::kWindow;
-#if defined(PAGEDLLM_VNNI)
-  constexpr int kChains = 2;
-#else
-  constexpr int kChains = kBytes && MR > 1 ? 1 : 2;
-#endif
+  constexpr int kWindow = T::kWindow;
   VecF acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = VecF::zero();
   const ScaleIndex& index = T::scale_index();
@@ -974,30 +964,20 @@ void integer_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < kGroupVectors; ++j) acc[i] = fmadd(chunk.offsets[j], x.sums(m0 + i, k, j), acc[i]);
     for (int w = 0; w < kChunkVectors; w += kWindow) {
-      VecI dots[MR][kChains];
-      for (int i = 0; i < MR; ++i)
-        for (int c = 0; c < kChains; ++c) dots[i][c] = zero_int();
+      VecI dots[MR][2];
+      for (int i = 0; i < MR; ++i) dots[i][0] = dots[i][1] = zero_int();
       for (int v = w; v < w + kWindow; ++v) {
         const VecB codes = T::integer_codes(p, v);
         const VecB even = select_bytes(chunk.scales, index.bytes[v]);
-        if constexpr (kBytes) {
-          const VecI scales = scale_words<T::kSignedScales>(even);
-          for (int i = 0; i < MR; ++i)
-            dots[i][v % kChains] = add_byte_products(dots[i][v % kChains], codes, x.byte_vector(m0 + i, k, v), scales);
-        } else {
-          const VecI e = byte_products(codes, even), o = byte_products(codes, to_odd_bytes(even));
-          for (int i = 0; i < MR; ++i) {
-            const int16_t* xv = x.vector(m0 + i, k, v);
-            dots[i][0] = add_products(dots[i][0], e, xv);
-            dots[i][1] = add_products(dots[i][1], o, xv + kUnitValues / 2);
-          }
+        const VecI e = byte_products(codes, even), o = byte_products(codes, to_odd_bytes(even));
+        for (int i = 0; i < MR; ++i) {
+          const int16_t* xv = x.vector(m0 + i, k, v);
+          dots[i][0] = add_products(dots[i][0], e, xv);
+          dots[i][1] = add_products(dots[i][1], o, xv + kUnitValues / 2);
         }
       }
-      for (int i = 0; i < MR; ++i) {
-        VecI total = dots[i][0];
-        for (int c = 1; c < kChains; ++c) total = add_int(total, dots[i][c]);
-        acc[i] = fmadd(VecF::from_int(total), VecF::set1(chunk.d * x.scale_of(m0 + i, k)), acc[i]);
-      }
+      for (int i = 0; i < MR; ++i)
+        acc[i] = fmadd(VecF::from_int(add_int(dots[i][0], dots[i][1])), VecF::set1(chunk.d * x.scale_of(m0 + i, k)), acc[i]);
     }
     if (span_ends(k, k1)) {
       for (int i = 0; i < MR; ++i) {
@@ -1013,12 +993,12 @@ struct ShardPanel {
   int64_t shard, n0, n1;
 };
 
-#if !defined(PAGEDLLM_AVX512)
-// AVX2's int8 x on the K types (the default): chunk k of a (weight row, row of x) pair gives two exact
+// int8 x on the K types (the default), on both builds: chunk k of a (weight row, row of x) pair gives two exact
 // integers, the codes' sum M = sum_i sc(i) u_i q_i and the offsets' N = sum_g mult_g (sum_{i in g} q_i)
 // (quants::ByteChunk: Q4_K's mult is m, Q6_K's sc), which two float sums take in the order of k:
 //   acc_M = fma(M, d dx, acc_M),  acc_N = fma(N, c dx, acc_N),  x . w = acc_M + acc_N.
-// Integers are exact in any order, so both walks below give a row the same bits whatever rows are beside it.
+// Integers are exact in any order, so both walks below give a row the same bits whatever rows are beside it,
+// and AVX-512 CPUs the bits AVX2 ones give (their wider code vectors only change which lanes hold a part of M).
 // Few rows of x (byte_chunk_row): a weight row's code vectors meet x in the values' order, as
 // integer_chunk_row's, and each chunk's lanes are added up (two hadds). Many rows (byte_tile): kByteRows weight
 // rows' codes are interleaved once a chunk into L1 (quants::ByteRows), 4 codes of each row a 32-bit lane, so
@@ -1028,11 +1008,19 @@ struct ShardPanel {
 // fifth of a chunk on each pair's float epilogue (3 multiply-adds a lane) and could not sum in 16 bits: this
 // one ran the 1.5B's 200-row gate and down projections 1.5x and 1.24x as fast (docs/JOURNAL.md, session 26).
 template <typename T, int MR>
-void byte_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0, int64_t chunks, __m128* acc,
+void byte_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0, int64_t chunks, float* sums,
                     int64_t ahead) {
   using namespace quants;
+  static_assert(MR <= 4, "a chunk's (M, N) of up to 4 rows of x share one reduction");
+  // int32 chains a row: two where the sum is a VNNI multiply-add (its latency) or there is one row, else one
+#if defined(PAGEDLLM_VNNI)
+  constexpr int kChains = 2;
+#else
   constexpr int kChains = MR > 1 ? 1 : 2;
+#endif
   const ScaleIndex& index = T::scale_index();
+  // lanes 2i and 2i + 1: row i's acc_M and acc_N (one row: lanes 0, 1, again in 2, 3, as the pairs sum)
+  __m256 acc = _mm256_setzero_ps();
   for (int64_t k = 0; k < chunks; ++k) {
     const uint8_t* p = row + k * T::kBlockBytes;
     prefetch_chunk<T>(p + ahead);
@@ -1046,16 +1034,42 @@ void byte_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0, i
       for (int i = 0; i < MR; ++i)
         dots[i][v % kChains] = add_byte_products(dots[i][v % kChains], codes, x.byte_vector(m0 + i, k, v), scales);
     }
-    for (int i = 0; i < MR; ++i) {
-      VecI codes_sum = dots[i][0];
-      for (int c = 1; c < kChains; ++c) codes_sum = add_int(codes_sum, dots[i][c]);
+    // pairs[i]: row i's M lanes and N lanes summed pairwise (hadd), within each 128-bit half
+    __m256i pairs[4];
+    for (int i = 0; i < 4; ++i) {
+      if (i >= MR) {
+        pairs[i] = _mm256_setzero_si256();
+        continue;
+      }
+      VecI lanes_sum = dots[i][0];
+      for (int c = 1; c < kChains; ++c) lanes_sum = add_int(lanes_sum, dots[i][c]);
+#if defined(PAGEDLLM_AVX512)
+      const __m256i codes_sum = _mm256_add_epi32(quants::code_half(lanes_sum, 0), quants::code_half(lanes_sum, 1));
+#else
+      const __m256i codes_sum = lanes_sum;
+#endif
       const __m256i group_sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.group_sums(m0 + i, k)));
-      const __m256i pairs = _mm256_hadd_epi32(codes_sum, _mm256_madd_epi16(chunk.multipliers, group_sums));
-      const __m128i quads = _mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
-      const __m128 sums = _mm_cvtepi32_ps(_mm_hadd_epi32(quads, quads));  // M, N, M, N
-      acc[i] = _mm_fmadd_ps(sums, _mm_mul_ps(chunk.factors, _mm_set1_ps(x.scale_of(m0 + i, k))), acc[i]);
+      pairs[i] = _mm256_hadd_epi32(codes_sum, _mm256_madd_epi16(chunk.multipliers, group_sums));
     }
+    // each 128-bit half's M0 N0 M1 N1 (a) and M2 N2 M3 N3 (b), the halves added: M0 N0 .. M3 N3 (one row:
+    // M N M N in each half, added to the other's)
+    __m256i totals;
+    if constexpr (MR == 1) {
+      const __m256i quads = _mm256_hadd_epi32(pairs[0], pairs[0]);
+      totals = _mm256_add_epi32(quads, _mm256_permute2x128_si256(quads, quads, 0x01));
+    } else {
+      const __m256i a = _mm256_hadd_epi32(pairs[0], pairs[1]), b = _mm256_hadd_epi32(pairs[2], pairs[3]);
+      totals = _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+    }
+    // d, c times each row's dx, lane for lane
+    alignas(32) float dx[8];
+    for (int i = 0; i < 4; ++i) dx[2 * i] = dx[2 * i + 1] = x.scale_of(m0 + std::min(i, MR - 1), k);
+    const __m256 factors = _mm256_broadcast_ps(&chunk.factors);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals), _mm256_mul_ps(factors, _mm256_load_ps(dx)), acc);
   }
+  alignas(32) float parts[8];
+  _mm256_store_ps(parts, acc);
+  for (int i = 0; i < MR; ++i) sums[i] = parts[2 * i] + parts[2 * i + 1];
 }
 
 // sums[(n - panel.n0) * ld_sums + m - m_begin] += x row m . weight row n for the panel's rows and x rows
@@ -1068,12 +1082,9 @@ void byte_rows(const BlockShard& shard, const ShardPanel& panel, const ChunkActi
     with_count<kRowGroup>(std::min<int64_t>(kRowGroup, m_end - m0), [&](auto count) {
       constexpr int R = decltype(count)::value;
       for (int64_t n = panel.n0; n < panel.n1; ++n) {
-        __m128 acc[R];
-        for (int i = 0; i < R; ++i) acc[i] = _mm_setzero_ps();
-        byte_chunk_row<T, R>(shard.data + n * shard.row_bytes, x, m0, chunks, acc, ahead);
-        for (int i = 0; i < R; ++i)
-          sums[(n - panel.n0) * ld_sums + (m0 - m_begin) + i] +=
-              _mm_cvtss_f32(acc[i]) + _mm_cvtss_f32(_mm_movehdup_ps(acc[i]));
+        float row_sums[R];
+        byte_chunk_row<T, R>(shard.data + n * shard.row_bytes, x, m0, chunks, row_sums, ahead);
+        for (int i = 0; i < R; ++i) sums[(n - panel.n0) * ld_sums + (m0 - m_begin) + i] += row_sums[i];
       }
     });
   }
@@ -1088,7 +1099,7 @@ constexpr int64_t tile_min_rows(int64_t type) { return type == quants::Q6_K::kTy
 // acc[2 m], acc[2 m + 1] (lane r: weight row r's acc_M, acc_N) += chunk k of x row mb + m against the
 // interleaved rows w, for MR rows of x from mb.
 template <typename T, int MR>
-inline void byte_tile_step(const quants::ByteRows& w, const ChunkActivations& x, int64_t mb, int64_t k, VecF* acc) {
+inline void byte_tile_step(const quants::ByteRows& w, const ChunkActivations& x, int64_t mb, int64_t k, __m256* acc) {
   using namespace quants;
   __m256i codes_sum[MR], offsets[MR];
   for (int i = 0; i < MR; ++i) codes_sum[i] = offsets[i] = _mm256_setzero_si256();
@@ -1115,9 +1126,9 @@ inline void byte_tile_step(const quants::ByteRows& w, const ChunkActivations& x,
       std::memcpy(&pair, group_sums + 2 * q, sizeof(pair));
       offsets[i] = _mm256_add_epi32(offsets[i], _mm256_madd_epi16(w.multipliers[q], _mm256_set1_epi32(pair)));
     }
-    const VecF dx = VecF::set1(x.scale_of(mb + i, k));
-    acc[2 * i] = fmadd(VecF::from_int(codes_sum[i]), w.d * dx, acc[2 * i]);
-    acc[2 * i + 1] = fmadd(VecF::from_int(offsets[i]), w.c * dx, acc[2 * i + 1]);
+    const __m256 dx = _mm256_set1_ps(x.scale_of(mb + i, k));
+    acc[2 * i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes_sum[i]), _mm256_mul_ps(w.d, dx), acc[2 * i]);
+    acc[2 * i + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(offsets[i]), _mm256_mul_ps(w.c, dx), acc[2 * i + 1]);
   }
 }
 
@@ -1126,7 +1137,7 @@ inline void byte_tile_step(const quants::ByteRows& w, const ChunkActivations& x,
 template <typename T>
 __attribute__((noinline, optimize("no-tree-reassoc"))) void byte_tile_rows(const quants::ByteRows& w,
                                                                             const ChunkActivations& x, int64_t mb,
-                                                                            int64_t rows, int64_t k, VecF* acc) {
+                                                                            int64_t rows, int64_t k, __m256* acc) {
   int64_t m = 0;
   for (; m + kByteTileRows <= rows; m += kByteTileRows) byte_tile_step<T, kByteTileRows>(w, x, mb + m, k, acc + 2 * m);
   for (; m < rows; ++m) byte_tile_step<T, 1>(w, x, mb + m, k, acc + 2 * m);
@@ -1143,12 +1154,12 @@ void byte_tile(const BlockShard& shard, const ShardPanel& panel, const ChunkActi
   alignas(64) static const uint8_t kZeros[chunk_bytes<T>()] = {};  // rows past the panel's: zero codes and scales
   const int64_t rows = m_end - m_begin;
   static thread_local LineVector<float> acc_buffer;
-  acc_buffer.resize(2 * rows * VecF::kWidth);
-  VecF* acc = reinterpret_cast<VecF*>(acc_buffer.data());
+  acc_buffer.resize(2 * rows * 8);
+  __m256* acc = reinterpret_cast<__m256*>(acc_buffer.data());
   alignas(64) ByteRows w;
   for (int64_t g0 = panel.n0; g0 < panel.n1; g0 += kByteRows) {
     const int64_t count = std::min<int64_t>(kByteRows, panel.n1 - g0);
-    for (int64_t a = 0; a < 2 * rows; ++a) acc[a] = VecF::zero();
+    for (int64_t a = 0; a < 2 * rows; ++a) acc[a] = _mm256_setzero_ps();
     for (int64_t k = 0; k < chunks; ++k) {
       const uint8_t* p[kByteRows];
       for (int r = 0; r < kByteRows; ++r)
@@ -1164,14 +1175,12 @@ void byte_tile(const BlockShard& shard, const ShardPanel& panel, const ChunkActi
     }
     for (int64_t m = 0; m < rows; ++m) {
       alignas(32) float codes_part[kByteRows], offsets_part[kByteRows];
-      acc[2 * m].store(codes_part);
-      acc[2 * m + 1].store(offsets_part);
+      _mm256_store_ps(codes_part, acc[2 * m]);
+      _mm256_store_ps(offsets_part, acc[2 * m + 1]);
       for (int r = 0; r < count; ++r) sums[(g0 + r - panel.n0) * ld_sums + m] += codes_part[r] + offsets_part[r];
     }
   }
 }
-
-#endif
 
 std::vector<ShardPanel> shard_panels(const std::vector<BlockShard>& shards, int64_t size) {
   std::vector<ShardPanel> panels;
@@ -1273,7 +1282,6 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
         std::fill(sums.begin(), sums.end(), 0.f);
         quants::with_type(shard.type, [&](auto t) {
           using T = decltype(t);
-#if !defined(PAGEDLLM_AVX512)
           if constexpr (T::kIntegerScales) {
             if (cx.bytes) {
               if (m_end - m_begin >= tile_min_rows(T::kType)) {
@@ -1284,7 +1292,6 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
               return;
             }
           }
-#endif
           const bool whole_rows = x_rows <= (T::kIntegerScales ? 1 : kWholeRows);
           const int64_t span = whole_rows ? chunks : kSpanChunks;
           const int64_t stream_ahead = kRowsAhead * kSpanChunks * quants::chunk_bytes<T>();
@@ -1305,11 +1312,7 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
                   // Q8_0's rows took 1.5x as long (docs/JOURNAL.md, session 11)
                   float row_sum[R] = {};
                   if constexpr (T::kIntegerScales) {
-                    if (cx.bytes) {
-                      integer_chunk_row<T, R, true>(row, cx, m0, k0, k1, row_sum, ahead);
-                    } else {
-                      integer_chunk_row<T, R, false>(row, cx, m0, k0, k1, row_sum, ahead);
-                    }
+                    integer_chunk_row<T, R>(row, cx, m0, k0, k1, row_sum, ahead);
                   } else {
 #if defined(PAGEDLLM_AVX512)
                     if constexpr (T::kSigned) {

@@ -601,8 +601,8 @@ inline VecB k_nibbles(const uint8_t* qs, int u) {
 #endif
 }
 
-#if !defined(PAGEDLLM_AVX512)
-// AVX2's walks of int8 x on the K types (linear.cpp, byte_chunk_row and byte_tile): a chunk's sub-scales
+// The walks of int8 x on the K types (linear.cpp, byte_chunk_row and byte_tile; both builds: AVX-512 CPUs
+// run the tile in 256-bit vectors, the same instructions' work a cycle on Zen 4): a chunk's sub-scales
 // broadcast (for select_bytes, as IntegerChunk's), each 16-value group's integer multiplier of x's sum over
 // it (Q4_K: its sub-block's m; Q6_K: its sc) as 16-bit lanes, and the float factors of the two integer sums:
 // d and c (Q4_K: -dmin; Q6_K: -32 d), as d, c, d, c.
@@ -611,32 +611,49 @@ struct ByteChunk {
   __m256i multipliers;
   __m128 factors;
 };
-// kByteRows weight rows' chunks interleaved, lane r of every vector row r's: codes[t] holds the codes of
-// values 4t .. 4t + 3 (one 32-bit lane a row), scales[s] the sub-scale of the values [256 s / kScales ..)
-// in both 16-bit halves of a lane, multipliers[q] groups 2q and 2q + 1's multipliers, d and c the factors.
+// kByteRows weight rows' chunks interleaved, lane r of every vector row r's: codes[t] holds the chunk's code
+// bytes 4t .. 4t + 3 in T::integer_codes' order (x's bytes at the same places: run_position), one 32-bit lane
+// a row; scales[s] the sub-scale of codes [256 s / kScales ..) of that order in both 16-bit halves of a lane,
+// multipliers[q] groups 2q and 2q + 1's multipliers (groups of values in order), d and c the factors.
 constexpr int kByteRows = 8;
 struct ByteRows {
   __m256i codes[kChunkValues / 4];
   __m256i scales[kGroups];
   __m256i multipliers[kGroups / 2];
-  VecF d, c;
+  __m256 d, c;
 };
-// Codes of kByteRows chunks (T::integer_codes, a sub-block of 32 values a vector in the values' order) in
-// ByteRows' order: each vector's 8 lanes of 4 codes, transposed with the other rows'.
+// 256-bit halves a code vector has (AVX-512: 2), and half h of one.
+constexpr int kCodeHalves = sizeof(VecB) / sizeof(__m256i);
+inline __m256i code_half(VecB v, int h) {
+#if defined(PAGEDLLM_AVX512)
+  return h ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v);
+#else
+  static_cast<void>(h);
+  return v;
+#endif
+}
+// The sub-block that run s (32 codes) of a chunk's code bytes in integer_codes' order holds.
+constexpr int run_sub_block(int s) { return vector_sub_block(s / kCodeHalves, 32 * (s % kCodeHalves)); }
+// Codes of kByteRows chunks (T::integer_codes) in ByteRows' order: each 256 bits' 8 lanes of 4 codes,
+// transposed with the other rows'.
 template <typename T>
 inline void interleave_codes(const uint8_t* const* p, __m256i* codes) {
   for (int v = 0; v < kChunkVectors; ++v) {
-    __m256i rows[kByteRows];
-    for (int r = 0; r < kByteRows; ++r) rows[r] = T::integer_codes(p[r], v);
-    transpose8(rows);
-    for (int i = 0; i < kByteRows; ++i) codes[kByteRows * v + i] = rows[i];
+    __m256i rows[kCodeHalves][kByteRows];
+    for (int r = 0; r < kByteRows; ++r) {
+      const VecB c = T::integer_codes(p[r], v);
+      for (int h = 0; h < kCodeHalves; ++h) rows[h][r] = code_half(c, h);
+    }
+    for (int h = 0; h < kCodeHalves; ++h) {
+      transpose8(rows[h]);
+      for (int i = 0; i < kByteRows; ++i) codes[kByteRows * (kCodeHalves * v + h) + i] = rows[h][i];
+    }
   }
 }
 // Lanes of int32 values whose low 16 bits are both of the lane's 16-bit halves (a scale for vpmaddwd).
 inline __m256i both_halves(__m256i v) {
   return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
 }
-#endif
 
 struct Q4_K {
   static constexpr int kType = 12, kBlockValues = 256, kBlockBytes = 144;
@@ -664,7 +681,6 @@ struct Q4_K {
     return k_nibbles(p + 16, v);
 #endif
   }
-#if !defined(PAGEDLLM_AVX512)
   // 4-code lanes a 16-bit sum takes (a sub-block's 8: each lane's pair of u q at most 2 x 15 x 127), and
   // the lanes one sub-scale spans
   static constexpr int kSumCodes = 8, kScaleCodes = 8;
@@ -686,16 +702,15 @@ struct Q4_K {
       d[r] = scale.d;
       c[r] = -scale.dmin;
     }
-    transpose8(scales);
+    transpose8(scales);  // scales[j]: sub-block j's
     transpose8(mins);
     for (int j = 0; j < kByteRows; ++j) {
-      out.scales[j] = both_halves(scales[j]);
+      out.scales[j] = both_halves(scales[run_sub_block(j)]);
       out.multipliers[j] = both_halves(mins[j]);  // groups 2j and 2j + 1: sub-block j
     }
-    out.d = VecF::load(d);
-    out.c = VecF::load(c);
+    out.d = _mm256_load_ps(d);
+    out.c = _mm256_load_ps(c);
   }
-#endif
 };
 
 struct Q5_K {
@@ -772,7 +787,6 @@ struct Q6_K {
     return codes(p, v, 8);
 #endif
   }
-#if !defined(PAGEDLLM_AVX512)
   // 4-code lanes a 16-bit sum takes (2: each lane's pair of u q at most 2 x 63 x 127), and the lanes one
   // sub-scale spans (16 values)
   static constexpr int kSumCodes = 2, kScaleCodes = 4;
@@ -793,18 +807,17 @@ struct Q6_K {
       d[r] = half(p[r] + 208);
       c[r] = -32.f * d[r];
     }
-    transpose8(first);
+    transpose8(first);  // first[g], second[g]: group g's, group 8 + g's
     transpose8(second);
     transpose8(pairs);
-    for (int j = 0; j < kByteRows; ++j) {
-      out.scales[j] = both_halves(first[j]);
-      out.scales[kByteRows + j] = both_halves(second[j]);
-      out.multipliers[j] = pairs[j];
+    for (int s = 0; s < kGroups; ++s) {  // group s of the codes' order: half s % 2 of run s / 2
+      const int g = 2 * run_sub_block(s / 2) + s % 2;
+      out.scales[s] = both_halves(g < kByteRows ? first[g] : second[g - kByteRows]);
     }
-    out.d = VecF::load(d);
-    out.c = VecF::load(c);
+    for (int j = 0; j < kByteRows; ++j) out.multipliers[j] = pairs[j];
+    out.d = _mm256_load_ps(d);
+    out.c = _mm256_load_ps(c);
   }
-#endif
 };
 
 // Calls fn(T{}) for ggml type number `type`; false if it is not one of these.

@@ -30,6 +30,33 @@ inline __m128i e4m3_as_half_bits(__m128i b) {
                       _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
 }
 
+// Rows r[0 .. 8) of an 8 x 8 tile of 32-bit values become its columns, in registers (both builds: the K
+// types' AVX2 tile runs on AVX-512 CPUs too, linear.cpp byte_tile).
+inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // r[i + j]: lane l holds column 4l + j of rows i .. i + 3
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {
+    t[j] = _mm256_permute2f128_ps(r[j], r[4 + j], 0x20);
+    t[4 + j] = _mm256_permute2f128_ps(r[j], r[4 + j], 0x31);
+  }
+  for (int i = 0; i < 8; ++i) r[i] = t[i];
+}
+inline void transpose8(__m256i (&v)[8]) {
+  __m256 r[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_castsi256_ps(v[i]);
+  transpose8(r);
+  for (int i = 0; i < 8; ++i) v[i] = _mm256_castps_si256(r[i]);
+}
+
 #if defined(PAGEDLLM_AVX512)
 
 struct VecF {
@@ -283,32 +310,6 @@ inline VecF select_in_range(VecF x, VecF t, VecF begin, VecF end, VecF fill) {
 inline VecF scale_by_pow2(VecF a, VecF n) {  // a * 2^n, n integral in [-126, 127]
   const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127));
   return _mm256_mul_ps(a.v, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
-}
-
-// Rows r[0 .. 8) of an 8 x 8 tile of 32-bit values become its columns, in registers.
-inline void transpose8(__m256 (&r)[8]) {
-  __m256 t[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {  // r[i + j]: lane l holds column 4l + j of rows i .. i + 3
-    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int j = 0; j < 4; ++j) {
-    t[j] = _mm256_permute2f128_ps(r[j], r[4 + j], 0x20);
-    t[4 + j] = _mm256_permute2f128_ps(r[j], r[4 + j], 0x31);
-  }
-  for (int i = 0; i < 8; ++i) r[i] = t[i];
-}
-inline void transpose8(__m256i (&v)[8]) {
-  __m256 r[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_castsi256_ps(v[i]);
-  transpose8(r);
-  for (int i = 0; i < 8; ++i) v[i] = _mm256_castps_si256(r[i]);
 }
 
 inline void transpose_tile(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
