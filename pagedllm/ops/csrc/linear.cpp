@@ -1061,11 +1061,16 @@ void byte_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0, i
       const __m256i a = _mm256_hadd_epi32(pairs[0], pairs[1]), b = _mm256_hadd_epi32(pairs[2], pairs[3]);
       totals = _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
     }
-    // d, c times each row's dx, lane for lane
-    alignas(32) float dx[8];
-    for (int i = 0; i < 4; ++i) dx[2 * i] = dx[2 * i + 1] = x.scale_of(m0 + std::min(i, MR - 1), k);
-    const __m256 factors = _mm256_broadcast_ps(&chunk.factors);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals), _mm256_mul_ps(factors, _mm256_load_ps(dx)), acc);
+    // d, c times each row's dx, lane for lane (in registers: 8 stores read back as a vector stall)
+    __m256 dx;
+    if constexpr (MR == 1) {
+      dx = _mm256_set1_ps(x.scale_of(m0, k));
+    } else {
+      const auto scale = [&](int i) { return x.scale_of(m0 + std::min(i, MR - 1), k); };
+      const __m128 four = _mm_setr_ps(scale(0), scale(1), scale(2), scale(3));
+      dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(four), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    }
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals), _mm256_mul_ps(_mm256_broadcast_ps(&chunk.factors), dx), acc);
   }
   alignas(32) float parts[8];
   _mm256_store_ps(parts, acc);
