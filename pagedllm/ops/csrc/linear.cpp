@@ -1095,19 +1095,47 @@ void byte_rows(const BlockShard& shard, const ShardPanel& panel, const ChunkActi
   }
 }
 
-// Rows of x the tile takes through each interleaved chunk at a time: 8 rows' sums in 16 and 32 bits each.
+// Rows of x the tile takes through each interleaved chunk at a time: 8 rows' sums in 16 and 32 bits each
+// (VNNI: two int32 chains a row, and 4 rows on AVX-512's 32 registers, so that vpdpbusd's latency is hidden).
+#if defined(PAGEDLLM_VNNI) && defined(PAGEDLLM_AVX512)
+constexpr int kByteTileRows = 4;
+#else
 constexpr int kByteTileRows = 2;
+#endif
 // From how many rows of x in a work item the tile runs (below, byte_rows): where interleaving a chunk, once
 // for all the item's rows, costs less than the lanes' sums and epilogues it saves (session 26, 1.5B shapes).
 constexpr int64_t tile_min_rows(int64_t type) { return type == quants::Q6_K::kType ? 8 : 16; }
 
+// 4 int8 values of x row m at chunk k's code bytes 4t .. 4t + 3, in every lane.
+inline __m256i x_four(const ChunkActivations& x, int64_t m, int64_t k, int t) {
+  int32_t four;
+  std::memcpy(&four, x.byte_vector(m, k, 0) + 4 * t, sizeof(four));
+  return _mm256_set1_epi32(four);
+}
+
 // acc[2 m], acc[2 m + 1] (lane r: weight row r's acc_M, acc_N) += chunk k of x row mb + m against the
-// interleaved rows w, for MR rows of x from mb.
+// interleaved rows w, for MR rows of x from mb. Without VNNI a scale's kSumCodes code lanes sum their
+// vpmaddubsw pairs in 16 bits before one vpmaddwd by the scale; with VNNI (vpdpbusd: 4 u q products into an
+// int32 lane) a scale's lanes sum in int32, in two chains, before one vpmulld. The same integers either way.
 template <typename T, int MR>
 inline void byte_tile_step(const quants::ByteRows& w, const ChunkActivations& x, int64_t mb, int64_t k, __m256* acc) {
   using namespace quants;
   __m256i codes_sum[MR], offsets[MR];
   for (int i = 0; i < MR; ++i) codes_sum[i] = offsets[i] = _mm256_setzero_si256();
+#if defined(PAGEDLLM_VNNI)
+#pragma GCC unroll 16
+  for (int s = 0; s < kChunkValues / 4 / T::kScaleCodes; ++s) {
+    __m256i dots[MR][2];
+    for (int i = 0; i < MR; ++i) dots[i][0] = dots[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int t = s * T::kScaleCodes; t < (s + 1) * T::kScaleCodes; ++t) {
+      const __m256i codes = w.codes[t];
+      for (int i = 0; i < MR; ++i) dots[i][t % 2] = dpbusd(dots[i][t % 2], codes, x_four(x, mb + i, k, t));
+    }
+    for (int i = 0; i < MR; ++i)
+      codes_sum[i] = _mm256_add_epi32(codes_sum[i], _mm256_mullo_epi32(_mm256_add_epi32(dots[i][0], dots[i][1]), w.scales[s]));
+  }
+#else
 #pragma GCC unroll 32
   for (int s = 0; s < kChunkValues / 4 / T::kSumCodes; ++s) {
     __m256i products[MR];
@@ -1115,15 +1143,13 @@ inline void byte_tile_step(const quants::ByteRows& w, const ChunkActivations& x,
 #pragma GCC unroll 8
     for (int t = s * T::kSumCodes; t < (s + 1) * T::kSumCodes; ++t) {
       const __m256i codes = w.codes[t];
-      for (int i = 0; i < MR; ++i) {
-        int32_t four;
-        std::memcpy(&four, x.byte_vector(mb + i, k, 0) + 4 * t, sizeof(four));
-        products[i] = _mm256_add_epi16(products[i], _mm256_maddubs_epi16(codes, _mm256_set1_epi32(four)));
-      }
+      for (int i = 0; i < MR; ++i)
+        products[i] = _mm256_add_epi16(products[i], _mm256_maddubs_epi16(codes, x_four(x, mb + i, k, t)));
     }
     const __m256i scales = w.scales[s * T::kSumCodes / T::kScaleCodes];
     for (int i = 0; i < MR; ++i) codes_sum[i] = _mm256_add_epi32(codes_sum[i], _mm256_madd_epi16(products[i], scales));
   }
+#endif
   for (int i = 0; i < MR; ++i) {
     const int16_t* group_sums = x.group_sums(mb + i, k);
     for (int q = 0; q < kGroups / 2; ++q) {

@@ -613,7 +613,7 @@ struct ByteChunk {
 };
 // kByteRows weight rows' chunks interleaved, lane r of every vector row r's: codes[t] holds the chunk's code
 // bytes 4t .. 4t + 3 in T::integer_codes' order (x's bytes at the same places: run_position), one 32-bit lane
-// a row; scales[s] the sub-scale of codes [256 s / kScales ..) of that order in both 16-bit halves of a lane,
+// a row; scales[s] the sub-scale of codes [256 s / kScales ..) of that order (tile_scales' form),
 // multipliers[q] groups 2q and 2q + 1's multipliers (groups of values in order), d and c the factors.
 constexpr int kByteRows = 8;
 struct ByteRows {
@@ -654,6 +654,25 @@ inline void interleave_codes(const uint8_t* const* p, __m256i* codes) {
 inline __m256i both_halves(__m256i v) {
   return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
 }
+// ByteRows' sub-scales as the tile multiplies them: with VNNI an int32 lane (vpmulld of a vpdpbusd sum),
+// else in both 16-bit halves (vpmaddwd of 16-bit sums).
+inline __m256i tile_scales(__m256i v) {
+#if defined(PAGEDLLM_VNNI)
+  return v;
+#else
+  return both_halves(v);
+#endif
+}
+#if defined(PAGEDLLM_VNNI)
+// acc + the sums of 4 products of a's unsigned bytes and b's signed ones, an int32 lane each (vpdpbusd).
+inline __m256i dpbusd(__m256i acc, __m256i a, __m256i b) {
+#if defined(PAGEDLLM_AVX512)
+  return _mm256_dpbusd_epi32(acc, a, b);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, a, b);
+#endif
+}
+#endif
 
 struct Q4_K {
   static constexpr int kType = 12, kBlockValues = 256, kBlockBytes = 144;
@@ -705,7 +724,7 @@ struct Q4_K {
     transpose8(scales);  // scales[j]: sub-block j's
     transpose8(mins);
     for (int j = 0; j < kByteRows; ++j) {
-      out.scales[j] = both_halves(scales[run_sub_block(j)]);
+      out.scales[j] = tile_scales(scales[run_sub_block(j)]);
       out.multipliers[j] = both_halves(mins[j]);  // groups 2j and 2j + 1: sub-block j
     }
     out.d = _mm256_load_ps(d);
@@ -812,7 +831,7 @@ struct Q6_K {
     transpose8(pairs);
     for (int s = 0; s < kGroups; ++s) {  // group s of the codes' order: half s % 2 of run s / 2
       const int g = 2 * run_sub_block(s / 2) + s % 2;
-      out.scales[s] = both_halves(g < kByteRows ? first[g] : second[g - kByteRows]);
+      out.scales[s] = tile_scales(g < kByteRows ? first[g] : second[g - kByteRows]);
     }
     for (int j = 0; j < kByteRows; ++j) out.multipliers[j] = pairs[j];
     out.d = _mm256_load_ps(d);
