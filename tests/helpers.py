@@ -42,14 +42,20 @@ def batch_invariant_llm(*args, **kwargs):
     """An LLM whose GGUF blocks never take their bf16 path (the default's at many rows where the CPU
     multiplies bf16), for tests that compare, token for token, runs whose steps hold other rows: a
     preempted request recomputed by a prefill, a prompt's tail after a prefix hit. That path rounds x and
-    W to bf16 only in some of those steps, which flips random prompts' near-ties between the runs."""
+    W to bf16 only in some of those steps, which flips random prompts' near-ties between the runs. Its model
+    is loaded afresh and not shared (engine/model_cache.py): a live engine's model of the same settings has
+    its layers' bf16 path, and a later engine must not get this one's."""
+    import weakref
+
     import pytest
 
     from pagedllm import LLM
+    from pagedllm.engine import model_cache
     from pagedllm.ops import native
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(native, "bf16_matmul_available", lambda: False)
+        patch.setattr(model_cache, "_loaded_models", weakref.WeakValueDictionary())
         return LLM(*args, **kwargs)
 
 
