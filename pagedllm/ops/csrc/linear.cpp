@@ -1043,11 +1043,7 @@ void byte_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0, i
       }
       VecI lanes_sum = dots[i][0];
       for (int c = 1; c < kChains; ++c) lanes_sum = add_int(lanes_sum, dots[i][c]);
-#if defined(PAGEDLLM_AVX512)
-      const __m256i codes_sum = _mm256_add_epi32(quants::code_half(lanes_sum, 0), quants::code_half(lanes_sum, 1));
-#else
-      const __m256i codes_sum = lanes_sum;
-#endif
+      const __m256i codes_sum = fold_halves(lanes_sum);
       const __m256i group_sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.group_sums(m0 + i, k)));
       pairs[i] = _mm256_hadd_epi32(codes_sum, _mm256_madd_epi16(chunk.multipliers, group_sums));
     }

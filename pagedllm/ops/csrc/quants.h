@@ -632,6 +632,12 @@ inline __m256i code_half(VecB v, int h) {
   return v;
 #endif
 }
+// A vector's int32 lanes added down to 256 bits (exact): AVX-512's two halves summed, AVX2's vector itself.
+inline __m256i fold_halves(VecB v) {
+  __m256i sum = code_half(v, 0);
+  for (int h = 1; h < kCodeHalves; ++h) sum = _mm256_add_epi32(sum, code_half(v, h));
+  return sum;
+}
 // The sub-block that run s (32 codes) of a chunk's code bytes in integer_codes' order holds.
 constexpr int run_sub_block(int s) { return vector_sub_block(s / kCodeHalves, 32 * (s % kCodeHalves)); }
 // Codes of kByteRows chunks (T::integer_codes) in ByteRows' order: each 256 bits' 8 lanes of 4 codes,
