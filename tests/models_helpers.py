@@ -167,12 +167,16 @@ def _permute_like_llama_cpp(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_model, path, arch: str = "llama", qtype=None, names_of: str | None = None) -> None:
+def write_gguf(
+    hf_model, path, arch: str = "llama", qtype=None, names_of: str | None = None, blocks=None
+) -> None:
     """A GGUF of a tiny model, as llama.cpp's converter writes one (no tokenizer): tensor names from
     gguf-py's own map of Hugging Face names (TensorNameMap), Q/K rows permuted for `arch` "llama" (the
     NeoX-style RoPE of the others keeps them), Gemma's norms stored as (1 + w), each layer's experts
     stacked into one [experts, rows, columns] tensor per projection, matrices in ggml type `qtype`
-    (default float32), norms and biases float32. `names_of`: another architecture's names (default arch's)."""
+    (default float32), norms and biases float32. `names_of`: another architecture's names (default arch's).
+    `blocks`: a function of a matrix giving the [rows, bytes] blocks of `qtype` written in its place (default
+    gguf-py's quantize of it; gguf-py quantizes no K type)."""
     import gguf
 
     cfg = hf_model.config
@@ -216,7 +220,8 @@ def write_gguf(hf_model, path, arch: str = "llama", qtype=None, names_of: str | 
         assert gguf_name is not None, f"llama.cpp's {arch} has no tensor for {name}"
         w = np.ascontiguousarray(w)
         if qtype is not None and w.ndim >= 2:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+            raw = gguf.quants.quantize(w, qtype) if blocks is None else blocks(w)
+            writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, w)
     writer.write_header_to_file()
@@ -273,8 +278,9 @@ _HALF_FIELDS |= {"Q5_K": [0, 2], "Q6_K": [208]}
 GGUF_TYPES = list(_HALF_FIELDS)
 
 
-def random_blocks(qtype, rows: int, cols: int, seed: int = 0):
-    """Random GGUF blocks of `qtype` (every bit pattern of the codes and small scales is a valid block)."""
+def random_blocks(qtype, rows: int, cols: int, seed: int = 0, scale: float = 0.05):
+    """Random GGUF blocks of `qtype` (every bit pattern of the codes and small scales is a valid block), the
+    float16 scales uniform in [-scale, scale]."""
     from gguf import GGML_QUANT_SIZES
 
     from pagedllm.models.gguf_quants import GGUFBlocks
@@ -283,6 +289,6 @@ def random_blocks(qtype, rows: int, cols: int, seed: int = 0):
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
     for offset in _HALF_FIELDS[qtype.name]:
-        halves = rng.uniform(-0.05, 0.05, raw.shape[0]).astype(np.float16)
+        halves = rng.uniform(-scale, scale, raw.shape[0]).astype(np.float16)
         raw[:, offset : offset + 2] = halves.view(np.uint8).reshape(-1, 2)
     return GGUFBlocks(raw.reshape(rows, -1), qtype)

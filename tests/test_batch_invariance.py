@@ -242,3 +242,58 @@ def test_preempted_requests_get_their_tokens(batch_outputs, mode):
         assert stats.num_blocks_swapped_out > 0
     assert_same_tokens(batch_outputs[0], outputs, f"{mode} preemption against the batch")
     assert_all_blocks_free(llm)
+
+
+@pytest.fixture
+def fast_paths(monkeypatch):
+    """The default paths (PAGEDLLM_GGUF_PATHS=fast) for one test; this module's invariant ones after it."""
+    monkeypatch.setenv(quantization.GGUF_PATHS_ENV_VAR, "fast")
+    quantization.gguf_paths.cache_clear()
+    yield
+    quantization.gguf_paths.cache_clear()
+
+
+@pytest.fixture
+def k_type_model(tmp_path):
+    """A tiny Qwen2 whose every matrix is random Q4_K blocks (256 and 512 columns), as a GGUF: scales of
+    weights ~0.1, so that logits spread as a trained model's and bf16's rounding would move some tokens."""
+    from models_helpers import write_gguf
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    seeds = iter(range(1000))
+    q4_k = GGMLQuantizationType.Q4_K
+    path = tmp_path / "tiny-qwen2-q4_k.gguf"
+    write_gguf(hf, path, "qwen2", q4_k, blocks=lambda w: random_blocks(q4_k, *w.shape, next(seeds), 1e-3).raw)
+    return str(path)
+
+
+def test_the_default_paths_keep_a_k_type_model_batch_invariant(fast_paths, k_type_model):
+    """Without AMX, Q4_K / Q6_K keep their integer path at every row count by default (their many-row tile is
+    the fastest path measured, bf16 included: GGUFLinear.INTEGER_TILE_TYPES), so a model of K types gets a
+    request's tokens alone, in a batch whose steps pass every fast path's threshold, and after swap
+    preemption, with no opt-in. (Where bf16 runs, the old default's bf16 path at 64 rows fails this.)"""
+    if native.blocks_amx():
+        pytest.skip("on AMX the default multiplies many rows in AMX panels, every type")
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 256 for j in range(6 + 2 * i)]} for i in range(32)]
+    llm = LLM(k_type_model, max_model_len=512)
+    assert not llm.engine.runner.gates_bf16  # no per-step gate: the default path itself
+    batch = llm.generate(prompts, GREEDY)
+    alone = [llm.generate([prompts[i]], GREEDY)[0] for i in ALONE]
+    assert_all_blocks_free(llm)
+    assert_same_tokens(alone, [batch[i] for i in ALONE], "default paths: batch against alone")
+    swapped = LLM(k_type_model, num_kv_blocks=24, max_model_len=512, preemption_mode="swap")
+    outputs = swapped.generate(prompts, GREEDY)
+    assert swapped.engine.stats().num_blocks_swapped_out > 0
+    assert_same_tokens(batch, outputs, "default paths: swap preemption against the batch")
+    assert_all_blocks_free(swapped)

@@ -44,8 +44,10 @@ INT4_GROUP = 32
 # How a GGUF layer multiplies many rows: "fast" (the default), the many-row paths measured fastest (bf16 /
 # AMX panels, float32 panels), whose rounding depends on the step's row count; "invariant", the blocks'
 # integer path at every row count, a row's output bits the same whatever else the step computes (alone,
-# batched, after preemption), as vLLM's VLLM_BATCH_INVARIANT opts in: its prefill is ~4x slower until the
-# integer path has a many-row kernel (docs/kernels.md, "The numeric contract of GGUF blocks").
+# batched, after preemption), as vLLM's VLLM_BATCH_INVARIANT opts in. Without AMX, "fast" already keeps
+# the integer path of the types with a many-row tile (GGUFLinear.INTEGER_TILE_TYPES: Q4_K, Q6_K); for the
+# others "invariant" costs a prefill ~3x until theirs has one (docs/kernels.md, "The numeric contract of GGUF
+# blocks").
 GGUF_PATHS_ENV_VAR = "PAGEDLLM_GGUF_PATHS"
 GGUF_PATHS = ("invariant", "fast")
 # How the integer path rounds x for Q4_K / Q6_K: "int8" (the default), one scale per 256 values as
@@ -131,20 +133,20 @@ class GGUFLinear(KernelLinear):
     With gguf_paths() "invariant" every call takes the blocks' integer path at any number of rows (the
     model runner sets it per step: bf16_gate), a row's bits independent of the rows beside it. By default
     ("fast"), on a CPU that multiplies bf16 (AVX512_BF16, an AVX-512 build), a call of at least `bf16_rows`
-    rows (a prefill, a big batch) has its weight dequantized into a shared bf16 scratch and multiplied by
-    oneDNN's bf16 GEMM (csrc/linear.cpp bf16_blocks_linear): about twice the integer and float32 paths'
-    speed there, at a bf16 model's rounding. Fewer rows keep the blocks' integer path, and so do the rows
-    of a step that computes no prompt tokens, however many (takes_bf16). On a CPU with AMX
-    (native.blocks_amx) the bf16 path instead dequantizes the weight panel by panel in cache and multiplies
-    with AMX tiles into float32 sums (vnni_blocks_linear): from fewer rows (AMX_ROWS), and for decode
-    steps too (takes_bf16)."""
+    rows (a prefill, a big batch) of a type without an integer tile has its weight dequantized into a shared
+    bf16 scratch and multiplied by oneDNN's bf16 GEMM (csrc/linear.cpp bf16_blocks_linear): about twice the
+    integer and float32 paths' speed there, at a bf16 model's rounding. Fewer rows keep the blocks' integer
+    path, and so do the rows of a step that computes no prompt tokens, however many (takes_bf16). On a CPU
+    with AMX (native.blocks_amx) the bf16 path instead dequantizes the weight panel by panel in cache and
+    multiplies with AMX tiles into float32 sums (vnni_blocks_linear), for every type: from fewer rows
+    (AMX_ROWS), and for decode steps too (takes_bf16)."""
 
     name = "gguf"
     STREAM_ROWS = 16  # csrc/linear.cpp kBlockStreamRows
-    # Rows from which bf16 is faster, measured per type (docs/JOURNAL.md, "GGUF prefill in bf16"): the K
-    # types with integer sub-scales keep their integer path longer; the others switch as soon as their
-    # streamed integer path ends.
-    BF16_ROWS = {GGMLQuantizationType.Q4_K: 64, GGMLQuantizationType.Q6_K: 64}
+    # Types whose integer path has a many-row tile (csrc/linear.cpp byte_tile) faster than bf16 where bf16
+    # runs without AMX (AVX-512 VNNI): they keep it at every row count, batch invariant on the default path
+    # (docs/JOURNAL.md, session 28). The other types switch to bf16 as soon as their streamed path ends.
+    INTEGER_TILE_TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})
     # On AMX, for every type (docs/JOURNAL.md, "GGUF blocks on AMX", "Session 10: the panel as brgemm's
     # A"): with no whole-weight scratch and the panel filled row-major the panels pass the integer path at
     # 8-10 rows.
@@ -173,7 +175,9 @@ class GGUFLinear(KernelLinear):
             return 0
         if native.blocks_amx():
             return self.AMX_ROWS
-        return max(self.BF16_ROWS.get(s.qtype, self.STREAM_ROWS + 1) for s in shards)
+        if all(s.qtype in self.INTEGER_TILE_TYPES for s in shards):
+            return 0
+        return self.STREAM_ROWS + 1
 
 
 def gates_many_rows(model: torch.nn.Module) -> bool:
@@ -227,8 +231,12 @@ def gguf_kernels() -> str:
     many = "float32 panels"
     if native.bf16_matmul_available():
         many = "AMX bf16 panels" if native.blocks_amx() else "bf16 oneDNN"
+    tiles = "; Q4_K / Q6_K the integer path at every row count"
+    if native.blocks_amx() or gguf_activations() != "int8":
+        tiles = ""
     return (
-        f"GGUF blocks: integer path at few rows ({x}), {many} at many (fast: rounding depends on the batch)"
+        f"GGUF blocks: integer path at few rows ({x}), {many} at many{tiles} "
+        "(fast: the others' rounding depends on the batch)"
     )
 
 
