@@ -257,19 +257,11 @@ def fast_paths(monkeypatch):
 def k_type_model(tmp_path):
     """A tiny Qwen2 whose every matrix is random Q4_K blocks (256 and 512 columns), as a GGUF: scales of
     weights ~0.1, so that logits spread as a trained model's and bf16's rounding would move some tokens."""
-    from models_helpers import write_gguf
+    from models_helpers import TINY, write_gguf
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    config = Qwen2Config(
-        vocab_size=256,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
+    shape = {**TINY, "hidden_size": 256, "intermediate_size": 512, "max_position_embeddings": 512}
+    config = Qwen2Config(**shape, tie_word_embeddings=False)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     seeds = iter(range(1000))
     q4_k = GGMLQuantizationType.Q4_K

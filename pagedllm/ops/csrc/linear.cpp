@@ -722,11 +722,15 @@ struct ActivationBlocks {
   }
 };
 
-// Asks for the lines of the chunk of type T at p (into L1; a prefetch never faults, wherever p points).
+// Asks for the lines of `bytes` bytes from p (into L1; a prefetch never faults, wherever p points).
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(static_cast<const char*>(p) + line, _MM_HINT_T0);
+}
+// Asks for the lines of the chunk of type T at p.
 template <typename T>
 inline void prefetch_chunk(const uint8_t* p) {
-  for (int64_t line = 0; line < quants::chunk_bytes<T>(); line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
+  prefetch_bytes(p, quants::chunk_bytes<T>());
 }
 
 // A row's float sums over chunks [k0, k1) are reduced into its total at the end of each span of kSpanChunks
@@ -1200,8 +1204,7 @@ __attribute__((noinline, optimize("no-tree-reassoc"))) void byte_tile_rows(const
   for (; m + kByteTileRows <= rows; m += kByteTileRows) {
     // the next step's rows of x (L2: the item's rows of a chunk are more than L1 holds)
     for (int64_t i = m + kByteTileRows; i < std::min(rows, m + 2 * kByteTileRows); ++i)
-      for (int line = 0; line < quants::kChunkValues; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(x.byte_vector(mb + i, k, 0)) + line, _MM_HINT_T0);
+      prefetch_bytes(x.byte_vector(mb + i, k, 0), quants::kChunkValues);
     byte_tile_step<T, kByteTileRows, NV>(w, x, mb + m, k, acc + 2 * NV * m);
   }
   if (m < rows) {
