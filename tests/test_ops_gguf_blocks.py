@@ -3,9 +3,10 @@ every instruction-set build this CPU runs, against the `gguf` package's dequanti
 
 x is rounded to integer blocks and meets the codes in integer arithmetic: for Q4_K and Q6_K (their integer
 sub-scales) in int8 blocks of 256 (scale max |x| / 127, llama.cpp's q8_K; int16 where set_blocks_int8 is off)
-at any number of rows (with the AVX2 builds, below 64), for the other types in int16 blocks of 32 (scale
-max |x| / 32767) at up to 16 rows (more rows multiply their dequantized values in float32);
-the reference rounds x the same way, written here independently. From group_size rows on (where set) x and
+at any number of rows (with the AVX2 builds, below 64); for the 32-value types with the AVX-512 builds from 4
+rows in int16 blocks of 256 (scale max |x| / 32767; at every row count where the invariant gate asks: their
+own numeric contract), else and for Q5_K in int16 blocks of 32 at up to 16 rows (more rows multiply their
+dequantized values in float32); the reference rounds x the same way, written here independently. From group_size rows on (where set) x and
 W are rounded to bf16: through a whole-weight scratch and oneDNN's GEMM, or on a CPU with AMX through panels
 and brgemm.
 
@@ -39,6 +40,7 @@ def storage(parts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 STREAMED_ROWS = 16  # linear.cpp's kBlockStreamRows
 INTEGER_SCALES = {"Q4_K", "Q6_K"}  # quants.h's kIntegerScales
+PAIRS = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}  # the 32-value types (linear.cpp pair_rows)
 NARROW_INTEGER_ROWS = 64  # linear.cpp's kNarrowIntegerRows: AVX2's K types on int16 x take float panels
 
 
@@ -48,12 +50,26 @@ def k_panels(isa: str, rows: int, largest: int = INT8) -> bool:
     return largest == INT16 and isa.startswith("avx2") and rows >= NARROW_INTEGER_ROWS
 
 
+PAIR_TILE_ROWS = 4  # linear.cpp's kPairTileMinRows
+
+
+def pair_path(isa: str, rows: int) -> str:
+    """The 32-value types' path, the gates at their defaults: with AVX-512 pair_rows (x int16 per 256) from
+    PAIR_TILE_ROWS rows; below it, and with AVX2 up to STREAMED_ROWS, the few-row walk (x int16 per 32);
+    above that with AVX2 the float panels."""
+    if isa.startswith("avx512") and rows >= PAIR_TILE_ROWS:
+        return "int16 x 256"
+    return "int16 x 32" if rows <= STREAMED_ROWS else "float32"
+
+
 def expected(x: torch.Tensor, w: torch.Tensor, name: str, isa: str, k_largest: int = INT8) -> torch.Tensor:
     """What the kernels compute, with the many-row paths' gate on (set_blocks_bf16's default); the K types'
     x rounded to int8 (set_blocks_int8's default) or, with k_largest INT16, to int16."""
     rows = x.shape[0]
     if name in INTEGER_SCALES and not k_panels(isa, rows, k_largest):
         return int_blocks(x, 256, k_largest).double() @ w.T
+    if name in PAIRS and pair_path(isa, rows) == "int16 x 256":
+        return int_blocks(x, 256).double() @ w.T
     return (int_blocks(x) if rows <= STREAMED_ROWS else x).double() @ w.T
 
 
@@ -121,23 +137,29 @@ def test_integer_scales_give_a_row_the_same_bits_in_any_batch(kernels, name):
     assert torch.equal(gated, alone[:1]) == (not k_panels(kernels.selected_isa(), len(x)))
 
 
-def test_integer_scales_give_the_same_bits_on_every_build(monkeypatch):
+@pytest.mark.parametrize("types,cols", [(("Q4_K", "Q6_K"), 2304), (("Q5_0", "Q8_0", "Q4_1"), 896)], ids=str)
+def test_integer_paths_give_the_same_bits_on_every_build(monkeypatch, types, cols):
     """int8 x on the K types: each chunk's two exact integers and their float sums in one order on every
-    build, so that an AVX-512 CPU gives a row the bits an AVX2 one gives, at one row (the walk of whole rows)
-    and at many (the tile); the wider code vectors change which lanes hold the integers' parts, not them."""
+    build; int16 x on the 32-value types: each block's exact integer and one float product, summed in one
+    tree. So an AVX-512 CPU gives a row the bits an AVX2 one gives, at few rows (the walks of whole rows)
+    and at many (the tiles; the 32-value types' with the invariant gate, which AVX2 needs for them there);
+    the wider code vectors change which lanes hold the integers' parts, not them."""
     if len(ISAS) < 2:
         pytest.skip("this CPU runs one instruction-set build")
-    types = ("Q4_K", "Q6_K")
     data, layout, _ = storage(
-        [random_blocks(GGMLQuantizationType[t], 40, 2304, seed=i) for i, t in enumerate(types)]
+        [random_blocks(GGMLQuantizationType[t], 40, cols, seed=i) for i, t in enumerate(types)]
     )
-    x = torch.randn(300, 2304) * torch.logspace(-2, 2, 2304)[torch.randperm(2304)]
+    x = torch.randn(300, cols) * torch.logspace(-2, 2, cols)[torch.randperm(cols)]
     outs = {}
     for isa in ISAS:
         monkeypatch.setattr(native, "selected_isa", lambda isa=isa: isa)
-        outs[isa] = [native.linear(x[:rows], data, layout) for rows in (1, 5, 16, 300)]
+        previous = native.set_blocks_invariant(True)
+        try:
+            outs[isa] = [native.linear(x[:rows], data, layout) for rows in (1, 3, 5, 16, 300)]
+        finally:
+            native.set_blocks_invariant(previous)
     for isa in ISAS[1:]:
-        for rows, a, b in zip((1, 5, 16, 300), outs[ISAS[0]], outs[isa], strict=True):
+        for rows, a, b in zip((1, 3, 5, 16, 300), outs[ISAS[0]], outs[isa], strict=True):
             assert torch.equal(a, b), f"{isa} differs from {ISAS[0]} at {rows} rows"
 
 
@@ -279,7 +301,7 @@ def test_bf16_path_tiles_a_weight_larger_than_its_scratch(kernels):
     data, layout = torch.from_numpy(blocks.raw.reshape(-1)), torch.tensor([[rows_w, int(blocks.qtype)]])
     x = torch.randn(17, cols)
     out = kernels.linear(x, data, layout, None, 17, None, None)
-    exact = kernels.linear(x, data, layout)  # the float32 path (the file's values exactly)
+    exact = kernels.linear(x, data, layout)  # the integer path (x rounded to int16 per 256 values)
     scale = (x.abs().sum(dim=1, keepdim=True) * 0.4).expand_as(exact)  # |W| <= 8 |d|, |d| < 0.05 here
     assert ((out - exact).abs() <= 2**-7 * scale + 2**-8 * exact.abs()).all()
     assert not torch.equal(out[:, -77:], exact[:, -77:])
@@ -354,8 +376,10 @@ WEIGHT_CHUNK = 16384  # weight rows a reference matmul takes at a time (an LM he
 def rounding_step(x: torch.Tensor, block: int, largest: int) -> torch.Tensor:
     """Half an integer step of each value's block of `block` columns (max |x| / largest / 2): the most that
     rounding x to integer blocks moves it."""
-    half = x.abs().reshape(len(x), -1, block).amax(dim=-1, keepdim=True) / largest / 2
-    return half.expand(-1, -1, block).reshape(x.shape)
+    rows, cols = x.shape
+    padded = torch.nn.functional.pad(x.abs(), (0, -cols % block)).reshape(rows, -1, block)
+    half = padded.amax(dim=-1, keepdim=True) / largest / 2
+    return half.expand(-1, -1, block).reshape(rows, -1)[:, :cols]
 
 
 def kernel_path(name: str, isa: str, rows: int, group_size: int) -> str:
@@ -364,6 +388,8 @@ def kernel_path(name: str, isa: str, rows: int, group_size: int) -> str:
         return "bf16"
     if name in INTEGER_SCALES:
         return "float32" if k_panels(isa, rows) else "int8 x 256"
+    if name in PAIRS:
+        return pair_path(isa, rows)
     return "int16 x 32" if rows <= STREAMED_ROWS else "float32"
 
 

@@ -225,9 +225,13 @@ def bf16_gate(enabled: bool) -> Iterator[None]:
 
 def gguf_kernels() -> str:
     """The GGUF blocks' paths on this CPU, in words (for the log line of linear_method_for)."""
-    x = f"x as {gguf_activations()} per 256 values for Q4_K / Q6_K, int16 per 32 for the others"
+    x = f"x as {gguf_activations()} per 256 values for Q4_K / Q6_K"
     if gguf_paths() == "invariant":
+        x += ", int16 per 256 for the 32-value types, per 32 for Q5_K"
         return f"GGUF blocks: integer path at every row count ({x}), batch invariant"
+    x += ", int16 per 32 for the others"
+    if native.avx512_selected():
+        x += " (the 32-value types' tile from 4 rows: int16 per 256)"
     many = "float32 panels"
     if native.bf16_matmul_available():
         many = "AMX bf16 panels" if native.blocks_amx() else "bf16 oneDNN"

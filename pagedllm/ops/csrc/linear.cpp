@@ -583,8 +583,11 @@ void panel_matmul(const float* packed, int64_t n_rows, int64_t cols, const float
 //     the other types at more rows, below): x in int8 (blocks_int8, the default) or int16 blocks of 256
 //     (ChunkActivations), each super-block one integer dot product with its integer sub-scales (quants.h,
 //     "integer sub-scales");
-//   the other types, up to kBlockStreamRows rows: x in int16 blocks of 32 (ActivationBlocks), as for int8 /
-//     int4 codes above; per 16-value group g,
+//   the 32-value types where the invariant gate asks, at any number of rows, and with AVX-512 from
+//     kPairTileMinRows rows: x in int16 with one scale per 256 values, each block one integer dot product and
+//     one float product, in one order at any row count (pair_rows, below);
+//   the other types (and the 32-value types below that), up to kBlockStreamRows rows: x in int16 blocks of 32
+//     (ActivationBlocks), as for int8 / int4 codes above; per 16-value group g,
 //       x . w = sum_g d_x(g) (s_w(g) sum_i u_i q_i + c_w(g) sum_i q_i)
 //     (quants.h's s, c); on AVX2 the 32-value types a block at a time, the offset inside the codes where
 //     it is implicit (block_units_row). More rows: each thread dequantizes a panel of weight rows once into a float32
@@ -1255,6 +1258,273 @@ void byte_tile(const BlockShard& shard, const ShardPanel& panel, const ChunkActi
   }
 }
 
+// Rows of x for the 32-value types (pair_tile): int16 codes with one scale per chunk of 256 values (max |x| /
+// 32767 over its values), each block's 32 as 16 pairs in quants::PairRows' order (pair p: values pair_value(p)
+// and pair_value(p) + 16), zeros past the row's blocks to a whole chunk; and each block's sum of its codes
+// (for the types with m).
+struct PairActivations {
+  static constexpr int kBlocks = quants::kChunkValues / 32;
+  int64_t cols, chunks;
+  LineVector<int32_t> q;             // [rows, chunks, kBlocks, 16]: two int16 each
+  LineVector<float> scale, code_sum;  // [rows, chunks], [rows, chunks, kBlocks]
+
+  PairActivations(const float* x, int64_t rows, int64_t cols_)
+      : cols(cols_),
+        chunks((cols_ + quants::kChunkValues - 1) / quants::kChunkValues),
+        q(rows * chunks * kBlocks * 16, 0),
+        scale(rows * chunks, 0.f),
+        code_sum(rows * chunks * kBlocks, 0.f) {
+    at::parallel_for(0, rows * chunks, 64, [&](int64_t begin, int64_t end) {
+      alignas(64) int16_t codes[quants::kChunkValues];
+      for (int64_t c = begin; c < end; ++c) {
+        const int64_t m = c / chunks, k = c % chunks;
+        const int blocks = blocks_in(k);
+        const float* src = x + m * cols + k * quants::kChunkValues;
+        VecF amax = VecF::zero();
+        for (int v = 0; v < blocks * 32; v += VecF::kWidth) {
+          const VecF value = VecF::load(src + v);
+          amax = max(amax, max(value, VecF::zero() - value));
+        }
+        const float d = reduce_max(amax) / 32767.f;
+        const VecF inverse = VecF::set1(d > 0.f ? 1.f / d : 0.f);
+        for (int v = 0; v < blocks * 32; v += VecF::kWidth)
+          store_int16(round_nearest(VecF::load(src + v) * inverse), codes + v);
+        int16_t* out = reinterpret_cast<int16_t*>(q.data() + c * kBlocks * 16);
+        for (int b = 0; b < blocks; ++b) {
+          int32_t sum = 0;
+          for (int p = 0; p < 16; ++p) {
+            const int i = 32 * b + quants::pair_value(p);
+            out[32 * b + 2 * p] = codes[i];
+            out[32 * b + 2 * p + 1] = codes[i + 16];
+            sum += codes[i] + codes[i + 16];
+          }
+          code_sum[c * kBlocks + b] = static_cast<float>(sum);  // exact: |sum| <= 32 x 32767
+        }
+        scale[c] = d;
+      }
+    });
+  }
+  int blocks_in(int64_t k) const { return static_cast<int>(std::min<int64_t>(kBlocks, (cols - k * quants::kChunkValues) / 32)); }
+  const int32_t* pairs(int64_t m, int64_t k, int b) const { return q.data() + ((m * chunks + k) * kBlocks + b) * 16; }
+  float scale_of(int64_t m, int64_t k) const { return scale[m * chunks + k]; }
+  float sum_of(int64_t m, int64_t k, int b) const { return code_sum[(m * chunks + k) * kBlocks + b]; }
+  const float* sums_of(int64_t m, int64_t k) const { return code_sum.data() + (m * chunks + k) * kBlocks; }
+};
+
+// The 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) at any number of rows of x, in one numeric contract: for a
+// (weight row, row of x) pair, chunk k's blocks b give exact integers I_b (quants.h PairRows), each one float
+// product p_b = I_b d_b (Q4_1 / Q5_1: fma(m_b, sum of x's codes over b, I_b d_b)), summed in a fixed tree
+//   S_k = ((p_0 + p_1) + (p_2 + p_3)) + ((p_4 + p_5) + (p_6 + p_7))   (0 past the row's blocks)
+// and the row's sum acc = fma(S_k, dx_k, acc) chunk after chunk. Each pair's float operations are its lane's
+// alone, so a row's bits are the same whatever rows of x or W are beside it and on every build. The tile:
+// kPairTileVectors interleaved groups of 8 weight rows by kPairTileRows rows of x, one broadcast pair of x
+// meeting each group in one 16-bit multiply-add (AVX-512 VNNI: 6 x 2, twelve vpdpwssd chains; else 4 x 2).
+#if defined(PAGEDLLM_AVX512)
+constexpr int kPairTileRows = 6;
+#else
+constexpr int kPairTileRows = 4;
+#endif
+constexpr int kPairTileVectors = 2;
+constexpr int kPairTileWeightRows = quants::kByteRows * kPairTileVectors;
+constexpr int kChunkBlocks = PairActivations::kBlocks;
+
+// acc[NV i + j] (lane r: weight row r of group j) += chunk k of x row mb + i against the groups' blocks w[b][j].
+template <typename T, int MR, int NV>
+inline void pair_tile_step(const quants::PairRows (*w)[NV], int blocks, const PairActivations& x, int64_t mb,
+                           int64_t k, __m256* acc) {
+  __m256 p[MR][NV][kChunkBlocks];
+#pragma GCC unroll 1
+  for (int b = 0; b < blocks; ++b) {
+    __m256i dots[MR][NV];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NV; ++j) dots[i][j] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) {
+      for (int i = 0; i < MR; ++i) {
+        const __m256i pair = _mm256_set1_epi32(x.pairs(mb + i, k, b)[t]);
+        for (int j = 0; j < NV; ++j) dots[i][j] = quants::add_pairs(dots[i][j], w[b][j].pairs[t], pair);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NV; ++j) {
+        __m256 product = _mm256_mul_ps(_mm256_cvtepi32_ps(dots[i][j]), w[b][j].d);
+        if constexpr (T::kMinByte >= 0)
+          product = _mm256_fmadd_ps(w[b][j].m, _mm256_set1_ps(x.sum_of(mb + i, k, b)), product);
+        p[i][j][b] = product;
+      }
+  }
+  for (int b = blocks; b < kChunkBlocks; ++b)
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NV; ++j) p[i][j][b] = _mm256_setzero_ps();
+  for (int i = 0; i < MR; ++i) {
+    const __m256 dx = _mm256_set1_ps(x.scale_of(mb + i, k));
+    for (int j = 0; j < NV; ++j) {
+      const __m256* q = p[i][j];
+      const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(q[0], q[1]), _mm256_add_ps(q[2], q[3])),
+                                       _mm256_add_ps(_mm256_add_ps(q[4], q[5]), _mm256_add_ps(q[6], q[7])));
+      acc[NV * i + j] = _mm256_fmadd_ps(sum, dx, acc[NV * i + j]);
+    }
+  }
+}
+
+// pair_tile_step over `rows` rows of x from mb, kPairTileRows at a time, the rest in one step.
+template <typename T>
+__attribute__((noinline)) void pair_tile_rows(const quants::PairRows (*w)[kPairTileVectors], int blocks,
+                                              const PairActivations& x, int64_t mb, int64_t rows, int64_t k,
+                                              __m256* acc) {
+  constexpr int NV = kPairTileVectors;
+  int64_t m = 0;
+  for (; m + kPairTileRows <= rows; m += kPairTileRows) {
+    for (int64_t i = m + kPairTileRows; i < std::min(rows, m + 2 * kPairTileRows); ++i)
+      prefetch_bytes(x.pairs(mb + i, k, 0), blocks * 64);
+    pair_tile_step<T, kPairTileRows, NV>(w, blocks, x, mb + m, k, acc + NV * m);
+  }
+  if (m < rows) {
+    with_count<kPairTileRows - 1>(rows - m, [&](auto count) {
+      pair_tile_step<T, decltype(count)::value, NV>(w, blocks, x, mb + m, k, acc + NV * m);
+    });
+  }
+}
+
+// sums[(m - m_begin) * ld_sums + n - panel.n0] += x row m . weight row n for the panel's rows and x rows
+// [m_begin, m_end): kPairTileWeightRows weight rows at a time, each chunk of them interleaved once for all
+// the item's rows of x.
+template <typename T>
+void pair_tile(const BlockShard& shard, const ShardPanel& panel, const PairActivations& x, int64_t m_begin,
+               int64_t m_end, float* sums, int64_t ld_sums) {
+  constexpr int NV = kPairTileVectors;
+  alignas(64) static const uint8_t kZeros[T::kBlockBytes] = {};  // rows past the panel's: d = m = 0
+  const int64_t rows = m_end - m_begin;
+  static thread_local LineVector<float> acc_buffer;
+  acc_buffer.resize(NV * rows * 8);
+  __m256* acc = reinterpret_cast<__m256*>(acc_buffer.data());
+  alignas(64) quants::PairRows w[kChunkBlocks][NV];
+  for (int64_t g0 = panel.n0; g0 < panel.n1; g0 += kPairTileWeightRows) {
+    const int64_t count = std::min<int64_t>(kPairTileWeightRows, panel.n1 - g0);
+    for (int64_t a = 0; a < NV * rows; ++a) acc[a] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < x.chunks; ++k) {
+      const int blocks = x.blocks_in(k);
+      for (int r = 0; r < count; ++r) {  // the chunks visited next: these rows' next, or the next rows' first
+        const int64_t next = k + 1 < x.chunks ? (g0 + r) * shard.row_bytes + (k + 1) * quants::chunk_bytes<T>()
+                                              : (g0 + kPairTileWeightRows + r) * shard.row_bytes;
+        prefetch_chunk<T>(shard.data + next);
+      }
+      for (int j = 0; j < NV; ++j)
+        for (int b = 0; b < blocks; ++b) {
+          const uint8_t* p[quants::kByteRows];
+          for (int r = 0; r < quants::kByteRows; ++r) {
+            const int64_t n = quants::kByteRows * j + r;
+            p[r] = n < count ? shard.data + (g0 + n) * shard.row_bytes + k * quants::chunk_bytes<T>() + b * T::kBlockBytes
+                             : kZeros;
+          }
+          quants::interleave_pairs<T>(p, w[b][j]);
+        }
+      pair_tile_rows<T>(w, blocks, x, m_begin, rows, k, acc);
+    }
+    for (int64_t m = 0; m < rows; ++m)
+      for (int j = 0; j < NV; ++j) {
+        alignas(32) float part[quants::kByteRows];
+        _mm256_store_ps(part, acc[NV * m + j]);
+        for (int r = 0; r < std::min<int64_t>(quants::kByteRows, count - quants::kByteRows * j); ++r)
+          sums[m * ld_sums + (g0 + quants::kByteRows * j + r - panel.n0)] += part[r];
+      }
+  }
+}
+
+// acc[0 .. MR] (rows m0 .. m0 + MR of x) += chunk k of one weight row of a 32-value type, of kBlocks blocks, in
+// pair_tile's contract: each block's codes meet x in lanes of values, a chunk's lanes added down to one int32
+// lane a block (exact in any order; hadd, as the blocks arrive), then the tile's float work lane for lane with
+// a block a lane: p = I d (+ m sum), the tree by swaps of neighbouring lanes, of pairs of lanes and of halves
+// (a + b is b + a), and the row's fma by dx.
+template <typename T, int MR, int kBlocks>
+inline void pair_chunk(const uint8_t* chunk, const PairActivations& x, int64_t m0, int64_t k, float* acc) {
+  const auto dots = [&](int b, __m256i* out) {  // out[i]: block b's lanes of values against x row m0 + i
+    if (b >= kBlocks) {
+      for (int i = 0; i < MR; ++i) out[i] = _mm256_setzero_si256();
+      return;
+    }
+    const quants::Words w = T::pair_words(chunk + b * T::kBlockBytes);
+    const __m256i low = _mm256_unpacklo_epi16(w.low, w.high), high = _mm256_unpackhi_epi16(w.low, w.high);
+    for (int i = 0; i < MR; ++i) {
+      const int32_t* xp = x.pairs(m0 + i, k, b);
+      out[i] = quants::add_pairs(quants::add_pairs(_mm256_setzero_si256(), low, _mm256_load_si256(reinterpret_cast<const __m256i*>(xp))),
+                                 high, _mm256_load_si256(reinterpret_cast<const __m256i*>(xp + 8)));
+    }
+  };
+  // quads[h][i]: blocks 4h .. 4h + 3's sums over each 128-bit half of their lanes, for x row i
+  __m256i quads[2][MR];
+  for (int h = 0; h < 2; ++h) {
+    if (4 * h >= kBlocks) {
+      for (int i = 0; i < MR; ++i) quads[h][i] = _mm256_setzero_si256();
+      continue;
+    }
+    __m256i a[MR], b[MR], pair01[MR];
+    dots(4 * h, a);
+    dots(4 * h + 1, b);
+    for (int i = 0; i < MR; ++i) pair01[i] = _mm256_hadd_epi32(a[i], b[i]);
+    dots(4 * h + 2, a);
+    dots(4 * h + 3, b);
+    for (int i = 0; i < MR; ++i) quads[h][i] = _mm256_hadd_epi32(pair01[i], _mm256_hadd_epi32(a[i], b[i]));
+  }
+  const uint8_t* p[kChunkBlocks];
+  for (int b = 0; b < kChunkBlocks; ++b) p[b] = chunk + std::min(b, kBlocks - 1) * T::kBlockBytes;
+  __m256 d = quants::block_halves(p, 0), m = _mm256_setzero_ps();
+  if constexpr (T::kMinByte >= 0) m = quants::block_halves(p, T::kMinByte);
+  if constexpr (kBlocks < kChunkBlocks) {
+    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(kBlocks), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    d = _mm256_and_ps(d, valid);
+    m = _mm256_and_ps(m, valid);
+  }
+  for (int i = 0; i < MR; ++i) {
+    const __m256i integers = _mm256_add_epi32(_mm256_permute2x128_si256(quads[0][i], quads[1][i], 0x20),
+                                              _mm256_permute2x128_si256(quads[0][i], quads[1][i], 0x31));
+    __m256 product = _mm256_mul_ps(_mm256_cvtepi32_ps(integers), d);
+    if constexpr (T::kMinByte >= 0) product = _mm256_fmadd_ps(m, _mm256_loadu_ps(x.sums_of(m0 + i, k)), product);
+    const __m256 s1 = _mm256_add_ps(product, _mm256_permute_ps(product, 0xb1));  // (p0 + p1), (p2 + p3), ...
+    const __m256 s2 = _mm256_add_ps(s1, _mm256_permute_ps(s1, 0x4e));            // (p0 + p1) + (p2 + p3), ...
+    const __m256 s3 = _mm256_add_ps(s2, _mm256_permute2f128_ps(s2, s2, 0x01)); // the halves' sums added
+    acc[i] = std::fma(_mm256_cvtss_f32(s3), x.scale_of(m0 + i, k), acc[i]);
+  }
+}
+
+// sums[0 .. MR] += x rows m0 .. m0 + MR . one weight row of a 32-value type (pair_chunk), prefetching `ahead`
+// bytes on.
+template <typename T, int MR>
+void pair_row(const uint8_t* row, const PairActivations& x, int64_t m0, float* sums, int64_t ahead) {
+  float acc[MR] = {};
+  for (int64_t k = 0; k < x.chunks; ++k) {
+    const uint8_t* chunk = row + k * quants::chunk_bytes<T>();
+    prefetch_chunk<T>(chunk + ahead);
+    const int blocks = x.blocks_in(k);
+    if (blocks == kChunkBlocks) {
+      pair_chunk<T, MR, kChunkBlocks>(chunk, x, m0, k, acc);
+    } else {
+      with_count<kChunkBlocks - 1>(blocks, [&](auto count) { pair_chunk<T, MR, decltype(count)::value>(chunk, x, m0, k, acc); });
+    }
+  }
+  for (int i = 0; i < MR; ++i) sums[i] += acc[i];
+}
+
+// x rows [m_begin, m_end) against the panel's rows of a 32-value type: from kPairTileMinRows rows of x the
+// tile, below it whole weight rows (pair_row), kRowGroup rows of x at a time, each row prefetching kRowsAhead
+// rows on (past the panel's end too: a thread's next item is the next panel).
+constexpr int64_t kPairTileMinRows = 4;
+template <typename T>
+void pair_rows(const BlockShard& shard, const ShardPanel& panel, const PairActivations& x, int64_t m_begin,
+               int64_t m_end, float* sums, int64_t ld_sums) {
+  if (m_end - m_begin >= kPairTileMinRows) return pair_tile<T>(shard, panel, x, m_begin, m_end, sums, ld_sums);
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += kRowGroup) {
+    with_count<kRowGroup>(std::min<int64_t>(kRowGroup, m_end - m0), [&](auto count) {
+      constexpr int R = decltype(count)::value;
+      for (int64_t n = panel.n0; n < panel.n1; ++n) {
+        float row_sums[R] = {};
+        pair_row<T, R>(shard.data + n * shard.row_bytes, x, m0, row_sums, kRowsAhead * shard.row_bytes);
+        for (int i = 0; i < R; ++i) sums[(m0 - m_begin + i) * ld_sums + (n - panel.n0)] += row_sums[i];
+      }
+    });
+  }
+}
+
 std::vector<ShardPanel> shard_panels(const std::vector<BlockShard>& shards, int64_t size) {
   std::vector<ShardPanel> panels;
   for (int64_t s = 0; s < static_cast<int64_t>(shards.size()); ++s)
@@ -1298,14 +1568,25 @@ thread_local bool blocks_int8 = true;
 
 void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const float* x, int64_t m_rows,
                    const Epilogue& out) {
-  // the forms of x the shards read: the K types' chunks (integer sub-scales), the other types' blocks in
-  // dot's order or in quads
-  bool integer_scales = false, dots = false, quads = false;
+  // The 32-value types take pair_rows (its numeric contract: the same bits in a call of any rows) where the
+  // invariant gate asks, and with AVX-512 from kPairTileMinRows rows (its tile: 2.3x the few-row walk below
+  // at 8 rows of the 0.5B's gate projection on Zen 4, 1.4x the float panels at 200); else at few rows the walk
+  // of blocks_row (int16 x per 32 values: 1.2x pair_row's speed at one row there, session 29).
+#if defined(PAGEDLLM_AVX512)
+  const bool pair_walk = blocks_invariant || m_rows >= kPairTileMinRows;
+#else
+  const bool pair_walk = blocks_invariant;
+#endif
+  // the forms of x the shards read: the K types' chunks (integer sub-scales), the 32-value types' pairs, the
+  // other types' blocks in dot's order or in quads
+  bool integer_scales = false, pairs = false, dots = false, quads = false;
   for (const BlockShard& shard : shards) {
     quants::with_type(shard.type, [&](auto t) {
       using T = decltype(t);
       if constexpr (T::kIntegerScales) {
         integer_scales = true;
+      } else if (T::kBlockValues == 32 && pair_walk) {
+        pairs = true;
       } else {
         (quants::kQuads<T> ? quads : dots) = true;
       }
@@ -1330,6 +1611,7 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
     const int64_t runs = (m_rows + x_rows - 1) / x_rows;
     // each form of x only where a shard reads it
     const ActivationBlocks qx(x, float_scales ? m_rows : 0, cols, dots, quads);
+    const PairActivations px(x, pairs ? m_rows : 0, cols);
     const ChunkActivations cx(x, integer_scales ? m_rows : 0, cols, blocks_int8);
     const int64_t chunks = (cols + quants::kChunkValues - 1) / quants::kChunkValues;
     // spans of x, kRowGroup rows at a time, so that the span stays in L1 while the panel's rows pass (a
@@ -1355,6 +1637,9 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
         std::fill(sums.begin(), sums.end(), 0.f);
         quants::with_type(shard.type, [&](auto t) {
           using T = decltype(t);
+          if constexpr (T::kBlockValues == 32) {
+            if (pair_walk) return pair_rows<T>(shard, panel, px, m_begin, m_end, sums.data(), kPanelRows);
+          }
           if constexpr (T::kIntegerScales) {
             if (cx.bytes) {
               if (m_end - m_begin >= tile_min_rows(T::kType)) {

@@ -56,6 +56,11 @@ inline uint32_t bits32(const uint8_t* p) {
 inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+// 32 codes as int16 words, values 0-15 and 16-31 (both builds: 256-bit vectors).
+struct Words {
+  __m256i low, high;
+};
+
 #if defined(PAGEDLLM_AVX512)
 
 using VecB = __m512i;
@@ -196,10 +201,6 @@ inline VecB bit_masks(uint32_t bits) {
 inline VecB bit_bytes(uint32_t bits, int value) { return mask_bytes(bit_masks(bits), value); }
 // A unit's activations are in order: value i at place i.
 constexpr int unit_position(int i) { return i; }
-// 32 codes as int16 words, values 0-15 and 16-31.
-struct Words {
-  __m256i low, high;
-};
 template <bool kSigned>
 inline Words byte_words(VecB codes) {
   const __m128i a = _mm256_castsi256_si128(codes), b = _mm256_extracti128_si256(codes, 1);
@@ -396,14 +397,22 @@ struct IntegerChunk {
   VecF offsets[kGroupVectors];
 };
 
+// Words of `value` where bit i of `bits` (16 bits) is set, else 0.
+inline __m256i bit_words(uint32_t bits, int value) {
+  const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, -32768);
+  const __m256i set = _mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(bits)), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi16(set, bit), _mm256_set1_epi16(static_cast<int16_t>(value)));
+}
+
 // The types. Each has kType (ggml's number), kBlockValues, kBlockBytes, kSigned, and for a chunk p of a
 // row holding `blocks` 32-value blocks:
 //   scales(p, blocks, s, c)  the chunk's kGroups scales and offsets as kGroupVectors vectors each (zero
 //                            past its blocks)
 //   codes(p, u, blocks)      unit u's codes (a unit past the blocks reads bytes of the chunk's first
 //                            block: the activations there are zeros)
-// and the 32-value types on AVX2, for block p alone: code_words(p), its codes as int16 words (less the
-// offset where it is implicit), and kMinByte, the byte offset of its m (-1: none).
+// and the 32-value types, for block p alone: pair_words(p), its codes as int16 words (less the offset where it
+// is implicit; on AVX2 also code_words(p), in the few-row walk's order), and kMinByte, the byte offset of its
+// m (-1: none).
 
 // The 32-value types: a chunk is 8 blocks, each starting with d (float16); byte offsets of m (-1: none,
 // c = -kImplicitOffset d; else right after d), of the high bits (-1: none) and of the nibbles.
@@ -441,11 +450,40 @@ struct SmallBlocks {
     return q;
   }
 
+  // The block at p's 32 codes as int16 words: the integers its values are d times, less the offset where it
+  // is implicit (Q4_0's 8, Q5_0's 16); m (kMinByte, -1: none) stays apart.
+  static constexpr int kMinByte = kMinOffset;
+  static Words pair_words(const uint8_t* p) {
+    const __m256i bytes = _mm256_cvtepu8_epi16(load16(p + kCodeOffset));
+    __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi16(15)), high = _mm256_srli_epi16(bytes, 4);
+#if defined(PAGEDLLM_AVX512)
+    if constexpr (kHighOffset >= 0) {
+      // Q5_1: + 16 where the fifth bit is set; Q5_0: q - 16 = the nibble where it is set, the nibble + 0xfff0
+      // (the nibble - 16 in two's complement) where it is clear
+      const uint32_t bits = bits32(p + kHighOffset);
+      const auto mask = [&](uint32_t half) { return static_cast<__mmask16>(kMinOffset < 0 ? ~half : half); };
+      const __m256i add = _mm256_set1_epi16(kMinOffset < 0 ? static_cast<int16_t>(0xfff0) : 16);
+      return {_mm256_mask_add_epi16(low, mask(bits & 0xffff), low, add), _mm256_mask_add_epi16(high, mask(bits >> 16), high, add)};
+    }
+#else
+    if constexpr (kHighOffset >= 0) {
+      const uint32_t bits = bits32(p + kHighOffset);
+      low = _mm256_or_si256(low, bit_words(bits & 0xffff, 16));
+      high = _mm256_or_si256(high, bit_words(bits >> 16, 16));
+    }
+#endif
+    if constexpr (kMinOffset < 0) {
+      const __m256i offset = _mm256_set1_epi16(kImplicitOffset);
+      low = _mm256_sub_epi16(low, offset);
+      high = _mm256_sub_epi16(high, offset);
+    }
+    return {low, high};
+  }
+
 #if !defined(PAGEDLLM_AVX512)
   // The block at p's codes as the integers its values are d times, in words, where the offset is
   // implicit: q - 8 (Q4_0); q - 16 (Q5_0: a clear fifth bit gives the code the high nibble 0xf0, q - 16
   // in two's complement, widened signed). Where m is stored (kMinByte), the codes as they are.
-  static constexpr int kMinByte = kMinOffset;
   static_assert(kHighOffset < 0 || kMinOffset >= 0 || kImplicitOffset == 16, "a clear fifth bit is -16");
   static Words code_words(const uint8_t* p) {
     if constexpr (kHighOffset < 0) {
@@ -485,8 +523,11 @@ struct Q8_0 {
     return load32(p + u * kBlockBytes + 2);
 #endif
   }
-#if !defined(PAGEDLLM_AVX512)
   static constexpr int kMinByte = -1;
+  static Words pair_words(const uint8_t* p) {
+    return {_mm256_cvtepi8_epi16(load16(p + 2)), _mm256_cvtepi8_epi16(load16(p + 18))};
+  }
+#if !defined(PAGEDLLM_AVX512)
   static Words code_words(const uint8_t* p) {
     return {_mm256_cvtepi8_epi16(load16(p + 2)), _mm256_cvtepi8_epi16(load16(p + 18))};
   }
@@ -679,6 +720,65 @@ inline __m256i dpbusd(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 #endif
+
+// The 32-value types' walk (linear.cpp pair_tile; both builds, in 256-bit vectors). x is int16 with one scale
+// dx per chunk of 256 values, so a block's sum is one integer dot product I = sum_i q_i q_x(i) (exact: at most
+// 32 x 128 x 32767), whose float work is per block and pair of rows. kByteRows weight rows' blocks are
+// interleaved, lane r of every vector row r's: pairs[p] the codes of values pair_value(p) and pair_value(p) + 16
+// as two int16 (x's codes at the same places), so that one broadcast pair of x meets 8 rows in one 16-bit
+// multiply-add whose lanes are rows; d and m (0 where the type has none) as floats.
+struct PairRows {
+  __m256i pairs[16];
+  __m256 d, m;
+};
+// The value (0 .. 15) whose pair, with value + 16, pairs[p] holds: the order of an unpack of the two words
+// within 128-bit lanes (values 0-3, 8-11 from unpacklo; 4-7, 12-15 from unpackhi) and a transpose.
+constexpr int pair_value(int p) { return (p < 8 ? 0 : 4) + (p % 8 < 4 ? p % 8 : p % 8 + 4); }
+// The float16 at `offset` of each of the 8 blocks at p[r], as floats.
+inline __m256 block_halves(const uint8_t* const* p, int offset) {
+  const auto word = [&](int r) {
+    uint16_t v;
+    std::memcpy(&v, p[r] + offset, 2);
+    return static_cast<int>(v);
+  };
+  __m128i h = _mm_cvtsi32_si128(word(0));
+  h = _mm_insert_epi16(h, word(1), 1);
+  h = _mm_insert_epi16(h, word(2), 2);
+  h = _mm_insert_epi16(h, word(3), 3);
+  h = _mm_insert_epi16(h, word(4), 4);
+  h = _mm_insert_epi16(h, word(5), 5);
+  h = _mm_insert_epi16(h, word(6), 6);
+  h = _mm_insert_epi16(h, word(7), 7);
+  return _mm256_cvtph_ps(h);
+}
+// The blocks at p[0 .. kByteRows) (one of each row) as PairRows.
+template <typename T>
+inline void interleave_pairs(const uint8_t* const* p, PairRows& out) {
+  __m256i a[kByteRows], b[kByteRows];
+  for (int r = 0; r < kByteRows; ++r) {
+    const Words w = T::pair_words(p[r]);
+    a[r] = _mm256_unpacklo_epi16(w.low, w.high);
+    b[r] = _mm256_unpackhi_epi16(w.low, w.high);
+  }
+  transpose8(a);
+  transpose8(b);
+  for (int i = 0; i < kByteRows; ++i) {
+    out.pairs[i] = a[i];
+    out.pairs[kByteRows + i] = b[i];
+  }
+  out.d = block_halves(p, 0);
+  out.m = T::kMinByte >= 0 ? block_halves(p, T::kMinByte) : _mm256_setzero_ps();
+}
+// acc + the sums of a's and b's 16-bit pairs' products, an int32 lane each (vpdpwssd, else vpmaddwd).
+inline __m256i add_pairs(__m256i acc, __m256i a, __m256i b) {
+#if defined(PAGEDLLM_VNNI) && defined(PAGEDLLM_AVX512)
+  return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(PAGEDLLM_VNNI)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
 
 struct Q4_K {
   static constexpr int kType = 12, kBlockValues = 256, kBlockBytes = 144;
