@@ -3,8 +3,9 @@ row's output bits do not depend on the rows beside it.
 
 Kernel level: with the invariant gate on (what the model runner sets for every step), each block type's
 row is the same, bit for bit, in a call of 1, 7, 64 or 200 rows, on every instruction-set build this CPU
-runs, and within its integer rounding of x of the gguf package's dequantized weight. Without it (PAGEDLLM_GGUF_PATHS=fast: bf16 / AMX panels, float32 panels) the
-same rows differ, which the gate exists for.
+runs, and within its integer rounding of x of the gguf package's dequantized weight. Without it
+(PAGEDLLM_GGUF_PATHS=fast: bf16 / AMX panels, float32 panels) the same rows differ, which the gate exists
+for.
 
 Engine level: SmolLM2 (Q4_1 blocks, a Q8_0 LM head) with its default storage, invariant paths, greedy: a
 request alone, in a batch of many, and after swap and recompute preemption gets the same tokens, a

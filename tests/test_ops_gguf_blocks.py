@@ -6,9 +6,9 @@ sub-scales) in int8 blocks of 256 (scale max |x| / 127, llama.cpp's q8_K; int16 
 at any number of rows (with the AVX2 builds, below 64); for the 32-value types with the AVX-512 builds from 4
 rows in int16 blocks of 256 (scale max |x| / 32767; at every row count where the invariant gate asks: their
 own numeric contract), else and for Q5_K in int16 blocks of 32 at up to 16 rows (more rows multiply their
-dequantized values in float32); the reference rounds x the same way, written here independently. From group_size rows on (where set) x and
-W are rounded to bf16: through a whole-weight scratch and oneDNN's GEMM, or on a CPU with AMX through panels
-and brgemm.
+dequantized values in float32); the reference rounds x the same way, written here independently. From
+group_size rows on (where set) x and W are rounded to bf16: through a whole-weight scratch and oneDNN's GEMM,
+or on a CPU with AMX through panels and brgemm.
 
 Then each block type on Qwen2.5-Coder-1.5B's projection shapes (the model of every llama.cpp comparison),
 against gguf's dequantize and a float64 matmul within a bound of each path's rounding, in CI on random

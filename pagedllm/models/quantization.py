@@ -45,9 +45,9 @@ INT4_GROUP = 32
 # AMX panels, float32 panels), whose rounding depends on the step's row count; "invariant", the blocks'
 # integer path at every row count, a row's output bits the same whatever else the step computes (alone,
 # batched, after preemption), as vLLM's VLLM_BATCH_INVARIANT opts in. Without AMX, "fast" already keeps
-# the integer path of the types with a many-row tile (GGUFLinear.INTEGER_TILE_TYPES: Q4_K, Q6_K); for the
-# others "invariant" costs a prefill ~3x until theirs has one (docs/kernels.md, "The numeric contract of GGUF
-# blocks").
+# the integer path of the types whose many-row tile outruns bf16 (GGUFLinear.INTEGER_TILE_TYPES: Q4_K, Q6_K);
+# the 32-value types' tile runs at ~0.83x bf16, so "invariant" costs their prefill ~1.2x on Zen 4
+# (docs/kernels.md, "The numeric contract of GGUF blocks").
 GGUF_PATHS_ENV_VAR = "PAGEDLLM_GGUF_PATHS"
 GGUF_PATHS = ("invariant", "fast")
 # How the integer path rounds x for Q4_K / Q6_K: "int8" (the default), one scale per 256 values as
