@@ -3,12 +3,12 @@ every instruction-set build this CPU runs, against the `gguf` package's dequanti
 
 x is rounded to integer blocks and meets the codes in integer arithmetic: for Q4_K and Q6_K (their integer
 sub-scales) in int8 blocks of 256 (scale max |x| / 127, llama.cpp's q8_K; int16 where set_blocks_int8 is off)
-at any number of rows (with the AVX2 builds, below 64); for the 32-value types with the AVX-512 builds from 4
-rows in int16 blocks of 256 (scale max |x| / 32767; at every row count where the invariant gate asks: their
-own numeric contract), else and for Q5_K in int16 blocks of 32 at up to 16 rows (more rows multiply their
-dequantized values in float32); the reference rounds x the same way, written here independently. From
-group_size rows on (where set) x and W are rounded to bf16: through a whole-weight scratch and oneDNN's GEMM,
-or on a CPU with AMX through panels and brgemm.
+at any number of rows (with the AVX2 builds, below 64); for the other types in int16 blocks of 32 (scale
+max |x| / 32767) at up to 16 rows (more rows multiply their dequantized values in float32; where the invariant
+gate asks, the 32-value types round x to int16 blocks of 256 at any row count: test_batch_invariance.py); the
+reference rounds x the same way, written here independently. From group_size rows on (where set) x and W are
+rounded to bf16: through a whole-weight scratch and oneDNN's GEMM, or on a CPU with AMX through panels and
+brgemm.
 
 Then each block type on Qwen2.5-Coder-1.5B's projection shapes (the model of every llama.cpp comparison),
 against gguf's dequantize and a float64 matmul within a bound of each path's rounding, in CI on random
@@ -40,7 +40,6 @@ def storage(parts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 STREAMED_ROWS = 16  # linear.cpp's kBlockStreamRows
 INTEGER_SCALES = {"Q4_K", "Q6_K"}  # quants.h's kIntegerScales
-PAIRS = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}  # the 32-value types (linear.cpp pair_rows)
 NARROW_INTEGER_ROWS = 64  # linear.cpp's kNarrowIntegerRows: AVX2's K types on int16 x take float panels
 
 
@@ -50,26 +49,12 @@ def k_panels(isa: str, rows: int, largest: int = INT8) -> bool:
     return largest == INT16 and isa.startswith("avx2") and rows >= NARROW_INTEGER_ROWS
 
 
-PAIR_TILE_ROWS = 4  # linear.cpp's kPairTileMinRows
-
-
-def pair_path(isa: str, rows: int) -> str:
-    """The 32-value types' path, the gates at their defaults: with AVX-512 pair_rows (x int16 per 256) from
-    PAIR_TILE_ROWS rows; below it, and with AVX2 up to STREAMED_ROWS, the few-row walk (x int16 per 32);
-    above that with AVX2 the float panels."""
-    if isa.startswith("avx512") and rows >= PAIR_TILE_ROWS:
-        return "int16 x 256"
-    return "int16 x 32" if rows <= STREAMED_ROWS else "float32"
-
-
 def expected(x: torch.Tensor, w: torch.Tensor, name: str, isa: str, k_largest: int = INT8) -> torch.Tensor:
     """What the kernels compute, with the many-row paths' gate on (set_blocks_bf16's default); the K types'
     x rounded to int8 (set_blocks_int8's default) or, with k_largest INT16, to int16."""
     rows = x.shape[0]
     if name in INTEGER_SCALES and not k_panels(isa, rows, k_largest):
         return int_blocks(x, 256, k_largest).double() @ w.T
-    if name in PAIRS and pair_path(isa, rows) == "int16 x 256":
-        return int_blocks(x, 256).double() @ w.T
     return (int_blocks(x) if rows <= STREAMED_ROWS else x).double() @ w.T
 
 
@@ -301,7 +286,7 @@ def test_bf16_path_tiles_a_weight_larger_than_its_scratch(kernels):
     data, layout = torch.from_numpy(blocks.raw.reshape(-1)), torch.tensor([[rows_w, int(blocks.qtype)]])
     x = torch.randn(17, cols)
     out = kernels.linear(x, data, layout, None, 17, None, None)
-    exact = kernels.linear(x, data, layout)  # the integer path (x rounded to int16 per 256 values)
+    exact = kernels.linear(x, data, layout)  # the float32 path (the file's values exactly)
     scale = (x.abs().sum(dim=1, keepdim=True) * 0.4).expand_as(exact)  # |W| <= 8 |d|, |d| < 0.05 here
     assert ((out - exact).abs() <= 2**-7 * scale + 2**-8 * exact.abs()).all()
     assert not torch.equal(out[:, -77:], exact[:, -77:])
@@ -376,10 +361,8 @@ WEIGHT_CHUNK = 16384  # weight rows a reference matmul takes at a time (an LM he
 def rounding_step(x: torch.Tensor, block: int, largest: int) -> torch.Tensor:
     """Half an integer step of each value's block of `block` columns (max |x| / largest / 2): the most that
     rounding x to integer blocks moves it."""
-    rows, cols = x.shape
-    padded = torch.nn.functional.pad(x.abs(), (0, -cols % block)).reshape(rows, -1, block)
-    half = padded.amax(dim=-1, keepdim=True) / largest / 2
-    return half.expand(-1, -1, block).reshape(rows, -1)[:, :cols]
+    half = x.abs().reshape(len(x), -1, block).amax(dim=-1, keepdim=True) / largest / 2
+    return half.expand(-1, -1, block).reshape(x.shape)
 
 
 def kernel_path(name: str, isa: str, rows: int, group_size: int) -> str:
@@ -388,8 +371,6 @@ def kernel_path(name: str, isa: str, rows: int, group_size: int) -> str:
         return "bf16"
     if name in INTEGER_SCALES:
         return "float32" if k_panels(isa, rows) else "int8 x 256"
-    if name in PAIRS:
-        return pair_path(isa, rows)
     return "int16 x 32" if rows <= STREAMED_ROWS else "float32"
 
 

@@ -230,8 +230,6 @@ def gguf_kernels() -> str:
         x += ", int16 per 256 for the 32-value types, per 32 for Q5_K"
         return f"GGUF blocks: integer path at every row count ({x}), batch invariant"
     x += ", int16 per 32 for the others"
-    if native.avx512_selected():
-        x += " (the 32-value types' tile from 4 rows: int16 per 256)"
     many = "float32 panels"
     if native.bf16_matmul_available():
         many = "AMX bf16 panels" if native.blocks_amx() else "bf16 oneDNN"

@@ -583,9 +583,9 @@ void panel_matmul(const float* packed, int64_t n_rows, int64_t cols, const float
 //     the other types at more rows, below): x in int8 (blocks_int8, the default) or int16 blocks of 256
 //     (ChunkActivations), each super-block one integer dot product with its integer sub-scales (quants.h,
 //     "integer sub-scales");
-//   the 32-value types where the invariant gate asks, at any number of rows, and with AVX-512 from
-//     kPairTileMinRows rows: x in int16 with one scale per 256 values, each block one integer dot product and
-//     one float product, in one order at any row count (pair_rows, below);
+//   the 32-value types where the invariant gate asks, at any number of rows: x in int16 with one scale per 256
+//     values, each block one integer dot product and one float product, in one order at any row count
+//     (pair_rows, below);
 //   the other types (and the 32-value types below that), up to kBlockStreamRows rows: x in int16 blocks of 32
 //     (ActivationBlocks), as for int8 / int4 codes above; per 16-value group g,
 //       x . w = sum_g d_x(g) (s_w(g) sum_i u_i q_i + c_w(g) sum_i q_i)
@@ -1569,14 +1569,10 @@ thread_local bool blocks_int8 = true;
 void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const float* x, int64_t m_rows,
                    const Epilogue& out) {
   // The 32-value types take pair_rows (its numeric contract: the same bits in a call of any rows) where the
-  // invariant gate asks, and with AVX-512 from kPairTileMinRows rows (its tile: 2.3x the few-row walk below
-  // at 8 rows of the 0.5B's gate projection on Zen 4, 1.4x the float panels at 200); else at few rows the walk
-  // of blocks_row (int16 x per 32 values: 1.2x pair_row's speed at one row there, session 29).
-#if defined(PAGEDLLM_AVX512)
-  const bool pair_walk = blocks_invariant || m_rows >= kPairTileMinRows;
-#else
+  // invariant gate asks; else the few-row walk of blocks_row (int16 x per 32 values: 1.2x pair_row's speed at
+  // one row of the 0.5B's gate projection on Zen 4, and closer to transformers' sums, which the equality tests
+  // of the default hold it to: session 29).
   const bool pair_walk = blocks_invariant;
-#endif
   // the forms of x the shards read: the K types' chunks (integer sub-scales), the 32-value types' pairs, the
   // other types' blocks in dot's order or in quads
   bool integer_scales = false, pairs = false, dots = false, quads = false;
