@@ -126,9 +126,9 @@ def test_integer_scales_give_a_row_the_same_bits_in_any_batch(kernels, name):
 def test_integer_paths_give_the_same_bits_on_every_build(monkeypatch, types, cols):
     """int8 x on the K types: each chunk's two exact integers and their float sums in one order on every
     build; int16 x on the 32-value types: each block's exact integer and one float product, summed in one
-    tree. So an AVX-512 CPU gives a row the bits an AVX2 one gives, at few rows (the walks of whole rows)
-    and at many (the tiles; the 32-value types' with the invariant gate, which AVX2 needs for them there);
-    the wider code vectors change which lanes hold the integers' parts, not them."""
+    tree (their contract runs where the invariant gate asks, set here). So an AVX-512 CPU gives a row the
+    bits an AVX2 one gives, at few rows (the walks of whole rows) and at many (the tiles); the wider code
+    vectors change which lanes hold the integers' parts, not them."""
     if len(ISAS) < 2:
         pytest.skip("this CPU runs one instruction-set build")
     data, layout, _ = storage(

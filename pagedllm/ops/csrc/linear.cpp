@@ -1571,7 +1571,8 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
   // The 32-value types take pair_rows (its numeric contract: the same bits in a call of any rows) where the
   // invariant gate asks; else the few-row walk of blocks_row (int16 x per 32 values: 1.2x pair_row's speed at
   // one row of the 0.5B's gate projection on Zen 4, and closer to transformers' sums, which the equality tests
-  // of the default hold it to: session 29).
+  // of the default hold it to: session 29). Read here, on the calling thread: the gate is thread_local, and
+  // the work items below run on at::parallel_for's threads, whose own copies are off.
   const bool pair_walk = blocks_invariant;
   // the forms of x the shards read: the K types' chunks (integer sub-scales), the 32-value types' pairs, the
   // other types' blocks in dot's order or in quads

@@ -60,6 +60,16 @@ inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_
 struct Words {
   __m256i low, high;
 };
+// acc + the sums of a's and b's 16-bit pairs' products, an int32 lane each (vpdpwssd, else vpmaddwd).
+inline __m256i add_pairs(__m256i acc, __m256i a, __m256i b) {
+#if defined(PAGEDLLM_VNNI) && defined(PAGEDLLM_AVX512)
+  return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(PAGEDLLM_VNNI)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
 
 #if defined(PAGEDLLM_AVX512)
 
@@ -229,15 +239,6 @@ inline VecB word_order_bit_masks(uint32_t bits) {
   return select_bit_masks(bits, _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1,
                                                  1, 3, 3, 3, 3, 3, 3, 3, 3));
 }
-// A 32-value block of nibbles (value i in byte i's low nibble, i + 16 in its high) as words minus
-// `offset`: widened first, the high nibble is a shift with nothing to mask.
-inline Words nibble_words(const uint8_t* q, int offset) {
-  const __m256i w = _mm256_cvtepu8_epi16(load16(q));
-  const __m256i low = _mm256_and_si256(w, _mm256_set1_epi16(15)), high = _mm256_srli_epi16(w, 4);
-  if (offset == 0) return {low, high};
-  const __m256i o = _mm256_set1_epi16(static_cast<int16_t>(offset));
-  return {_mm256_sub_epi16(low, o), _mm256_sub_epi16(high, o)};
-}
 inline __m256i pair_products(__m256i w, const int16_t* x) {
   const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
 #if defined(PAGEDLLM_VNNI)
@@ -300,22 +301,12 @@ inline VecB select_bytes(VecB src, const uint8_t* index) {
 inline VecB to_odd_bytes(VecB even) { return _mm256_slli_epi16(even, 8); }
 inline VecI byte_products(VecB codes, VecB scales) { return _mm256_maddubs_epi16(codes, scales); }
 inline VecI add_products(VecI acc, VecI a, const int16_t* x) {
-  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-#if defined(PAGEDLLM_VNNI)
-  return _mm256_dpwssd_avx_epi32(acc, a, xv);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, xv));
-#endif
+  return add_pairs(acc, a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
 }
 template <bool kSigned>
 inline VecI scale_words(VecB even) { return kSigned ? _mm256_srai_epi16(_mm256_slli_epi16(even, 8), 8) : even; }
 inline VecI add_byte_products(VecI acc, VecB codes, const int8_t* x, VecI scales) {
-  const __m256i pairs = _mm256_maddubs_epi16(codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-#if defined(PAGEDLLM_VNNI)
-  return _mm256_dpwssd_avx_epi32(acc, pairs, scales);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scales));
-#endif
+  return add_pairs(acc, _mm256_maddubs_epi16(codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), scales);
 }
 inline VecI add_int(VecI a, VecI b) { return _mm256_add_epi32(a, b); }
 inline VecI zero_int() { return _mm256_setzero_si256(); }
@@ -487,7 +478,7 @@ struct SmallBlocks {
   static_assert(kHighOffset < 0 || kMinOffset >= 0 || kImplicitOffset == 16, "a clear fifth bit is -16");
   static Words code_words(const uint8_t* p) {
     if constexpr (kHighOffset < 0) {
-      return nibble_words(p + kCodeOffset, kMinOffset < 0 ? kImplicitOffset : 0);
+      return pair_words(p);  // values 0-15 and 16-31: the walk's order too
     } else {
       const VecB nibbles = word_order_nibbles(p + kCodeOffset), bits = word_order_bit_masks(bits32(p + kHighOffset));
       if constexpr (kMinOffset < 0) {
@@ -528,9 +519,7 @@ struct Q8_0 {
     return {_mm256_cvtepi8_epi16(load16(p + 2)), _mm256_cvtepi8_epi16(load16(p + 18))};
   }
 #if !defined(PAGEDLLM_AVX512)
-  static Words code_words(const uint8_t* p) {
-    return {_mm256_cvtepi8_epi16(load16(p + 2)), _mm256_cvtepi8_epi16(load16(p + 18))};
-  }
+  static Words code_words(const uint8_t* p) { return pair_words(p); }
 #endif
 };
 
@@ -768,16 +757,6 @@ inline void interleave_pairs(const uint8_t* const* p, PairRows& out) {
   }
   out.d = block_halves(p, 0);
   out.m = T::kMinByte >= 0 ? block_halves(p, T::kMinByte) : _mm256_setzero_ps();
-}
-// acc + the sums of a's and b's 16-bit pairs' products, an int32 lane each (vpdpwssd, else vpmaddwd).
-inline __m256i add_pairs(__m256i acc, __m256i a, __m256i b) {
-#if defined(PAGEDLLM_VNNI) && defined(PAGEDLLM_AVX512)
-  return _mm256_dpwssd_epi32(acc, a, b);
-#elif defined(PAGEDLLM_VNNI)
-  return _mm256_dpwssd_avx_epi32(acc, a, b);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
 }
 
 struct Q4_K {
