@@ -1258,20 +1258,30 @@ void byte_tile(const BlockShard& shard, const ShardPanel& panel, const ChunkActi
   }
 }
 
-// Rows of x for the 32-value types (pair_tile): int16 codes with one scale per chunk of 256 values (max |x| /
-// 32767 over its values), each block's 32 as 16 pairs in quants::PairRows' order (pair p: values pair_value(p)
-// and pair_value(p) + 16), zeros past the row's blocks to a whole chunk; and each block's sum of its codes
-// (for the types with m).
+// From this many rows of x a call of the 32-value types takes pair_tile (every item, a last one of fewer rows
+// too), below it pair_row.
+constexpr int64_t kPairTileMinRows = 4;
+
+// Rows of x for the 32-value types (pair_rows): int16 codes with one scale per chunk of 256 values (max |x| /
+// 32767 over its values), zeros past the row's blocks to a whole chunk, and each block's sum of its codes
+// (the offset of Q4_0 / Q5_0, the m of Q4_1 / Q5_1). For the tile each block's 32 codes as 16 pairs in
+// quants::PairRows' order (pair p: values pair_value(p) and pair_value(p) + 16); for the AVX-512 walk
+// (`walk`: a call of fewer than kPairTileMinRows rows) each unit of 64 at quants::unit_position's places, and
+// where `quads` asks (a Q4_1 shard) also in quants::quad_position's order.
 struct PairActivations {
   static constexpr int kBlocks = quants::kChunkValues / 32;
   int64_t cols, chunks;
+  bool walk;
   LineVector<int32_t> q;             // [rows, chunks, kBlocks, 16]: two int16 each
+  LineVector<int16_t> quad_q;        // [rows, chunks, 256]
   LineVector<float> scale, code_sum;  // [rows, chunks], [rows, chunks, kBlocks]
 
-  PairActivations(const float* x, int64_t rows, int64_t cols_)
+  PairActivations(const float* x, int64_t rows, int64_t cols_, bool quads)
       : cols(cols_),
         chunks((cols_ + quants::kChunkValues - 1) / quants::kChunkValues),
+        walk(rows < kPairTileMinRows),
         q(rows * chunks * kBlocks * 16, 0),
+        quad_q(walk && quads && VecF::kWidth == 16 ? rows * chunks * quants::kChunkValues : 0, 0),
         scale(rows * chunks, 0.f),
         code_sum(rows * chunks * kBlocks, 0.f) {
     at::parallel_for(0, rows * chunks, 64, [&](int64_t begin, int64_t end) {
@@ -1292,13 +1302,22 @@ struct PairActivations {
         int16_t* out = reinterpret_cast<int16_t*>(q.data() + c * kBlocks * 16);
         for (int b = 0; b < blocks; ++b) {
           int32_t sum = 0;
+          for (int i = 32 * b; i < 32 * b + 32; ++i) sum += codes[i];
+          code_sum[c * kBlocks + b] = static_cast<float>(sum);  // exact: |sum| <= 32 x 32767
+#if defined(PAGEDLLM_AVX512)
+          if (walk) {
+            for (int i = 32 * b; i < 32 * b + 32; ++i)
+              out[i - i % quants::kUnitValues + quants::unit_position(i % quants::kUnitValues)] = codes[i];
+            if (!quad_q.empty())
+              for (int i = 0; i < 32; ++i) quad_q[c * quants::kChunkValues + quants::quad_position(b, i)] = codes[32 * b + i];
+            continue;
+          }
+#endif
           for (int p = 0; p < 16; ++p) {
             const int i = 32 * b + quants::pair_value(p);
             out[32 * b + 2 * p] = codes[i];
             out[32 * b + 2 * p + 1] = codes[i + 16];
-            sum += codes[i] + codes[i + 16];
           }
-          code_sum[c * kBlocks + b] = static_cast<float>(sum);  // exact: |sum| <= 32 x 32767
         }
         scale[c] = d;
       }
@@ -1306,6 +1325,12 @@ struct PairActivations {
   }
   int blocks_in(int64_t k) const { return static_cast<int>(std::min<int64_t>(kBlocks, (cols - k * quants::kChunkValues) / 32)); }
   const int32_t* pairs(int64_t m, int64_t k, int b) const { return q.data() + ((m * chunks + k) * kBlocks + b) * 16; }
+  const int16_t* unit(int64_t m, int64_t k, int u) const {
+    return reinterpret_cast<const int16_t*>(pairs(m, k, 0)) + u * quants::kUnitValues;
+  }
+  const int16_t* quad_vector(int64_t m, int64_t k, int v) const {
+    return quad_q.data() + (m * chunks + k) * quants::kChunkValues + v * (quants::kChunkValues / 8);
+  }
   float scale_of(int64_t m, int64_t k) const { return scale[m * chunks + k]; }
   float sum_of(int64_t m, int64_t k, int b) const { return code_sum[(m * chunks + k) * kBlocks + b]; }
   const float* sums_of(int64_t m, int64_t k) const { return code_sum.data() + (m * chunks + k) * kBlocks; }
@@ -1431,11 +1456,84 @@ void pair_tile(const BlockShard& shard, const ShardPanel& panel, const PairActiv
   }
 }
 
+// The tile's float work for one (weight row, row of x) pair and chunk, with a block a lane: p = I d (+ m sum),
+// the tree by swaps of neighbouring lanes, of pairs of lanes and of halves (a + b is b + a), and the row's fma
+// by dx.
+template <typename T>
+inline float pair_chunk_sum(__m256i integers, __m256 d, __m256 m, const float* code_sums, float dx, float acc) {
+  __m256 product = _mm256_mul_ps(_mm256_cvtepi32_ps(integers), d);
+  if constexpr (T::kMinByte >= 0) product = _mm256_fmadd_ps(m, _mm256_loadu_ps(code_sums), product);
+  const __m256 s1 = _mm256_add_ps(product, _mm256_permute_ps(product, 0xb1));  // (p0 + p1), (p2 + p3), ...
+  const __m256 s2 = _mm256_add_ps(s1, _mm256_permute_ps(s1, 0x4e));            // (p0 + p1) + (p2 + p3), ...
+  const __m256 s3 = _mm256_add_ps(s2, _mm256_permute2f128_ps(s2, s2, 0x01)); // the halves' sums added
+  return std::fma(_mm256_cvtss_f32(s3), dx, acc);
+}
+
+#if defined(PAGEDLLM_AVX512)
+// acc[0 .. MR] (rows m0 .. m0 + MR of x) += chunk k of one weight row of a 32-value type, of kBlocks blocks, in
+// pair_tile's contract: the blocks' codes as the few-row walk reads them (quants.h codes: a unit of two blocks,
+// the implicit offset left in) meet x's units in 16 int32 lanes, 8 a block; the four units' lanes added down
+// to one a block by two rounds of pairing neighbours across two vectors (exact in any order), less the offset
+// times x's code sum (exact), then the tile's float work.
+template <typename T, int MR, int kBlocks>
+inline void pair_chunk(const uint8_t* chunk, const PairActivations& x, int64_t m0, int64_t k, float* acc) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const auto pair_up = [&](__m512i a, __m512i b) {  // lane j: lanes 2j and 2j + 1 of a then b, added
+    return _mm512_add_epi32(_mm512_permutex2var_epi32(a, even, b), _mm512_permutex2var_epi32(a, odd, b));
+  };
+  const auto block_integers = [](__m512i twos) {  // lanes 2b, 2b + 1: block b's -> 8 lanes, a block each
+    return _mm512_cvtepi64_epi32(_mm512_add_epi32(twos, _mm512_shuffle_epi32(twos, _MM_PERM_CDAB)));
+  };
+  if constexpr (quants::kQuads<T>) {  // Q4_1: its quads (quants.h), a block's 4 lanes in each multiply-add
+    const quants::QuadChunk quads = quants::q4_1_quads(chunk, kBlocks);  // zero past the blocks
+    const __m512i dm = _mm512_castps_si512(quads.dm.v);
+    const __m256 d = _mm256_castsi256_ps(_mm512_cvtepi64_epi32(dm));
+    const __m256 m = _mm256_castsi256_ps(_mm512_cvtepi64_epi32(_mm512_srli_epi64(dm, 32)));
+    quants::VecB words[2][quants::kQuadVectors];
+    for (int q = 0; q < 2; ++q)
+      for (int r = 0; r < quants::kQuadVectors; ++r) words[q][r] = quants::quad_vector(quads.codes[q], r);
+    for (int i = 0; i < MR; ++i) {
+      __m512i dots[2];
+      for (int q = 0; q < 2; ++q) {
+        dots[q] = _mm512_setzero_si512();
+        if (4 * q >= kBlocks) continue;
+        for (int r = 0; r < quants::kQuadVectors; ++r)
+          dots[q] = quants::add_products(dots[q], words[q][r], x.quad_vector(m0 + i, k, 4 * q + r));
+      }
+      acc[i] = pair_chunk_sum<T>(block_integers(pair_up(dots[0], dots[1])), d, m, x.sums_of(m0 + i, k),
+                                 x.scale_of(m0 + i, k), acc[i]);
+    }
+    return;
+  }
+  constexpr int kUnits = quants::kChunkValues / quants::kUnitValues;
+  __m512i dots[MR][kUnits];
+  for (int u = 0; u < kUnits; ++u) {
+    if (2 * u >= kBlocks) {
+      for (int i = 0; i < MR; ++i) dots[i][u] = _mm512_setzero_si512();
+      continue;
+    }
+    const quants::VecB codes = T::codes(chunk, u, kBlocks);
+    for (int i = 0; i < MR; ++i) dots[i][u] = quants::dot<T::kSigned>(codes, x.unit(m0 + i, k, u));
+  }
+  const __m256i words = quants::block_words<T::kBlockBytes>(chunk, kBlocks);  // zero past the blocks
+  const __m256 d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(words));
+  const __m256 m = T::kMinByte >= 0 ? _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(words, 16)))
+                                    : _mm256_setzero_ps();
+  for (int i = 0; i < MR; ++i) {
+    __m256i integers = block_integers(pair_up(pair_up(dots[i][0], dots[i][1]), pair_up(dots[i][2], dots[i][3])));
+    const float* code_sums = x.sums_of(m0 + i, k);
+    if constexpr (T::kImplicit != 0) {
+      integers = _mm256_sub_epi32(integers, _mm256_mullo_epi32(_mm256_cvtps_epi32(_mm256_loadu_ps(code_sums)),
+                                                               _mm256_set1_epi32(T::kImplicit)));
+    }
+    acc[i] = pair_chunk_sum<T>(integers, d, m, code_sums, x.scale_of(m0 + i, k), acc[i]);
+  }
+}
+#else
 // acc[0 .. MR] (rows m0 .. m0 + MR of x) += chunk k of one weight row of a 32-value type, of kBlocks blocks, in
 // pair_tile's contract: each block's codes meet x in lanes of values, a chunk's lanes added down to one int32
-// lane a block (exact in any order; hadd, as the blocks arrive), then the tile's float work lane for lane with
-// a block a lane: p = I d (+ m sum), the tree by swaps of neighbouring lanes, of pairs of lanes and of halves
-// (a + b is b + a), and the row's fma by dx.
+// lane a block (exact in any order; hadd, as the blocks arrive), then the tile's float work.
 template <typename T, int MR, int kBlocks>
 inline void pair_chunk(const uint8_t* chunk, const PairActivations& x, int64_t m0, int64_t k, float* acc) {
   const auto dots = [&](int b, __m256i* out) {  // out[i]: block b's lanes of values against x row m0 + i
@@ -1478,14 +1576,10 @@ inline void pair_chunk(const uint8_t* chunk, const PairActivations& x, int64_t m
   for (int i = 0; i < MR; ++i) {
     const __m256i integers = _mm256_add_epi32(_mm256_permute2x128_si256(quads[0][i], quads[1][i], 0x20),
                                               _mm256_permute2x128_si256(quads[0][i], quads[1][i], 0x31));
-    __m256 product = _mm256_mul_ps(_mm256_cvtepi32_ps(integers), d);
-    if constexpr (T::kMinByte >= 0) product = _mm256_fmadd_ps(m, _mm256_loadu_ps(x.sums_of(m0 + i, k)), product);
-    const __m256 s1 = _mm256_add_ps(product, _mm256_permute_ps(product, 0xb1));  // (p0 + p1), (p2 + p3), ...
-    const __m256 s2 = _mm256_add_ps(s1, _mm256_permute_ps(s1, 0x4e));            // (p0 + p1) + (p2 + p3), ...
-    const __m256 s3 = _mm256_add_ps(s2, _mm256_permute2f128_ps(s2, s2, 0x01)); // the halves' sums added
-    acc[i] = std::fma(_mm256_cvtss_f32(s3), x.scale_of(m0 + i, k), acc[i]);
+    acc[i] = pair_chunk_sum<T>(integers, d, m, x.sums_of(m0 + i, k), x.scale_of(m0 + i, k), acc[i]);
   }
 }
+#endif
 
 // sums[0 .. MR] += x rows m0 .. m0 + MR . one weight row of a 32-value type (pair_chunk), prefetching `ahead`
 // bytes on.
@@ -1505,14 +1599,13 @@ void pair_row(const uint8_t* row, const PairActivations& x, int64_t m0, float* s
   for (int i = 0; i < MR; ++i) sums[i] += acc[i];
 }
 
-// x rows [m_begin, m_end) against the panel's rows of a 32-value type: from kPairTileMinRows rows of x the
-// tile, below it whole weight rows (pair_row), kRowGroup rows of x at a time, each row prefetching kRowsAhead
-// rows on (past the panel's end too: a thread's next item is the next panel).
-constexpr int64_t kPairTileMinRows = 4;
+// x rows [m_begin, m_end) against the panel's rows of a 32-value type: the tile, or where x is laid out for
+// the walk whole weight rows (pair_row), kRowGroup rows of x at a time, each row prefetching kRowsAhead rows
+// on (past the panel's end too: a thread's next item is the next panel).
 template <typename T>
 void pair_rows(const BlockShard& shard, const ShardPanel& panel, const PairActivations& x, int64_t m_begin,
                int64_t m_end, float* sums, int64_t ld_sums) {
-  if (m_end - m_begin >= kPairTileMinRows) return pair_tile<T>(shard, panel, x, m_begin, m_end, sums, ld_sums);
+  if (!x.walk) return pair_tile<T>(shard, panel, x, m_begin, m_end, sums, ld_sums);
   for (int64_t m0 = m_begin; m0 < m_end; m0 += kRowGroup) {
     with_count<kRowGroup>(std::min<int64_t>(kRowGroup, m_end - m0), [&](auto count) {
       constexpr int R = decltype(count)::value;
@@ -1569,14 +1662,14 @@ thread_local bool blocks_int8 = true;
 void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const float* x, int64_t m_rows,
                    const Epilogue& out) {
   // The 32-value types take pair_rows (its numeric contract: the same bits in a call of any rows) where the
-  // invariant gate asks; else the few-row walk of blocks_row (int16 x per 32 values: 1.2x pair_row's speed at
-  // one row of the 0.5B's gate projection on Zen 4, and closer to transformers' sums, which the equality tests
-  // of the default hold it to: session 29). Read here, on the calling thread: the gate is thread_local, and
-  // the work items below run on at::parallel_for's threads, whose own copies are off.
+  // invariant gate asks; else the few-row walk of blocks_row (int16 x per 32 values, closer to transformers'
+  // sums, which the equality tests of the default hold it to: session 29). Read here, on the calling thread:
+  // the gate is thread_local, and the work items below run on at::parallel_for's threads, whose own copies
+  // are off.
   const bool pair_walk = blocks_invariant;
   // the forms of x the shards read: the K types' chunks (integer sub-scales), the 32-value types' pairs, the
   // other types' blocks in dot's order or in quads
-  bool integer_scales = false, pairs = false, dots = false, quads = false;
+  bool integer_scales = false, pairs = false, pair_quads = false, dots = false, quads = false;
   for (const BlockShard& shard : shards) {
     quants::with_type(shard.type, [&](auto t) {
       using T = decltype(t);
@@ -1584,6 +1677,7 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
         integer_scales = true;
       } else if (T::kBlockValues == 32 && pair_walk) {
         pairs = true;
+        pair_quads = pair_quads || quants::kQuads<T>;
       } else {
         (quants::kQuads<T> ? quads : dots) = true;
       }
@@ -1608,7 +1702,7 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
     const int64_t runs = (m_rows + x_rows - 1) / x_rows;
     // each form of x only where a shard reads it
     const ActivationBlocks qx(x, float_scales ? m_rows : 0, cols, dots, quads);
-    const PairActivations px(x, pairs ? m_rows : 0, cols);
+    const PairActivations px(x, pairs ? m_rows : 0, cols, pair_quads);
     const ChunkActivations cx(x, integer_scales ? m_rows : 0, cols, blocks_int8);
     const int64_t chunks = (cols + quants::kChunkValues - 1) / quants::kChunkValues;
     // spans of x, kRowGroup rows at a time, so that the span stays in L1 while the panel's rows pass (a

@@ -442,8 +442,8 @@ struct SmallBlocks {
   }
 
   // The block at p's 32 codes as int16 words: the integers its values are d times, less the offset where it
-  // is implicit (Q4_0's 8, Q5_0's 16); m (kMinByte, -1: none) stays apart.
-  static constexpr int kMinByte = kMinOffset;
+  // is implicit (Q4_0's 8, Q5_0's 16: kImplicit, which codes() leaves in); m (kMinByte, -1: none) stays apart.
+  static constexpr int kMinByte = kMinOffset, kImplicit = kImplicitOffset;
   static Words pair_words(const uint8_t* p) {
     const __m256i bytes = _mm256_cvtepu8_epi16(load16(p + kCodeOffset));
     __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi16(15)), high = _mm256_srli_epi16(bytes, 4);
@@ -514,7 +514,7 @@ struct Q8_0 {
     return load32(p + u * kBlockBytes + 2);
 #endif
   }
-  static constexpr int kMinByte = -1;
+  static constexpr int kMinByte = -1, kImplicit = 0;
   static Words pair_words(const uint8_t* p) {
     return {_mm256_cvtepi8_epi16(load16(p + 2)), _mm256_cvtepi8_epi16(load16(p + 18))};
   }
