@@ -108,7 +108,8 @@ def kernels(request, monkeypatch):
 @pytest.fixture
 def int16_activations(monkeypatch):
     """The GGUF blocks' exact path for a test that holds them to transformers: Q4_K / Q6_K's x rounded to
-    int16, in the engine's steps (PAGEDLLM_GGUF_ACTIVATIONS=int16) and in this thread's own model calls."""
+    int16 per 256 values, the other types' per 32, in the engine's steps (PAGEDLLM_GGUF_ACTIVATIONS=int16)
+    and in this thread's own model calls."""
     from pagedllm.models import quantization
 
     monkeypatch.setenv(quantization.GGUF_ACTIVATIONS_ENV_VAR, "int16")

@@ -14,7 +14,7 @@ from conftest import smollm2_gguf_path
 from models_helpers import PagedCache, forward_chunks, greedy_generate, hf_greedy, hf_logits
 
 from pagedllm.bench.quality import EQUIVALENCE_PROMPTS
-from pagedllm.models import load_model
+from pagedllm.models import load_model, quantization
 from pagedllm.ops import native
 
 PROMPTS = EQUIVALENCE_PROMPTS  # bench quality measures greedy agreement on the same prompts
@@ -22,27 +22,48 @@ PROMPTS = EQUIVALENCE_PROMPTS  # bench quality measures greedy agreement on the 
 
 @pytest.fixture(scope="module", params=["gguf", None], ids=["gguf-blocks", "float32"])
 def smollm2(request):
-    """The built-in file's own Q4_1 / Q8_0 blocks (the default), and float32: both must match HF. The
-    blocks' bf16 path for many rows (a prefill, on CPUs with AVX512_BF16) has bf16's rounding and is
-    compared below on its own; here every row count takes the integer and float32 paths."""
+    """The built-in file's own Q4_1 / Q8_0 blocks on their exact path (x int16 per 32 values), and float32:
+    both must match HF. The default's x per 256 and the exact path's bf16 prefill (CPUs with AVX512_BF16)
+    are compared below on their own; here every row count takes the integer and float32 paths."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(native, "bf16_matmul_available", lambda: False)
-        return load_model("smollm2-135m", quantization=request.param)
+        patch.setenv(quantization.GGUF_ACTIVATIONS_ENV_VAR, "int16")
+        quantization.gguf_activations.cache_clear()
+        previous = native.set_blocks_int8(False)
+        yield load_model("smollm2-135m", quantization=request.param)
+        native.set_blocks_int8(previous)
+    quantization.gguf_activations.cache_clear()
 
 
-@pytest.mark.skipif(not native.bf16_matmul_available(), reason="the bf16 path needs AVX512_BF16")
-def test_bf16_prefill_of_the_blocks_is_as_close_to_hf_as_hfs_own_bf16(hf_smollm2):
-    """The default load on this CPU: a prefill's matmuls dequantize the blocks to bf16 (x, W and each
-    output rounded to bf16). Oracle: HF's forward on the same weights in bfloat16. The logits stay within
-    twice its largest distance from HF's float32 ones, and pick float32's top token as often, less 3
-    positions of the 96."""
+def _prefill_against_hf(hf_smollm2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the load's prefill logits on PROMPTS, HF's float32 ones, HF's on the same weights in bfloat16)."""
     loaded = load_model("smollm2-135m")
     ids = [loaded.tokenizer.encode(p) for p in PROMPTS]
     cache = PagedCache.create(loaded.model.config, 64, 16, seed=1)
     logits = forward_chunks(loaded.model, cache, [(i, p, 0) for i, p in enumerate(ids)])
     expected = torch.cat([hf_logits(hf_smollm2, p) for p in ids])
     hf_bf16 = copy.deepcopy(hf_smollm2).to(torch.bfloat16)
-    bf16 = torch.cat([hf_logits(hf_bf16, p) for p in ids])
+    return logits, expected, torch.cat([hf_logits(hf_bf16, p) for p in ids])
+
+
+def test_the_default_prefill_is_far_closer_to_hf_than_hfs_own_bf16(hf_smollm2):
+    """The default load: the blocks' integer path at every row count, x int16 per 256 values (their batch
+    invariant contract). Oracle: HF's float32 forward, and its bfloat16 one for scale: the logits stay
+    within a sixteenth of bf16's largest distance (measured: 0.025 against 1.59) and pick float32's top
+    token at least as often."""
+    logits, expected, bf16 = _prefill_against_hf(hf_smollm2)
+    assert (logits - expected).abs().max() <= (bf16 - expected).abs().max() / 16
+    top = expected.argmax(-1)
+    assert (logits.argmax(-1) == top).sum() >= (bf16.argmax(-1) == top).sum()
+
+
+@pytest.mark.skipif(not native.bf16_matmul_available(), reason="the bf16 path needs AVX512_BF16")
+def test_bf16_prefill_of_the_blocks_is_as_close_to_hf_as_hfs_own_bf16(hf_smollm2, int16_activations):
+    """The exact path on this CPU: a prefill's matmuls dequantize the blocks to bf16 (x, W and each output
+    rounded to bf16). Oracle: HF's forward on the same weights in bfloat16. The logits stay within twice
+    its largest distance from HF's float32 ones, and pick float32's top token as often, less 3 positions
+    of the 96."""
+    logits, expected, bf16 = _prefill_against_hf(hf_smollm2)
     assert (logits - expected).abs().max() <= 2 * (bf16 - expected).abs().max()
     top = expected.argmax(-1)
     assert (logits.argmax(-1) == top).sum() >= (bf16.argmax(-1) == top).sum() - 3

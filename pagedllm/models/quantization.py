@@ -44,15 +44,16 @@ INT4_GROUP = 32
 # How a GGUF layer multiplies many rows: "fast" (the default), the many-row paths measured fastest (bf16 /
 # AMX panels, float32 panels), whose rounding depends on the step's row count; "invariant", the blocks'
 # integer path at every row count, a row's output bits the same whatever else the step computes (alone,
-# batched, after preemption), as vLLM's VLLM_BATCH_INVARIANT opts in. Without AMX, "fast" already keeps
-# the integer path of the types whose many-row tile outruns bf16 (GGUFLinear.INTEGER_TILE_TYPES: Q4_K, Q6_K);
-# the 32-value types' tile runs at ~0.83x bf16, so "invariant" costs their prefill ~1.2x on Zen 4
-# (docs/kernels.md, "The numeric contract of GGUF blocks").
+# batched, after preemption), as vLLM's VLLM_BATCH_INVARIANT opts in. Without AMX, "fast" with the default
+# x already keeps the integer path of Q4_K / Q6_K and of the 32-value types at every row count
+# (GGUFLinear.integer_tile_types), batch invariant: so "invariant" changes only AMX CPUs, Q5_K, and x rounded
+# as the exact path does (docs/kernels.md, "The numeric contract of GGUF blocks").
 GGUF_PATHS_ENV_VAR = "PAGEDLLM_GGUF_PATHS"
 GGUF_PATHS = ("invariant", "fast")
-# How the integer path rounds x for Q4_K / Q6_K: "int8" (the default), one scale per 256 values as
-# llama.cpp's q8_K, the arithmetic behind every published GGUF perplexity; "int16", 256 times finer, whose
-# greedy tokens follow the float32 weights' (the transformers equality tests pin it).
+# How the integer path rounds x: "int8" (the default), Q4_K / Q6_K's x to int8 with one scale per 256 values
+# as llama.cpp's q8_K, the arithmetic behind every published GGUF perplexity, and the 32-value types' to int16
+# per 256 (their batch-invariant contract); "int16", the exact path, whose greedy tokens follow the float32
+# weights' (the transformers equality tests pin it): Q4_K / Q6_K's x int16 per 256, the others' per 32.
 GGUF_ACTIVATIONS_ENV_VAR = "PAGEDLLM_GGUF_ACTIVATIONS"
 GGUF_ACTIVATIONS = ("int8", "int16")
 
@@ -145,8 +146,21 @@ class GGUFLinear(KernelLinear):
     STREAM_ROWS = 16  # csrc/linear.cpp kBlockStreamRows
     # Types whose integer path has a many-row tile (csrc/linear.cpp byte_tile) faster than bf16 where bf16
     # runs without AMX (AVX-512 VNNI): they keep it at every row count, batch invariant on the default path
-    # (docs/JOURNAL.md, session 28). The other types switch to bf16 as soon as their streamed path ends.
+    # (docs/JOURNAL.md, session 28).
     INTEGER_TILE_TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})
+    # The 32-value types, whose tile (csrc/linear.cpp pair_tile) runs slower than bf16 but keeps a row's bits
+    # at any row count with the default x: kept there too, batch invariance bought with prefill time
+    # (docs/BENCHMARKS.md I22). With the exact path's x they switch to bf16 as Q5_K does, as soon as their
+    # streamed path ends.
+    PAIR_TILE_TYPES = frozenset(
+        {
+            GGMLQuantizationType.Q4_0,
+            GGMLQuantizationType.Q4_1,
+            GGMLQuantizationType.Q5_0,
+            GGMLQuantizationType.Q5_1,
+            GGMLQuantizationType.Q8_0,
+        }
+    )
     # On AMX, for every type (docs/JOURNAL.md, "GGUF blocks on AMX", "Session 10: the panel as brgemm's
     # A"): with no whole-weight scratch and the panel filled row-major the panels pass the integer path at
     # 8-10 rows.
@@ -175,9 +189,16 @@ class GGUFLinear(KernelLinear):
             return 0
         if native.blocks_amx():
             return self.AMX_ROWS
-        if all(s.qtype in self.INTEGER_TILE_TYPES for s in shards):
+        if all(s.qtype in self.integer_tile_types() for s in shards):
             return 0
         return self.STREAM_ROWS + 1
+
+    @classmethod
+    def integer_tile_types(cls) -> frozenset[GGMLQuantizationType]:
+        """The types that keep their integer path at every row count on the default paths, without AMX."""
+        if gguf_activations() == "int8":
+            return cls.INTEGER_TILE_TYPES | cls.PAIR_TILE_TYPES
+        return cls.INTEGER_TILE_TYPES
 
 
 def gates_many_rows(model: torch.nn.Module) -> bool:
@@ -225,17 +246,19 @@ def bf16_gate(enabled: bool) -> Iterator[None]:
 
 def gguf_kernels() -> str:
     """The GGUF blocks' paths on this CPU, in words (for the log line of linear_method_for)."""
+    default_x = gguf_activations() == "int8"
     x = f"x as {gguf_activations()} per 256 values for Q4_K / Q6_K"
+    if gguf_paths() == "invariant" or default_x:
+        x += ", int16 per 256 for the 32-value types"
     if gguf_paths() == "invariant":
-        x += ", int16 per 256 for the 32-value types, per 32 for Q5_K"
-        return f"GGUF blocks: integer path at every row count ({x}), batch invariant"
+        return f"GGUF blocks: integer path at every row count ({x}, per 32 for Q5_K), batch invariant"
     x += ", int16 per 32 for the others"
     many = "float32 panels"
     if native.bf16_matmul_available():
         many = "AMX bf16 panels" if native.blocks_amx() else "bf16 oneDNN"
-    tiles = "; Q4_K / Q6_K the integer path at every row count"
-    if native.blocks_amx() or gguf_activations() != "int8":
-        tiles = ""
+    tiles = ""
+    if default_x and not native.blocks_amx():
+        tiles = "; Q4_K / Q6_K and the 32-value types the integer path at every row count"
     return (
         f"GGUF blocks: integer path at few rows ({x}), {many} at many{tiles} "
         "(fast: the others' rounding depends on the batch)"

@@ -1655,18 +1655,20 @@ thread_local bool blocks_bf16 = true;
 // per row, integer dot products, each row's float sums in an order no other row changes (span_ends), so that
 // a row's output bits do not depend on the rows beside it.
 thread_local bool blocks_invariant = false;
-// Whether this thread's K types round x to int8 on their integer path (llama.cpp's class of arithmetic, the
-// default: set_blocks_int8, models/quantization.py gguf_activations), else to int16.
+// Whether this thread's GGUF calls round x as the default does (set_blocks_int8, models/quantization.py
+// gguf_activations): the K types to int8 per 256 values (llama.cpp's class of arithmetic), the 32-value types
+// to int16 per 256 in pair_rows' contract; else the exact path: the K types int16 per 256, the 32-value types
+// int16 per 32 (blocks_row) at few rows and the many-row paths above that.
 thread_local bool blocks_int8 = true;
 
 void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const float* x, int64_t m_rows,
                    const Epilogue& out) {
-  // The 32-value types take pair_rows (its numeric contract: the same bits in a call of any rows) where the
-  // invariant gate asks; else the few-row walk of blocks_row (int16 x per 32 values, closer to transformers'
-  // sums, which the equality tests of the default hold it to: session 29). Read here, on the calling thread:
-  // the gate is thread_local, and the work items below run on at::parallel_for's threads, whose own copies
-  // are off.
-  const bool pair_walk = blocks_invariant;
+  // The 32-value types take pair_rows (its numeric contract: the same bits in a call of any rows) by default
+  // and where the invariant gate asks; with the exact path's x (blocks_int8 off) the few-row walk of
+  // blocks_row, int16 x per 32 values, closer to transformers' sums (the equality tests hold it to them:
+  // session 29). Read here, on the calling thread: the gates are thread_local, and the work items below run on
+  // at::parallel_for's threads, whose own copies are the defaults.
+  const bool pair_walk = blocks_invariant || blocks_int8;
   // the forms of x the shards read: the K types' chunks (integer sub-scales), the 32-value types' pairs, the
   // other types' blocks in dot's order or in quads
   bool integer_scales = false, pairs = false, pair_quads = false, dots = false, quads = false;
