@@ -272,11 +272,13 @@ GGUF_ARCHITECTURES = {
 
 
 @pytest.mark.parametrize("family", list(GGUF_ARCHITECTURES))
-def test_gguf_in_llama_cpp_names_loads_in_place_and_matches_hf(family, tmp_path, monkeypatch):
+def test_gguf_in_llama_cpp_names_loads_in_place_and_matches_hf(
+    family, tmp_path, monkeypatch, int16_activations
+):
     """A Q8_0 GGUF written under llama.cpp's names (gguf-py's map; Phi-3's fused attn_qkv and ffn_up,
     Qwen3-MoE's and Mixtral's stacked experts, Gemma's (1 + w) norms and soft-capping metadata, Llama 3's
     rope_freqs) loads with its blocks kept, and its logits equal HF's on the same weights rounded through
-    Q8_0."""
+    Q8_0 (the blocks' exact path: the default's x per 256 moves them by up to 8e-4)."""
     config = FAMILIES[family]()
     if family == "gemma2":  # a GGUF has no field for it: llama.cpp scales by head_dim^-1/2 (but on 27B)
         config.query_pre_attn_scalar = config.head_dim
@@ -285,7 +287,7 @@ def test_gguf_in_llama_cpp_names_loads_in_place_and_matches_hf(family, tmp_path,
     check_gguf_against_hf(config, GGUF_ARCHITECTURES[family], tmp_path, monkeypatch, [5, 23])
 
 
-def test_gguf_phi3_longrope_factors_load_and_match_hf(tmp_path, monkeypatch):
+def test_gguf_phi3_longrope_factors_load_and_match_hf(tmp_path, monkeypatch, int16_activations):
     """Phi-3's longrope in a GGUF (rope_factors_long / _short, the original context and attention factor
     as keys): past the original context the long factors, as transformers rotates those prompts."""
     check_gguf_against_hf(longrope_config(), "phi3", tmp_path, monkeypatch, [70, 100])

@@ -3,10 +3,11 @@ every instruction-set build this CPU runs, against the `gguf` package's dequanti
 
 x is rounded to integer blocks and meets the codes in integer arithmetic: for Q4_K and Q6_K (their integer
 sub-scales) in int8 blocks of 256 (scale max |x| / 127, llama.cpp's q8_K; int16 where set_blocks_int8 is off)
-at any number of rows (with the AVX2 builds, below 64); for the other types in int16 blocks of 32 (scale
-max |x| / 32767) at up to 16 rows (more rows multiply their dequantized values in float32; where the invariant
-gate asks, the 32-value types round x to int16 blocks of 256 at any row count: test_batch_invariance.py); the
-reference rounds x the same way, written here independently. From group_size rows on (where set) x and W are
+at any number of rows (with the AVX2 builds and int16, below 64); for the 32-value types in int16 blocks of
+256 (scale max |x| / 32767) at any number of rows (pair_rows: test_batch_invariance.py); for Q5_K, and the
+32-value types where set_blocks_int8 is off (the exact path), in int16 blocks of 32 at up to 16 rows (more
+rows multiply their dequantized values in float32); the reference rounds x the same way, written here
+independently. From group_size rows on (where set) x and W are
 rounded to bf16: through a whole-weight scratch and oneDNN's GEMM, or on a CPU with AMX through panels and
 brgemm.
 
@@ -40,6 +41,7 @@ def storage(parts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 STREAMED_ROWS = 16  # linear.cpp's kBlockStreamRows
 INTEGER_SCALES = {"Q4_K", "Q6_K"}  # quants.h's kIntegerScales
+PAIR_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}  # linear.cpp's pair_rows, with the default x
 NARROW_INTEGER_ROWS = 64  # linear.cpp's kNarrowIntegerRows: AVX2's K types on int16 x take float panels
 
 
@@ -50,11 +52,14 @@ def k_panels(isa: str, rows: int, largest: int = INT8) -> bool:
 
 
 def expected(x: torch.Tensor, w: torch.Tensor, name: str, isa: str, k_largest: int = INT8) -> torch.Tensor:
-    """What the kernels compute, with the many-row paths' gate on (set_blocks_bf16's default); the K types'
-    x rounded to int8 (set_blocks_int8's default) or, with k_largest INT16, to int16."""
+    """What the kernels compute, with the many-row paths' gate on (set_blocks_bf16's default) and x as
+    set_blocks_int8's default rounds it (k_largest INT8: the K types' to int8, the 32-value types' to int16
+    per 256) or as the exact path does (INT16: the K types' to int16, the others' per 32)."""
     rows = x.shape[0]
     if name in INTEGER_SCALES and not k_panels(isa, rows, k_largest):
         return int_blocks(x, 256, k_largest).double() @ w.T
+    if name in PAIR_TYPES and k_largest == INT8:
+        return int_blocks(x, 256, INT16).double() @ w.T
     return (int_blocks(x) if rows <= STREAMED_ROWS else x).double() @ w.T
 
 
@@ -84,6 +89,23 @@ def test_each_block_type_matches_the_reference(kernels, name, cols, rows):
     torch.testing.assert_close(
         out.double(), expected(x, w, name, kernels.selected_isa()), atol=tolerance(x, w), rtol=0
     )
+
+
+@pytest.mark.parametrize("name", sorted(PAIR_TYPES))
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_the_exact_path_rounds_the_32_value_types_x_per_32(kernels, name, rows):
+    """set_blocks_int8(False) (PAGEDLLM_GGUF_ACTIVATIONS=int16): x in int16 blocks of 32 at up to 16 rows,
+    unrounded in float32 above; the default's x per 256 is not within that bound at any of these rows."""
+    data, layout, w = storage([random_blocks(GGMLQuantizationType[name], 37, 896, seed=rows)])
+    x = torch.randn(rows, 896) * torch.logspace(-2, 2, 896)[torch.randperm(896)]
+    assert kernels.set_blocks_int8(False) is True
+    try:
+        out = kernels.linear(x, data, layout)
+    finally:
+        assert kernels.set_blocks_int8(True) is False
+    want = expected(x, w, name, kernels.selected_isa(), INT16)
+    torch.testing.assert_close(out.double(), want, atol=tolerance(x, w), rtol=0)
+    assert not torch.allclose(kernels.linear(x, data, layout).double(), want, atol=tolerance(x, w), rtol=0)
 
 
 @pytest.mark.parametrize("name", sorted(INTEGER_SCALES))
