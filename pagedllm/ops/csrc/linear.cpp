@@ -1461,7 +1461,8 @@ void pair_tile(const BlockShard& shard, const ShardPanel& panel, const PairActiv
 // the tree by swaps of neighbouring lanes, of pairs of lanes and of halves (a + b is b + a), and the row's fma
 // by dx.
 template <typename T>
-inline float pair_chunk_sum(__m256i integers, __m256 d, __m256 m, const float* code_sums, float dx, float acc) {
+__attribute__((always_inline)) inline float pair_chunk_sum(__m256i integers, __m256 d, __m256 m,
+                                                          const float* code_sums, float dx, float acc) {
   __m256 product = _mm256_mul_ps(_mm256_cvtepi32_ps(integers), d);
   if constexpr (T::kMinByte >= 0) product = _mm256_fmadd_ps(m, _mm256_loadu_ps(code_sums), product);
   const __m256 s1 = _mm256_add_ps(product, _mm256_permute_ps(product, 0xb1));  // (p0 + p1), (p2 + p3), ...
@@ -1539,7 +1540,8 @@ __attribute__((always_inline)) inline void pair_chunk(const uint8_t* chunk, cons
 // offset taken off) meet x in value order in 8 int32 lanes, a chunk's lanes added down to one a block (exact in
 // any order; hadd, as the blocks arrive), then the tile's float work.
 template <typename T, int MR, int kBlocks>
-inline void pair_chunk(const uint8_t* chunk, const PairActivations& x, int64_t m0, int64_t k, float* acc) {
+__attribute__((always_inline)) inline void pair_chunk(const uint8_t* chunk, const PairActivations& x, int64_t m0,
+                                                     int64_t k, float* acc) {
   const auto dots = [&](int b, __m256i* out) {  // out[i]: block b's lanes of values against x row m0 + i
     if (b >= kBlocks) {
       for (int i = 0; i < MR; ++i) out[i] = _mm256_setzero_si256();

@@ -545,7 +545,7 @@ constexpr int quad_position(int b, int i) {
 }
 // The chunk at p holding `blocks` blocks: masked loads read nothing past them (a row's last chunk may hold
 // 2, and the weight's end may follow) and give zeros there, so d, m and the codes are 0 past the blocks.
-inline QuadChunk q4_1_quads(const uint8_t* p, int blocks) {
+__attribute__((always_inline)) inline QuadChunk q4_1_quads(const uint8_t* p, int blocks) {
   const int words = 5 * blocks;
   const auto part = [&](int first) {  // words first .. first + 15
     const int n = std::clamp(words - first, 0, 16);
