@@ -148,10 +148,10 @@ class GGUFLinear(KernelLinear):
     # runs without AMX (AVX-512 VNNI): they keep it at every row count, batch invariant on the default path
     # (docs/JOURNAL.md, session 28).
     INTEGER_TILE_TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})
-    # The 32-value types, whose tile (csrc/linear.cpp pair_tile) runs slower than bf16 at the kernel but keeps a
-    # row's bits at any row count with the default x: kept there too (one user's prefill measured level with
-    # bf16's: docs/BENCHMARKS.md I23). With the exact path's x they switch to bf16 as Q5_K does, as soon as
-    # their streamed path ends.
+    # The 32-value types, whose tile (csrc/linear.cpp pair_tile) runs slower than bf16 at the kernel but
+    # keeps a row's bits at any row count with the default x: kept there too (one user's prefill measured
+    # level with bf16's: docs/BENCHMARKS.md I23). With the exact path's x they switch to bf16 as Q5_K does,
+    # as soon as their streamed path ends.
     PAIR_TILE_TYPES = frozenset(
         {
             GGMLQuantizationType.Q4_0,
