@@ -91,13 +91,16 @@ def test_each_block_type_matches_the_reference(kernels, name, cols, rows):
     )
 
 
-@pytest.mark.parametrize("name", sorted(PAIR_TYPES))
+EXACT_CASES = [(n, 768) for n in sorted(INTEGER_SCALES)] + [(n, 896) for n in sorted(PAIR_TYPES)]
+
+
+@pytest.mark.parametrize("name,cols", EXACT_CASES)
 @pytest.mark.parametrize("rows", [1, 16, 300])
-def test_the_exact_path_rounds_the_32_value_types_x_per_32(kernels, name, rows):
-    """set_blocks_int8(False) (PAGEDLLM_GGUF_ACTIVATIONS=int16): x in int16 blocks of 32 at up to 16 rows,
-    unrounded in float32 above; the default's x per 256 is not within that bound at any of these rows."""
-    data, layout, w = storage([random_blocks(GGMLQuantizationType[name], 37, 896, seed=rows)])
-    x = torch.randn(rows, 896) * torch.logspace(-2, 2, 896)[torch.randperm(896)]
+def test_the_exact_path_rounds_x_finer_where_int8_is_off(kernels, name, cols, rows):
+    """set_blocks_int8(False) (PAGEDLLM_GGUF_ACTIVATIONS=int16): the K types' x in int16 blocks of 256, the
+    32-value types' in int16 blocks of 32 at up to 16 rows and unrounded in float32 above."""
+    data, layout, w = storage([random_blocks(GGMLQuantizationType[name], 37, cols, seed=rows)])
+    x = torch.randn(rows, cols) * torch.logspace(-2, 2, cols)[torch.randperm(cols)]
     assert kernels.set_blocks_int8(False) is True
     try:
         out = kernels.linear(x, data, layout)
@@ -105,23 +108,7 @@ def test_the_exact_path_rounds_the_32_value_types_x_per_32(kernels, name, rows):
         assert kernels.set_blocks_int8(True) is False
     want = expected(x, w, name, kernels.selected_isa(), INT16)
     torch.testing.assert_close(out.double(), want, atol=tolerance(x, w), rtol=0)
-    assert not torch.allclose(kernels.linear(x, data, layout).double(), want, atol=tolerance(x, w), rtol=0)
-
-
-@pytest.mark.parametrize("name", sorted(INTEGER_SCALES))
-@pytest.mark.parametrize("rows", [1, 16, 300])
-def test_integer_scales_round_x_to_int16_where_int8_is_off(kernels, name, rows):
-    """set_blocks_int8(False) (PAGEDLLM_GGUF_ACTIVATIONS=int16): the K types' x in int16 blocks of 256."""
-    data, layout, w = storage([random_blocks(GGMLQuantizationType[name], 37, 768, seed=rows)])
-    x = torch.randn(rows, 768) * torch.logspace(-2, 2, 768)[torch.randperm(768)]
-    assert kernels.set_blocks_int8(False) is True
-    try:
-        out = kernels.linear(x, data, layout)
-    finally:
-        assert kernels.set_blocks_int8(True) is False
-    want = expected(x, w, name, kernels.selected_isa(), INT16)
-    torch.testing.assert_close(out.double(), want, atol=tolerance(x, w), rtol=0)
-    # int8's rounding (the integer path at any row count) is not within that bound: told apart
+    # the default's rounding (int8 per 256; int16 per 256 at any row count) is not within that bound
     assert not torch.allclose(kernels.linear(x, data, layout).double(), want, atol=tolerance(x, w), rtol=0)
 
 
