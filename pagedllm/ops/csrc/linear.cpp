@@ -1521,9 +1521,8 @@ __attribute__((always_inline)) inline void pair_chunk(const uint8_t* chunk, cons
     for (int i = 0; i < MR; ++i) dots[i][u] = quants::dot<T::kSigned>(codes, x.unit(m0 + i, k, u));
   }
   const __m256i words = quants::block_words<T::kBlockBytes>(chunk, kBlocks);  // zero past the blocks
-  const __m256 d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(words));
-  const __m256 m = T::kMinByte >= 0 ? _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(words, 16)))
-                                    : _mm256_setzero_ps();
+  const __m256 d = quants::half_floats(words, 0);
+  const __m256 m = T::kMinByte >= 0 ? quants::half_floats(words, 16) : _mm256_setzero_ps();
   for (int i = 0; i < MR; ++i) {
     __m256i integers = block_integers(pair_up(pair_up(dots[i][0], dots[i][1]), pair_up(dots[i][2], dots[i][3])));
     const float* code_sums = x.sums_of(m0 + i, k);
@@ -1566,11 +1565,8 @@ __attribute__((always_inline)) inline void pair_chunk(const uint8_t* chunk, cons
     for (int i = 0; i < MR; ++i) quads[h][i] = _mm256_hadd_epi32(pair01[i], _mm256_hadd_epi32(a[i], b[i]));
   }
   const __m256i words = quants::block_words<T::kBlockBytes>(chunk, kBlocks);  // zero past the blocks
-  const auto halves = [&](int shift) {  // each word's float16 at `shift` as a float
-    const __m256i half = _mm256_and_si256(_mm256_srli_epi32(words, shift), _mm256_set1_epi32(0xffff));
-    return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1)));
-  };
-  const __m256 d = halves(0), m = T::kMinByte >= 0 ? halves(16) : _mm256_setzero_ps();
+  const __m256 d = quants::half_floats(words, 0);
+  const __m256 m = T::kMinByte >= 0 ? quants::half_floats(words, 16) : _mm256_setzero_ps();
   for (int i = 0; i < MR; ++i) {
     const __m256i integers = _mm256_add_epi32(_mm256_permute2x128_si256(quads[0][i], quads[1][i], 0x20),
                                               _mm256_permute2x128_si256(quads[0][i], quads[1][i], 0x31));
@@ -1666,7 +1662,7 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
   // blocks_row, int16 x per 32 values, closer to transformers' sums (the equality tests hold it to them:
   // session 29). Read here, on the calling thread: the gates are thread_local, and the work items below run on
   // at::parallel_for's threads, whose own copies are the defaults.
-  const bool pair_walk = blocks_invariant || blocks_int8;
+  const bool pair_contract = blocks_invariant || blocks_int8;
   // the forms of x the shards read: the K types' chunks (integer sub-scales), the 32-value types' pairs, the
   // other types' blocks in dot's order or in quads
   bool integer_scales = false, pairs = false, pair_quads = false, dots = false, quads = false;
@@ -1675,7 +1671,7 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
       using T = decltype(t);
       if constexpr (T::kIntegerScales) {
         integer_scales = true;
-      } else if (T::kBlockValues == 32 && pair_walk) {
+      } else if (T::kBlockValues == 32 && pair_contract) {
         pairs = true;
         pair_quads = pair_quads || quants::kQuads<T>;
       } else {
@@ -1729,7 +1725,7 @@ void blocks_matmul(const std::vector<BlockShard>& shards, int64_t cols, const fl
         quants::with_type(shard.type, [&](auto t) {
           using T = decltype(t);
           if constexpr (T::kBlockValues == 32) {
-            if (pair_walk) return pair_rows<T>(shard, panel, px, m_begin, m_end, sums.data(), kPanelRows);
+            if (pair_contract) return pair_rows<T>(shard, panel, px, m_begin, m_end, sums.data(), kPanelRows);
           }
           if constexpr (T::kIntegerScales) {
             if (cx.bytes) {

@@ -133,9 +133,13 @@ inline __m256i block_words(const uint8_t* p, int blocks) {
   return _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), static_cast<__mmask8>((1u << blocks) - 1), index,
                                       p, 1);
 }
+// Each 32-bit word's low (shift 0) or high (16) float16 half as a float.
+inline __m256 half_floats(__m256i words, int shift) {
+  return _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(words, shift)));
+}
 // The words' low (shift 0) or high (16) float16 halves as floats, once per group.
 inline void word_halves(__m256i words, int shift, VecF* out) {
-  const __m256 values = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(words, shift)));
+  const __m256 values = half_floats(words, shift);
   const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   out[0] = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(values));
 }
@@ -280,10 +284,12 @@ inline __m256i block_words(const uint8_t* p, int blocks) {
   const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(blocks), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   return _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(p), index, mask, 1);
 }
-inline void word_halves(__m256i words, int shift, VecF* out) {
+inline __m256 half_floats(__m256i words, int shift) {
   const __m256i low = _mm256_and_si256(_mm256_srli_epi32(words, shift), _mm256_set1_epi32(0xffff));
-  const __m256 values =
-      _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1)));
+  return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1)));
+}
+inline void word_halves(__m256i words, int shift, VecF* out) {
+  const __m256 values = half_floats(words, shift);
   out[0] = _mm256_permutevar8x32_ps(values, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
   out[1] = _mm256_permutevar8x32_ps(values, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
 }
