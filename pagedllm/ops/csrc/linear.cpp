@@ -883,7 +883,8 @@ void quad_row(const uint8_t* row, const ActivationBlocks& x, int64_t m0, int64_t
 // Rows of x with one scale per chunk of 256 values, for the K types' integer sub-scales (quants.h): as int8
 // (`bytes`: max |x| / 127, llama.cpp's q8_K) at quants::run_position's places, or as int16 (max |x| / 32767)
 // in quants::chunk_position's order; each chunk's scale dx, and each 16-value group's sum of its codes (int8
-// x: the integer, for the offsets' N of byte_chunk_row and byte_tile; int16 x: times dx).
+// x: the integer, for the offsets' N of byte_chunk_row and byte_tile, with each 32-value run's too; int16 x:
+// times dx).
 struct ChunkActivations {
   int64_t chunks;
   bool bytes;
@@ -891,6 +892,7 @@ struct ChunkActivations {
   LineVector<int8_t> q8;              // [rows, chunks * 256], int8 x
   LineVector<float> scale, code_sum;  // [rows, chunks], [rows, chunks * 16] (int16 x)
   LineVector<int16_t> group_sum;      // [rows, chunks * 16], int8 x: |sum| <= 16 * 127
+  LineVector<int16_t> run_sum;        // [rows, chunks * 8], int8 x: |sum| <= 32 * 127
 
   ChunkActivations(const float* x, int64_t rows, int64_t cols, bool bytes_)
       : chunks(cols / quants::kChunkValues),
@@ -899,7 +901,8 @@ struct ChunkActivations {
         q8(bytes_ ? rows * cols : 0),
         scale(rows * chunks),
         code_sum(bytes_ ? 0 : rows * chunks * quants::kGroups),
-        group_sum(bytes_ ? rows * chunks * quants::kGroups : 0) {
+        group_sum(bytes_ ? rows * chunks * quants::kGroups : 0),
+        run_sum(bytes_ ? rows * chunks * kRuns : 0) {
     constexpr int kValues = quants::kChunkValues, kVectors = kValues / VecF::kWidth;
     constexpr int kPerGroup = quants::kGroupValues / VecF::kWidth;
     static const std::vector<int> position = [] {
@@ -927,6 +930,7 @@ struct ChunkActivations {
       }
       if (bytes) {
         for (int g = 0; g < quants::kGroups; ++g) group_sum[c * quants::kGroups + g] = static_cast<int16_t>(sums[g]);
+        for (int r = 0; r < kRuns; ++r) run_sum[c * kRuns + r] = static_cast<int16_t>(sums[2 * r] + sums[2 * r + 1]);
         int8_t* out = q8.data() + c * kValues;
         for (int r = 0; r < kValues / 32; ++r)
           for (int l = 0; l < 32; ++l) out[quants::run_position(r) + l] = static_cast<int8_t>(codes[32 * r + l]);
@@ -950,6 +954,14 @@ struct ChunkActivations {
     return VecF::load(code_sum.data() + (m * chunks + k) * quants::kGroups + j * VecF::kWidth);
   }
   const int16_t* group_sums(int64_t m, int64_t k) const { return group_sum.data() + (m * chunks + k) * quants::kGroups; }
+  const int16_t* run_sums(int64_t m, int64_t k) const { return run_sum.data() + (m * chunks + k) * kRuns; }
+  // x's sums over the runs of kValues values of chunk k of row m (16: its groups, 32: its runs)
+  template <int kValues>
+  const int16_t* sums_over(int64_t m, int64_t k) const {
+    static_assert(kValues == quants::kGroupValues || kValues == 32, "x has sums over 16 or 32 values");
+    return kValues == 32 ? run_sums(m, k) : group_sums(m, k);
+  }
+  static constexpr int kRuns = quants::kChunkValues / 32;
 };
 
 // sums[0 .. MR] += x rows m0 .. m0 + MR . chunks [k0, k1) of one weight row of a K type with integer
@@ -1176,18 +1188,19 @@ inline void byte_tile_step(const quants::ByteRows* w, const ChunkActivations& x,
       }
   }
 #endif
+  constexpr int kPairs = T::kOffsetRuns / 2;
   for (int i = 0; i < MR; ++i) {
-    const int16_t* group_sums = x.group_sums(mb + i, k);
-    __m256i pairs[kGroups / 2];
-    for (int q = 0; q < kGroups / 2; ++q) {
+    const int16_t* offset_sums = x.template sums_over<T::kOffsetValues>(mb + i, k);
+    __m256i pairs[kPairs];
+    for (int q = 0; q < kPairs; ++q) {
       int32_t pair;
-      std::memcpy(&pair, group_sums + 2 * q, sizeof(pair));
+      std::memcpy(&pair, offset_sums + 2 * q, sizeof(pair));
       pairs[q] = _mm256_set1_epi32(pair);
     }
     const __m256 dx = _mm256_set1_ps(x.scale_of(mb + i, k));
     for (int j = 0; j < NV; ++j) {
       __m256i offsets = _mm256_setzero_si256();
-      for (int q = 0; q < kGroups / 2; ++q) offsets = _mm256_add_epi32(offsets, _mm256_madd_epi16(w[j].multipliers[q], pairs[q]));
+      for (int q = 0; q < kPairs; ++q) offsets = _mm256_add_epi32(offsets, _mm256_madd_epi16(w[j].multipliers[q], pairs[q]));
       __m256* a = acc + 2 * (NV * i + j);
       a[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes_sum[i][j]), _mm256_mul_ps(w[j].d, dx), a[0]);
       a[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(offsets), _mm256_mul_ps(w[j].c, dx), a[1]);

@@ -650,7 +650,9 @@ struct ByteChunk {
 // kByteRows weight rows' chunks interleaved, lane r of every vector row r's: codes[t] holds the chunk's code
 // bytes 4t .. 4t + 3 in T::integer_codes' order (x's bytes at the same places: run_position), one 32-bit lane
 // a row; scales[s] the sub-scale of codes [256 s / kScales ..) of that order (tile_scales' form),
-// multipliers[q] groups 2q and 2q + 1's multipliers (groups of values in order), d and c the factors.
+// multipliers[q] the 16-bit pair of multipliers of offset runs 2q and 2q + 1 (runs of T::kOffsetValues values
+// in order: Q4_K's sub-blocks of 32, Q6_K's groups of 16), so that one vpmaddwd meets a pair of x's sums over
+// them (Q4_K's sub-block as one run, not two groups of one m: half the multiply-adds), d and c the factors.
 constexpr int kByteRows = 8;
 struct ByteRows {
   __m256i codes[kChunkValues / 4];
@@ -676,8 +678,14 @@ inline __m256i fold_halves(VecB v) {
 }
 // The sub-block that run s (32 codes) of a chunk's code bytes in integer_codes' order holds.
 constexpr int run_sub_block(int s) { return vector_sub_block(s / kCodeHalves, 32 * (s % kCodeHalves)); }
+// The run s (as run_sub_block numbers them) that holds sub-block b.
+constexpr int sub_block_run(int b) {
+  int s = 0;
+  while (run_sub_block(s) != b) ++s;
+  return s;
+}
 // Codes of kByteRows chunks (T::integer_codes) in ByteRows' order: each 256 bits' 8 lanes of 4 codes,
-// transposed with the other rows'.
+// transposed with the other rows' (Q6_K; Q4_K transposes its nibbles as packed: half the transposes).
 template <typename T>
 inline void interleave_codes(const uint8_t* const* p, __m256i* codes) {
   for (int v = 0; v < kChunkVectors; ++v) {
@@ -794,6 +802,8 @@ struct Q4_K {
   // 4-code lanes a 16-bit sum takes (a sub-block's 8: each lane's pair of u q at most 2 x 15 x 127), and
   // the lanes one sub-scale spans
   static constexpr int kSumCodes = 8, kScaleCodes = 8;
+  // values an offset's multiplier spans (a sub-block's m), and the runs of them in a chunk
+  static constexpr int kOffsetValues = 32, kOffsetRuns = kChunkValues / kOffsetValues;
   static ByteChunk byte_chunk(const uint8_t* p) {
     const __m128i bytes = k_scale_bytes(p);
     const KScale scale = k_scale(p);
@@ -801,7 +811,19 @@ struct Q4_K {
             _mm_setr_ps(scale.d, -scale.dmin, scale.d, -scale.dmin)};
   }
   static void interleave(const uint8_t* const* p, ByteRows& out) {
-    interleave_codes<Q4_K>(p, out.codes);
+    // each 32-byte run R of the nibbles (sub-blocks 2R, 2R + 1 in its low and high nibbles) transposed as the
+    // file packs it, then split: half the transposes of interleave_codes, which takes unpacked codes
+    for (int R = 0; R < 4; ++R) {
+      __m256i rows[kByteRows];
+      for (int r = 0; r < kByteRows; ++r) rows[r] = load32(p[r] + 16 + 32 * R);
+      transpose8(rows);
+      __m256i* low = out.codes + kByteRows * sub_block_run(2 * R);
+      __m256i* high = out.codes + kByteRows * sub_block_run(2 * R + 1);
+      for (int i = 0; i < kByteRows; ++i) {
+        low[i] = _mm256_and_si256(rows[i], _mm256_set1_epi8(15));
+        high[i] = _mm256_and_si256(_mm256_srli_epi16(rows[i], 4), _mm256_set1_epi8(15));
+      }
+    }
     __m256i scales[kByteRows], mins[kByteRows];
     alignas(32) float d[kByteRows], c[kByteRows];
     for (int r = 0; r < kByteRows; ++r) {
@@ -814,10 +836,9 @@ struct Q4_K {
     }
     transpose8(scales);  // scales[j]: sub-block j's
     transpose8(mins);
-    for (int j = 0; j < kByteRows; ++j) {
-      out.scales[j] = tile_scales(scales[run_sub_block(j)]);
-      out.multipliers[j] = both_halves(mins[j]);  // groups 2j and 2j + 1: sub-block j
-    }
+    for (int j = 0; j < kByteRows; ++j) out.scales[j] = tile_scales(scales[run_sub_block(j)]);
+    for (int q = 0; q < kOffsetRuns / 2; ++q)  // sub-blocks 2q and 2q + 1's m, a 16-bit pair
+      out.multipliers[q] = _mm256_or_si256(mins[2 * q], _mm256_slli_epi32(mins[2 * q + 1], 16));
     out.d = _mm256_load_ps(d);
     out.c = _mm256_load_ps(c);
   }
@@ -900,6 +921,8 @@ struct Q6_K {
   // 4-code lanes a 16-bit sum takes (2: each lane's pair of u q at most 2 x 63 x 127), and the lanes one
   // sub-scale spans (16 values)
   static constexpr int kSumCodes = 2, kScaleCodes = 4;
+  // values an offset's multiplier spans (a group's sc), and the runs of them in a chunk
+  static constexpr int kOffsetValues = 16, kOffsetRuns = kChunkValues / kOffsetValues;
   static ByteChunk byte_chunk(const uint8_t* p) {
     const __m128i scales = load16(p + 192);
     const float d = half(p + 208);
@@ -924,7 +947,7 @@ struct Q6_K {
       const int g = 2 * run_sub_block(s / 2) + s % 2;
       out.scales[s] = tile_scales(g < kByteRows ? first[g] : second[g - kByteRows]);
     }
-    for (int j = 0; j < kByteRows; ++j) out.multipliers[j] = pairs[j];
+    for (int j = 0; j < kOffsetRuns / 2; ++j) out.multipliers[j] = pairs[j];  // groups 2j and 2j + 1's sc
     out.d = _mm256_load_ps(d);
     out.c = _mm256_load_ps(c);
   }
