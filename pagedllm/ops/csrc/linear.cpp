@@ -1092,12 +1092,68 @@ void byte_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0, i
   for (int i = 0; i < MR; ++i) sums[i] = parts[2 * i] + parts[2 * i + 1];
 }
 
+// sums[0 .. NW] += x row m . weight rows rows[0 .. NW): byte_chunk_row<T, 1> for NW weight rows side by side,
+// each weight row's (M, N) where byte_chunk_row puts a row of x's, so that a chunk's lane sums and float
+// multiply-add serve NW pairs; lane for lane the same operations as one row alone, so the same bits. One user's
+// decode (one row of x) spent a third of a chunk's instructions on them for one pair.
+template <typename T, int NW>
+void byte_chunk_weights(const uint8_t* const* rows, const ChunkActivations& x, int64_t m, int64_t chunks,
+                        float* sums, int64_t ahead) {
+  using namespace quants;
+  static_assert(NW >= 1 && NW <= 4, "a chunk's (M, N) of up to 4 pairs share one reduction");
+  const ScaleIndex& index = T::scale_index();
+  __m256 acc = _mm256_setzero_ps();  // lanes 2w and 2w + 1: weight row w's acc_M and acc_N
+  for (int64_t k = 0; k < chunks; ++k) {
+    const __m256i group_sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.group_sums(m, k)));
+    __m256i pairs[4];
+    __m128 factors[4];
+    for (int w = 0; w < 4; ++w) {
+      if (w >= NW) {
+        pairs[w] = _mm256_setzero_si256();
+        factors[w] = _mm_setzero_ps();
+        continue;
+      }
+      const uint8_t* p = rows[w] + k * T::kBlockBytes;
+      prefetch_chunk<T>(p + ahead);
+      const ByteChunk chunk = T::byte_chunk(p);
+      VecI dots[2] = {zero_int(), zero_int()};  // two int32 chains, as byte_chunk_row's one row
+      for (int v = 0; v < kChunkVectors; ++v) {
+        const VecI scales = scale_words<T::kSignedScales>(select_bytes(chunk.scales, index.bytes[v]));
+        dots[v % 2] = add_byte_products(dots[v % 2], T::integer_codes(p, v), x.byte_vector(m, k, v), scales);
+      }
+      const __m256i codes_sum = fold_halves(add_int(dots[0], dots[1]));
+      pairs[w] = _mm256_hadd_epi32(codes_sum, _mm256_madd_epi16(chunk.multipliers, group_sums));
+      factors[w] = chunk.factors;
+    }
+    const __m256i a = _mm256_hadd_epi32(pairs[0], pairs[1]), b = _mm256_hadd_epi32(pairs[2], pairs[3]);
+    const __m256i totals = _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+    // d, c of each weight row (its factors' first two lanes) times dx
+    const __m256 dc = _mm256_set_m128(_mm_movelh_ps(factors[2], factors[3]), _mm_movelh_ps(factors[0], factors[1]));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals), _mm256_mul_ps(dc, _mm256_set1_ps(x.scale_of(m, k))), acc);
+  }
+  alignas(32) float parts[8];
+  _mm256_store_ps(parts, acc);
+  for (int w = 0; w < NW; ++w) sums[w] += parts[2 * w] + parts[2 * w + 1];
+}
+
 // sums[(m - m_begin) * ld_sums + n - panel.n0] += x row m . weight row n for the panel's rows and x rows
-// [m_begin, m_end), kRowGroup rows of x at a time walking whole weight rows.
+// [m_begin, m_end), kRowGroup rows of x at a time walking whole weight rows (one row of x: kWeightRows weight
+// rows side by side, byte_chunk_weights).
 template <typename T>
 void byte_rows(const BlockShard& shard, const ShardPanel& panel, const ChunkActivations& x, int64_t m_begin,
                int64_t m_end, int64_t chunks, float* sums, int64_t ld_sums) {
   const int64_t ahead = kRowsAhead * kSpanChunks * quants::chunk_bytes<T>();
+  if (m_end - m_begin == 1) {
+    constexpr int kWeightRows = 4;
+    for (int64_t n = panel.n0; n < panel.n1; n += kWeightRows) {
+      const uint8_t* rows[kWeightRows];
+      for (int w = 0; w < kWeightRows; ++w) rows[w] = shard.data + std::min(n + w, panel.n1 - 1) * shard.row_bytes;
+      with_count<kWeightRows>(std::min<int64_t>(kWeightRows, panel.n1 - n), [&](auto count) {
+        byte_chunk_weights<T, decltype(count)::value>(rows, x, m_begin, chunks, sums + (n - panel.n0), ahead);
+      });
+    }
+    return;
+  }
   for (int64_t m0 = m_begin; m0 < m_end; m0 += kRowGroup) {
     with_count<kRowGroup>(std::min<int64_t>(kRowGroup, m_end - m0), [&](auto count) {
       constexpr int R = decltype(count)::value;
