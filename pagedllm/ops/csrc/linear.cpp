@@ -1026,19 +1026,26 @@ struct ShardPanel {
 // of u q at most 2 x 15 x 127). The tile it replaced (integer_chunk_row's order, lanes of values) spent a
 // fifth of a chunk on each pair's float epilogue (3 multiply-adds a lane) and could not sum in 16 bits: this
 // one ran the 1.5B's 200-row gate and down projections 1.5x and 1.24x as fast (docs/JOURNAL.md, session 26).
+// Four pairs' M lanes and N lanes summed pairwise within each 128-bit half (hadd) -> M0 N0 .. M3 N3: each
+// half's M0 N0 M1 N1 (a) and M2 N2 M3 N3 (b), the halves added.
+inline __m256i four_pairs(const __m256i* pairs) {
+  const __m256i a = _mm256_hadd_epi32(pairs[0], pairs[1]), b = _mm256_hadd_epi32(pairs[2], pairs[3]);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
 template <typename T, int MR>
 void byte_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0, int64_t chunks, float* sums,
                     int64_t ahead) {
   using namespace quants;
-  static_assert(MR <= 4, "a chunk's (M, N) of up to 4 rows of x share one reduction");
-  // int32 chains a row: two where the sum is a VNNI multiply-add (its latency) or there is one row, else one
+  static_assert(MR >= 2 && MR <= 4, "2 to 4 rows of x share one reduction (one row: byte_chunk_weights)");
+  // int32 chains a row: two where the sum is a VNNI multiply-add (its latency), else one
 #if defined(PAGEDLLM_VNNI)
   constexpr int kChains = 2;
 #else
-  constexpr int kChains = MR > 1 ? 1 : 2;
+  constexpr int kChains = 1;
 #endif
   const ScaleIndex& index = T::scale_index();
-  // lanes 2i and 2i + 1: row i's acc_M and acc_N (one row: lanes 0, 1, again in 2, 3, as the pairs sum)
+  // lanes 2i and 2i + 1: row i's acc_M and acc_N
   __m256 acc = _mm256_setzero_ps();
   for (int64_t k = 0; k < chunks; ++k) {
     const uint8_t* p = row + k * T::kBlockBytes;
@@ -1066,36 +1073,21 @@ void byte_chunk_row(const uint8_t* row, const ChunkActivations& x, int64_t m0, i
       const __m256i group_sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.group_sums(m0 + i, k)));
       pairs[i] = _mm256_hadd_epi32(codes_sum, _mm256_madd_epi16(chunk.multipliers, group_sums));
     }
-    // each 128-bit half's M0 N0 M1 N1 (a) and M2 N2 M3 N3 (b), the halves added: M0 N0 .. M3 N3 (one row:
-    // M N M N in each half, added to the other's)
-    __m256i totals;
-    if constexpr (MR == 1) {
-      const __m256i quads = _mm256_hadd_epi32(pairs[0], pairs[0]);
-      totals = _mm256_add_epi32(quads, _mm256_permute2x128_si256(quads, quads, 0x01));
-    } else {
-      const __m256i a = _mm256_hadd_epi32(pairs[0], pairs[1]), b = _mm256_hadd_epi32(pairs[2], pairs[3]);
-      totals = _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
-    }
     // d, c times each row's dx, lane for lane (in registers: 8 stores read back as a vector stall)
-    __m256 dx;
-    if constexpr (MR == 1) {
-      dx = _mm256_set1_ps(x.scale_of(m0, k));
-    } else {
-      const auto scale = [&](int i) { return x.scale_of(m0 + std::min(i, MR - 1), k); };
-      const __m128 four = _mm_setr_ps(scale(0), scale(1), scale(2), scale(3));
-      dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(four), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-    }
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals), _mm256_mul_ps(_mm256_broadcast_ps(&chunk.factors), dx), acc);
+    const auto scale = [&](int i) { return x.scale_of(m0 + std::min(i, MR - 1), k); };
+    const __m128 four = _mm_setr_ps(scale(0), scale(1), scale(2), scale(3));
+    const __m256 dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(four), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(four_pairs(pairs)), _mm256_mul_ps(_mm256_broadcast_ps(&chunk.factors), dx), acc);
   }
   alignas(32) float parts[8];
   _mm256_store_ps(parts, acc);
   for (int i = 0; i < MR; ++i) sums[i] = parts[2 * i] + parts[2 * i + 1];
 }
 
-// sums[0 .. NW] += x row m . weight rows rows[0 .. NW): byte_chunk_row<T, 1> for NW weight rows side by side,
-// each weight row's (M, N) where byte_chunk_row puts a row of x's, so that a chunk's lane sums and float
-// multiply-add serve NW pairs; lane for lane the same operations as one row alone, so the same bits. One user's
-// decode (one row of x) spent a third of a chunk's instructions on them for one pair.
+// sums[0 .. NW] += x row m . weight rows rows[0 .. NW): byte_chunk_row's walk for one row of x, NW weight rows
+// side by side, each weight row's (M, N) where byte_chunk_row puts a row of x's, so that a chunk's lane sums and
+// float multiply-add serve NW pairs (one user's Q4_K walk ran 1.13-1.15x as fast so: docs/JOURNAL.md, session
+// 32). Each pair's operations are lane for lane those of one pair alone: the same bits.
 template <typename T, int NW>
 void byte_chunk_weights(const uint8_t* const* rows, const ChunkActivations& x, int64_t m, int64_t chunks,
                         float* sums, int64_t ahead) {
@@ -1125,11 +1117,9 @@ void byte_chunk_weights(const uint8_t* const* rows, const ChunkActivations& x, i
       pairs[w] = _mm256_hadd_epi32(codes_sum, _mm256_madd_epi16(chunk.multipliers, group_sums));
       factors[w] = chunk.factors;
     }
-    const __m256i a = _mm256_hadd_epi32(pairs[0], pairs[1]), b = _mm256_hadd_epi32(pairs[2], pairs[3]);
-    const __m256i totals = _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
     // d, c of each weight row (its factors' first two lanes) times dx
     const __m256 dc = _mm256_set_m128(_mm_movelh_ps(factors[2], factors[3]), _mm_movelh_ps(factors[0], factors[1]));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals), _mm256_mul_ps(dc, _mm256_set1_ps(x.scale_of(m, k))), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(four_pairs(pairs)), _mm256_mul_ps(dc, _mm256_set1_ps(x.scale_of(m, k))), acc);
   }
   alignas(32) float parts[8];
   _mm256_store_ps(parts, acc);
@@ -1137,30 +1127,32 @@ void byte_chunk_weights(const uint8_t* const* rows, const ChunkActivations& x, i
 }
 
 // sums[(m - m_begin) * ld_sums + n - panel.n0] += x row m . weight row n for the panel's rows and x rows
-// [m_begin, m_end), kRowGroup rows of x at a time walking whole weight rows (one row of x: kWeightRows weight
+// [m_begin, m_end), kRowGroup rows of x at a time walking whole weight rows (a lone row of x: kWeightRows weight
 // rows side by side, byte_chunk_weights).
 template <typename T>
 void byte_rows(const BlockShard& shard, const ShardPanel& panel, const ChunkActivations& x, int64_t m_begin,
                int64_t m_end, int64_t chunks, float* sums, int64_t ld_sums) {
   const int64_t ahead = kRowsAhead * kSpanChunks * quants::chunk_bytes<T>();
-  if (m_end - m_begin == 1) {
-    constexpr int kWeightRows = 4;
-    for (int64_t n = panel.n0; n < panel.n1; n += kWeightRows) {
-      const uint8_t* rows[kWeightRows];
-      for (int w = 0; w < kWeightRows; ++w) rows[w] = shard.data + std::min(n + w, panel.n1 - 1) * shard.row_bytes;
-      with_count<kWeightRows>(std::min<int64_t>(kWeightRows, panel.n1 - n), [&](auto count) {
-        byte_chunk_weights<T, decltype(count)::value>(rows, x, m_begin, chunks, sums + (n - panel.n0), ahead);
-      });
-    }
-    return;
-  }
   for (int64_t m0 = m_begin; m0 < m_end; m0 += kRowGroup) {
     with_count<kRowGroup>(std::min<int64_t>(kRowGroup, m_end - m0), [&](auto count) {
       constexpr int R = decltype(count)::value;
-      for (int64_t n = panel.n0; n < panel.n1; ++n) {
-        float row_sums[R];
-        byte_chunk_row<T, R>(shard.data + n * shard.row_bytes, x, m0, chunks, row_sums, ahead);
-        for (int i = 0; i < R; ++i) sums[(m0 - m_begin + i) * ld_sums + (n - panel.n0)] += row_sums[i];
+      if constexpr (R == 1) {
+        constexpr int kWeightRows = 4;
+        for (int64_t n = panel.n0; n < panel.n1; n += kWeightRows) {
+          const int rows_here = static_cast<int>(std::min<int64_t>(kWeightRows, panel.n1 - n));
+          const uint8_t* rows[kWeightRows];
+          for (int w = 0; w < rows_here; ++w) rows[w] = shard.data + (n + w) * shard.row_bytes;
+          with_count<kWeightRows>(rows_here, [&](auto weights) {
+            float* out = sums + (m0 - m_begin) * ld_sums + (n - panel.n0);
+            byte_chunk_weights<T, decltype(weights)::value>(rows, x, m0, chunks, out, ahead);
+          });
+        }
+      } else {
+        for (int64_t n = panel.n0; n < panel.n1; ++n) {
+          float row_sums[R];
+          byte_chunk_row<T, R>(shard.data + n * shard.row_bytes, x, m0, chunks, row_sums, ahead);
+          for (int i = 0; i < R; ++i) sums[(m0 - m_begin + i) * ld_sums + (n - panel.n0)] += row_sums[i];
+        }
       }
     });
   }
